@@ -19,6 +19,10 @@ import math
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -52,4 +56,166 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scores.masked_fill_((k_pos > q_pos).unsqueeze(0), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
+
+
+# Query tokens per program are chosen so that (tokens x padded group) rows fill
+# at least the 16-row minimum of tl.dot and at most this many rows.
+_MAX_ROWS = 64
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr,
+    sm_scale_log2, head_dim, block_size, group,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bts,
+    BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIM: tl.constexpr, LOWP_DOT: tl.constexpr,
+):
+    # Program = (query tile of one sequence, kv head). Its M rows are BLOCK_Q
+    # query tokens x GROUP_PAD query heads sharing the kv head, row m being
+    # token m // GROUP_PAD and head m % GROUP_PAD, so each K/V tile is loaded
+    # once for the whole group.
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    tile_q0 = tl.load(tile_q_start_ptr + tile)  # first query token of the tile, within its sequence
+    q_begin = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = tile_q0 + rows // GROUP_PAD  # query token within the sequence
+    g = rows % GROUP_PAD
+    head = kv_head * GROUP_PAD + g
+    row_ok = (q_idx < q_len) & (g < group)
+    # Causal position of each row; padding rows get a real, finite position too
+    # (they see key 0 at least), so no row's softmax is ever all -inf.
+    q_pos = seq_len - q_len + q_idx
+    d = tl.arange(0, DIM)
+    d_ok = d < head_dim
+
+    token = (q_begin + q_idx).to(tl.int64)
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=q_mask, other=0.0).to(tl.float32)
+    if LOWP_DOT:
+        q = q.to(q_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM], dtype=tl.float32)
+
+    # Keys beyond the tile's last query position are masked for every row: stop there.
+    kv_end = seq_len - q_len + tl.minimum(tile_q0 + BLOCK_Q, q_len)
+    cols = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    for start in range(0, kv_end, BLOCK_N):
+        # A tile of BLOCK_N positions spans one or several whole physical blocks
+        # (or part of one when block_size > BLOCK_N); each position finds its
+        # block through the table.
+        pos = start + cols
+        pos_ok = pos < kv_end
+        phys = tl.load(table + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
+        slot = pos % block_size
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + phys[:, None] * stride_kb + slot[:, None] * stride_ks
+                    + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + phys[:, None] * stride_vb + slot[:, None] * stride_vs
+                    + kv_head * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0).to(tl.float32)
+        if LOWP_DOT:
+            k = k.to(k_cache_ptr.dtype.element_ty)
+            v = v.to(v_cache_ptr.dtype.element_ty)
+            s = tl.dot(q, tl.trans(k))
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = s * sm_scale_log2
+        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        # Online softmax in base 2 (the scale already carries log2(e)).
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if LOWP_DOT:
+            acc = tl.dot(p.to(v_cache_ptr.dtype.element_ty), v, acc)
+        else:
+            acc = tl.dot(p, v, acc, input_precision="ieee")
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+             acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _half_precision_dot(q: torch.Tensor) -> bool:
+    """fp16/bf16 operands go to tl.dot as they are on a GPU (tensor cores).
+
+    The CPU interpreter mishandles bf16 arithmetic, so there all tiles stay fp32.
+    """
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _query_tiles(q_lens: torch.Tensor, block_q: int, device: torch.device):
+    """Host-side tile -> (sequence, first query token) map; no batch padding."""
+    n_tiles = (q_lens + block_q - 1) // block_q
+    tile_seq = torch.repeat_interleave(torch.arange(len(q_lens)), n_tiles)
+    first_tile = torch.cumsum(n_tiles, 0) - n_tiles
+    tile_q_start = (torch.arange(len(tile_seq)) - first_tile[tile_seq]) * block_q
+    return tile_seq.to(device, torch.int32), tile_q_start.to(device, torch.int32)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: Optional[float] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Triton-lang twin of :func:`paged_attention_ref`.
+
+    Grid: (query tiles over all sequences, kv heads). A tile is up to BLOCK_Q
+    query tokens of one sequence; it walks that sequence's block table in
+    tiles of BLOCK_N key positions up to its last causal position.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+
+    group_pad = triton.next_power_of_2(group)
+    min_q = max(1, 16 // group_pad)
+    max_q = max(min_q, _MAX_ROWS // group_pad)
+    # Size the query tile to the longest query run so pure-decode batches do
+    # not pay for prefill-sized tiles; the bounds keep the recompiles few.
+    cu = cu_seqlens_q.to("cpu", torch.int64)
+    q_lens = cu[1:] - cu[:-1]
+    longest = int(q_lens.max()) if len(q_lens) else 0
+    block_q = min(max(triton.next_power_of_2(max(longest, 1)), min_q), max_q)
+    tile_seq, tile_q_start = _query_tiles(q_lens, block_q, q.device)
+    if len(tile_seq) == 0:
+        return out
+
+    block_n = min(max(32, triton.next_power_of_2(block_size)), 64)
+    grid = (len(tile_seq), num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out,
+        block_tables, cu_seqlens_q, seq_lens, tile_seq, tile_q_start,
+        scale * _LOG2E, head_dim, block_size, group,
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_tables.stride(0),
+        BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
+        DIM=triton.next_power_of_2(head_dim), LOWP_DOT=_half_precision_dot(q),
+    )
     return out

@@ -1,0 +1,355 @@
+"""KV-cache memory accounting: how many token positions each allocation scheme
+reserves for a set of sequences, and how many of them hold real token state.
+
+Schemes (the paper's Orca baselines, Sec. 6.1, and paged allocation; lengths
+are final sequence lengths, prompt + output, in token positions):
+
+- ``max``    Orca (Max): every request reserves ``max_len`` positions.
+- ``pow2``   Orca (Pow2): the next power of two of its final length, capped at
+             ``max_len``.
+- ``oracle`` Orca (Oracle): exactly its final length (knows the future).
+- ``paged``  PagedAttention: ``ceil(length / block_size) * block_size``.
+
+Waste is split as in the paper's Sec. 3.1 and Fig. 2. *Internal fragmentation* is the positions that
+are allocated but never written (``allocated - effective`` once every request
+has finished). *Reserved-but-unused* needs prompt lengths: the positions a
+request holds right after its prompt is written that only later output tokens
+will fill; the Orca schemes hold all of them from admission, paged allocation
+at most the rest of the last prompt block. External fragmentation (holes left
+by a contiguous allocator) is not modelled.
+
+CLI: ``python -m pagedbackend.accounting --lengths 37,91,128,201,511
+--max-len 512 --block-sizes 16,32 [--preset opt-13b] [--json]``.
+"""
+import argparse
+import json
+import math
+import numbers
+import sys
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+SCHEMES = ("max", "pow2", "oracle", "paged")
+
+# Bytes per entry of a sequence's block table (an int32 physical block id).
+BLOCK_TABLE_ENTRY_BYTES = 4
+
+PRESETS = {
+    # SmolLM2-135M: grouped-query attention, 3 KV heads.
+    "smollm2-135m": {"layers": 30, "kv_heads": 3, "head_dim": 64},
+    # OPT-13B: multi-head attention, 40 heads x 128 = 5120 hidden.
+    "opt-13b": {"layers": 40, "kv_heads": 40, "head_dim": 128},
+}
+
+
+@dataclass(frozen=True)
+class KVModel:
+    """The model dimensions that size one token's K and V state."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        # K and V, every layer, every KV head.
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.kv_bytes_per_token * block_size
+
+
+@dataclass(frozen=True)
+class SchemeReport:
+    """Positions (and optionally bytes) one scheme allocates for a workload."""
+
+    scheme: str                 # "max", "pow2", "oracle" or "paged"
+    label: str                  # human-readable name for tables
+    block_size: Optional[int]   # paged only
+    allocated: int              # positions reserved, summed over sequences
+    effective: int              # positions holding token state (sum of lengths)
+    utilisation: float          # effective / allocated
+    internal_fragmentation: int  # allocated - effective: never written
+    reserved_unused: Optional[int]  # held at admission for future tokens; None without prompt lengths
+    num_blocks: Optional[int] = None          # paged only: blocks over all sequences
+    allocated_bytes: Optional[int] = None     # KV bytes (+ block tables for paged)
+    effective_bytes: Optional[int] = None
+    block_table_bytes: Optional[int] = None   # paged only
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+def _check_block_size(block_size) -> None:
+    _check_positive_int("block size", block_size)
+    if block_size & (block_size - 1):
+        raise ValueError(f"block size must be a power of two, got {block_size}")
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def reserved_positions(scheme: str, length: int, max_len: int,
+                       block_size: Optional[int] = None) -> int:
+    """Positions ``scheme`` reserves for one sequence of final ``length``."""
+    _check_positive_int("max_len", max_len)
+    _check_positive_int("length", length)
+    if length > max_len:
+        raise ValueError(f"length {length} exceeds max_len {max_len}")
+    if scheme == "max":
+        return max_len
+    if scheme == "pow2":
+        return min(next_power_of_two(length), max_len)
+    if scheme == "oracle":
+        return length
+    if scheme == "paged":
+        if block_size is None:
+            raise ValueError("the paged scheme needs a block_size")
+        _check_block_size(block_size)
+        return math.ceil(length / block_size) * block_size
+    raise ValueError(f"unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+
+
+def _admission_reserved(scheme: str, length: int, prompt_len: int,
+                        block_size: Optional[int]) -> int:
+    """Positions held right after the prompt is written that output will fill."""
+    if scheme != "paged":
+        return length - prompt_len  # the whole reservation exists from admission on
+    held = math.ceil(prompt_len / block_size) * block_size
+    return min(held, length) - prompt_len
+
+
+def _label(scheme: str, max_len: int, block_size: Optional[int]) -> str:
+    return {
+        "max": f"Orca (Max), fixed {max_len}",
+        "pow2": "Orca (Pow2)",
+        "oracle": "Orca (Oracle)",
+        "paged": f"Paged, {block_size}-position pages",
+    }[scheme]
+
+
+def _validate_lengths(lengths: Sequence[int], max_len: int,
+                      prompt_lengths: Optional[Sequence[int]]) -> None:
+    _check_positive_int("max_len", max_len)
+    if len(lengths) == 0:
+        raise ValueError("lengths is empty: give at least one sequence length")
+    for n in lengths:
+        _check_positive_int("length", n)
+        if n > max_len:
+            raise ValueError(f"length {n} exceeds max_len {max_len}")
+    if prompt_lengths is not None:
+        if len(prompt_lengths) != len(lengths):
+            raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(lengths)} lengths")
+        for p, n in zip(prompt_lengths, lengths):
+            _check_positive_int("prompt length", p)
+            if p > n:
+                raise ValueError(f"prompt length {p} exceeds its final length {n}")
+
+
+def scheme_report(scheme: str, lengths: Sequence[int], max_len: int,
+                  block_size: Optional[int] = None,
+                  prompt_lengths: Optional[Sequence[int]] = None,
+                  model: Optional[KVModel] = None) -> SchemeReport:
+    """Account one scheme over all sequences."""
+    _validate_lengths(lengths, max_len, prompt_lengths)
+    if scheme == "paged":
+        if block_size is None:
+            raise ValueError("the paged scheme needs a block_size")
+        _check_block_size(block_size)
+    else:
+        block_size = None
+    allocated = sum(reserved_positions(scheme, int(n), max_len, block_size) for n in lengths)
+    effective = int(sum(lengths))
+    reserved = None
+    if prompt_lengths is not None:
+        reserved = sum(_admission_reserved(scheme, n, p, block_size)
+                       for n, p in zip(lengths, prompt_lengths))
+    num_blocks = allocated // block_size if block_size else None
+    allocated_bytes = effective_bytes = table_bytes = None
+    if model is not None:
+        table_bytes = num_blocks * BLOCK_TABLE_ENTRY_BYTES if block_size else None
+        allocated_bytes = allocated * model.kv_bytes_per_token + (table_bytes or 0)
+        effective_bytes = effective * model.kv_bytes_per_token
+    return SchemeReport(
+        scheme=scheme, label=_label(scheme, max_len, block_size), block_size=block_size,
+        allocated=allocated, effective=effective, utilisation=effective / allocated,
+        internal_fragmentation=allocated - effective, reserved_unused=reserved,
+        num_blocks=num_blocks, allocated_bytes=allocated_bytes,
+        effective_bytes=effective_bytes, block_table_bytes=table_bytes)
+
+
+def utilisation_report(lengths: Sequence[int], max_len: int,
+                       block_sizes: Sequence[int] = (16,),
+                       prompt_lengths: Optional[Sequence[int]] = None,
+                       model: Optional[KVModel] = None) -> list[SchemeReport]:
+    """One report per scheme: Max, Pow2, Oracle, then paged per block size."""
+    for bs in block_sizes:
+        _check_block_size(bs)
+    reports = [scheme_report(s, lengths, max_len, None, prompt_lengths, model)
+               for s in ("max", "pow2", "oracle")]
+    reports += [scheme_report("paged", lengths, max_len, bs, prompt_lengths, model)
+                for bs in block_sizes]
+    return reports
+
+
+def model_from_config(path: str, dtype_bytes: int = 2) -> KVModel:
+    """Read a Hugging Face ``config.json`` (a file or the folder holding it)."""
+    if not path.endswith(".json"):
+        path = path.rstrip("/") + "/config.json"
+    with open(path) as f:
+        cfg = json.load(f)
+    try:
+        layers = cfg["num_hidden_layers"]
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    except KeyError as missing:
+        raise ValueError(f"{path}: model config lacks {missing}") from None
+    return KVModel(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
+
+
+# ---------------------------------------------------------------- CLI
+
+def _parse_int_list(name: str, text: str) -> list[int]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{name} is empty: give a comma-separated list of integers")
+    values = []
+    for t in items:
+        try:
+            values.append(int(t))
+        except ValueError:
+            raise ValueError(f"{name}: {t!r} is not an integer") from None
+    return values
+
+
+def format_bytes(n: int) -> str:
+    """``819200`` -> ``'819,200 B (800 KB)'``; binary units, trailing zeros dropped."""
+    if n < 1024:
+        return f"{n:,} B"
+    value, unit = float(n), "B"
+    for next_name in ("KB", "MB", "GB", "TB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, next_name
+    return f"{n:,} B ({value:.2f}".rstrip("0").rstrip(".") + f" {unit})"
+
+
+def format_table(reports: list[SchemeReport], model: Optional[KVModel] = None) -> str:
+    """The reports as an aligned text table, preceded by the effective total."""
+    r0 = reports[0]
+    lines = [f"effective: {r0.effective} positions (token state really stored)"]
+    header = ["scheme", "allocated", "utilisation", "internal frag"]
+    with_reserved = r0.reserved_unused is not None
+    if with_reserved:
+        header.append("reserved at admission")
+    if model is not None:
+        header += ["allocated bytes", "block-table bytes"]
+    rows = []
+    for r in reports:
+        row = [r.label, str(r.allocated), f"{100 * r.utilisation:.2f} %",
+               str(r.internal_fragmentation)]
+        if with_reserved:
+            row.append(str(r.reserved_unused))
+        if model is not None:
+            row += [format_bytes(r.allocated_bytes),
+                    "-" if r.block_table_bytes is None else f"{r.block_table_bytes:,} B"]
+        rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+
+    def fmt(row):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        return "  ".join(cells).rstrip()
+
+    lines += ["", fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    if model is not None:
+        lines += [
+            "",
+            f"model: {model.layers} layers, {model.kv_heads} KV heads, head_dim "
+            f"{model.head_dim}, {model.dtype_bytes} B per element",
+            f"KV bytes per token: 2 x {model.layers} x {model.kv_heads} x {model.head_dim}"
+            f" x {model.dtype_bytes} = {format_bytes(model.kv_bytes_per_token)}",
+            f"effective KV bytes: {format_bytes(r0.effective_bytes)}",
+        ]
+        for r in reports:
+            if r.block_size:
+                lines.append(f"KV bytes per {r.block_size}-position block: "
+                             f"{format_bytes(model.kv_bytes_per_block(r.block_size))}")
+    return "\n".join(lines)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pagedbackend.accounting",
+        description="Allocated vs effective KV-cache positions per allocation scheme.")
+    p.add_argument("--lengths", required=True,
+                   help="final sequence lengths (prompt + output), comma-separated")
+    p.add_argument("--prompt-lengths",
+                   help="prompt lengths, same order; adds the reserved-at-admission column")
+    p.add_argument("--max-len", type=int, required=True, help="longest sequence a request may reach")
+    p.add_argument("--block-sizes", default="16", help="paged block sizes, comma-separated powers of two")
+    model = p.add_argument_group("model (optional; adds bytes)")
+    src = model.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS))
+    src.add_argument("--model-config", help="a Hugging Face config.json or its folder")
+    model.add_argument("--layers", type=int)
+    model.add_argument("--kv-heads", type=int)
+    model.add_argument("--head-dim", type=int)
+    model.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element (default 2, fp16)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def _model_from_args(args) -> Optional[KVModel]:
+    dims = {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+    base = {}
+    if args.preset:
+        base = dict(PRESETS[args.preset])
+    elif args.model_config:
+        m = model_from_config(args.model_config)
+        base = {"layers": m.layers, "kv_heads": m.kv_heads, "head_dim": m.head_dim}
+    base.update({k: v for k, v in dims.items() if v is not None})  # flags override
+    if not base:
+        return None
+    missing = [f"--{k.replace('_', '-')}" for k in ("layers", "kv_heads", "head_dim") if k not in base]
+    if missing:
+        raise ValueError(f"incomplete model: also give {', '.join(missing)} (or --preset / --model-config)")
+    for k, v in {**base, "dtype_bytes": args.dtype_bytes}.items():
+        _check_positive_int(k.replace("_", "-"), v)
+    return KVModel(dtype_bytes=args.dtype_bytes, **base)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        lengths = _parse_int_list("--lengths", args.lengths)
+        prompts = (_parse_int_list("--prompt-lengths", args.prompt_lengths)
+                   if args.prompt_lengths is not None else None)
+        block_sizes = _parse_int_list("--block-sizes", args.block_sizes)
+        model = _model_from_args(args)
+        reports = utilisation_report(lengths, args.max_len, block_sizes, prompts, model)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    if args.json:
+        doc = {"lengths": lengths, "prompt_lengths": prompts, "max_len": args.max_len,
+               "block_sizes": block_sizes, "effective": reports[0].effective,
+               "schemes": [asdict(r) for r in reports]}
+        if model is not None:
+            doc["model"] = {**asdict(model), "kv_bytes_per_token": model.kv_bytes_per_token,
+                            "kv_bytes_per_block": {str(bs): model.kv_bytes_per_block(bs)
+                                                   for bs in block_sizes}}
+        print(json.dumps(doc, indent=2))
+    else:
+        print(format_table(reports, model))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

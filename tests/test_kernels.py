@@ -1,0 +1,339 @@
+"""Kernel specifications: the Triton-lang kernels, their torch reference twins
+and PyTorch's scaled_dot_product_attention agree on seeded random paged batches.
+
+Without a GPU the kernels run in the Triton interpreter, so shapes stay tiny.
+"""
+import math
+import pathlib
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import kv_write
+from kernels import paged_attention as pa
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (atol, rtol) against fp32 attention on the same (already rounded) inputs.
+# bf16 gets a full ulp: the interpreter truncates fp32 -> bf16 instead of rounding.
+TOL = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    keys: List[torch.Tensor]     # per sequence, contiguous [seq_len, num_kv_heads, head_dim]
+    values: List[torch.Tensor]
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens)
+
+    def to(self, device) -> "PagedBatch":
+        move = lambda t: t.to(device)  # noqa: E731
+        return PagedBatch(*map(move, self.args()), keys=list(map(move, self.keys)),
+                          values=list(map(move, self.values)))
+
+
+def make_batch(lens: Sequence[Tuple[int, int]], *, block_size: int, num_heads: int,
+               num_kv_heads: int, head_dim: int, dtype=torch.float32, seed: int = 0) -> PagedBatch:
+    """Scatter random K/V for sequences given as (q_len, seq_len) into shuffled physical blocks.
+
+    Every cache position that belongs to no sequence (spare blocks, the tail of
+    each last block, table padding) holds NaN, so reading one shows in the output.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    blocks_per_seq = [math.ceil(seq_len / block_size) for _, seq_len in lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    physical = torch.randperm(num_blocks, generator=gen)
+    spare = int(physical[-1])
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    block_tables = torch.full((len(lens), max(blocks_per_seq, default=0) + 1), spare, dtype=torch.int32)
+    keys, values, used = [], [], 0
+    for s, ((_, seq_len), n) in enumerate(zip(lens, blocks_per_seq)):
+        block_tables[s, :n] = physical[used:used + n].to(torch.int32)
+        used += n
+        k, v = randn(seq_len, num_kv_heads, head_dim), randn(seq_len, num_kv_heads, head_dim)
+        for pos in range(seq_len):
+            block, offset = int(block_tables[s, pos // block_size]), pos % block_size
+            k_cache[block, offset], v_cache[block, offset] = k[pos], v[pos]
+        keys.append(k)
+        values.append(v)
+    q_lens = torch.tensor([q_len for q_len, _ in lens], dtype=torch.int32)
+    cu_seqlens_q = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu_seqlens_q[1:] = torch.cumsum(q_lens, 0)
+    q = randn(int(cu_seqlens_q[-1]), num_heads, head_dim)
+    seq_lens = torch.tensor([seq_len for _, seq_len in lens], dtype=torch.int32)
+    return PagedBatch(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, keys, values)
+
+
+def sdpa_attention(batch: PagedBatch, scale: Optional[float] = None) -> torch.Tensor:
+    """fp32 causal attention per sequence on contiguous K/V, via PyTorch SDPA."""
+    num_heads = batch.q.shape[1]
+    out = torch.zeros(batch.q.shape, dtype=torch.float32, device=batch.q.device)
+    cu = batch.cu_seqlens_q.tolist()
+    for s, (k, v) in enumerate(zip(batch.keys, batch.values)):
+        q = batch.q[cu[s]:cu[s + 1]].float()
+        q_len, seq_len = q.shape[0], k.shape[0]
+        if q_len == 0:
+            continue
+        group = num_heads // k.shape[1]
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=visible, scale=scale)
+        out[cu[s]:cu[s + 1]] = o.transpose(0, 1)
+    return out
+
+
+def assert_matches_sdpa(batch: PagedBatch, scale: Optional[float] = None) -> None:
+    """Kernel, reference twin and SDPA agree within the dtype's tolerance."""
+    atol, rtol = TOL[batch.q.dtype]
+    expected = sdpa_attention(batch, scale)
+    got = pa.paged_attention(*batch.args(), scale=scale)
+    ref = pa.paged_attention_ref(*batch.args(), scale=scale)
+    assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
+    torch.testing.assert_close(got.float(), expected, atol=atol, rtol=rtol)
+    torch.testing.assert_close(ref.float(), expected, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def random_lens(kind: str, n: int, seed: int) -> List[Tuple[int, int]]:
+    """(q_len, seq_len) pairs: fresh prefills, prefills on a cached prefix, or decodes."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
+    if kind == "prefill":
+        return [(L, L) for L in (r(1, 40) for _ in range(n))]
+    if kind == "chunk":
+        return [(c, c + r(1, 40)) for c in (r(2, 20) for _ in range(n))]
+    if kind == "decode":
+        return [(1, r(1, 70)) for _ in range(n)]
+    raise ValueError(kind)
+
+
+# ---------------------------------------------------------------- paged attention
+
+# (block_size, num_heads, num_kv_heads, head_dim): every block size, GQA ratio 1/3/4, both head dims.
+SHAPES = [
+    (8, 2, 2, 64),
+    (16, 3, 1, 64),
+    (32, 8, 2, 128),
+    (8, 4, 1, 128),
+    (16, 6, 2, 128),
+    (32, 2, 2, 64),
+]
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", SHAPES)
+def test_prefill_of_ragged_sequences_matches_sdpa(block_size, num_heads, num_kv_heads, head_dim):
+    lens = random_lens("prefill", 3, seed=block_size + num_heads)
+    lens.append((block_size + 1, block_size + 1))  # one past a block boundary
+    batch = make_batch(lens, block_size=block_size, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, seed=1)
+    assert_matches_sdpa(batch)
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", SHAPES[:3])
+def test_query_chunk_on_cached_prefix_attends_to_prefix_and_causally_to_itself(
+        block_size, num_heads, num_kv_heads, head_dim):
+    lens = random_lens("chunk", 3, seed=10 + block_size)
+    batch = make_batch(lens, block_size=block_size, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, seed=2)
+    assert_matches_sdpa(batch)
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", SHAPES[:3])
+def test_decode_batch_attends_to_whole_cached_sequence(block_size, num_heads, num_kv_heads, head_dim):
+    lens = random_lens("decode", 5, seed=20 + block_size)
+    lens.append((1, 2 * block_size))  # exactly filling its last block
+    batch = make_batch(lens, block_size=block_size, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, seed=3)
+    assert_matches_sdpa(batch)
+
+
+MIXED = [(1, 37), (23, 23), (1, 5), (9, 50), (0, 12), (1, 1), (17, 33)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mixed_batch_matches_sdpa_in_every_dtype(dtype):
+    # Decodes, fresh prefills, chunks on a prefix and a sequence with no new query.
+    batch = make_batch(MIXED, block_size=16, num_heads=3, num_kv_heads=1, head_dim=64, dtype=dtype, seed=4)
+    assert_matches_sdpa(batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_small_blocks_gqa4_head128_in_every_dtype(dtype):
+    batch = make_batch(MIXED, block_size=8, num_heads=8, num_kv_heads=2, head_dim=128, dtype=dtype, seed=5)
+    assert_matches_sdpa(batch)
+
+
+def test_long_query_chunk_spans_several_query_tiles():
+    # 64 rows / 4 heads per group = 16 query tokens per tile: 45 tokens take three tiles.
+    batch = make_batch([(45, 60), (1, 9)], block_size=16, num_heads=4, num_kv_heads=1, head_dim=64, seed=6)
+    assert_matches_sdpa(batch)
+
+
+def test_explicit_scale_is_applied():
+    batch = make_batch(MIXED[:4], block_size=16, num_heads=2, num_kv_heads=1, head_dim=64, seed=7)
+    assert_matches_sdpa(batch, scale=0.3)
+    default = pa.paged_attention(*batch.args())
+    assert not torch.allclose(default, pa.paged_attention(*batch.args(), scale=0.3))
+
+
+def test_strided_query_and_output_views_are_respected():
+    batch = make_batch(MIXED, block_size=16, num_heads=4, num_kv_heads=2, head_dim=64, seed=8)
+    num_tokens, num_heads, head_dim = batch.q.shape
+    # q as a slice of a fused qkv projection; out as every other row of a bigger buffer.
+    qkv = torch.randn(num_tokens, 3 * num_heads, head_dim)
+    qkv[:, :num_heads] = batch.q
+    q = qkv[:, :num_heads]
+    buffer = torch.full((2 * num_tokens, num_heads, head_dim), 7.0)
+    out = buffer[::2]
+    assert not q.is_contiguous() and not out.is_contiguous()
+
+    result = pa.paged_attention(q, *batch.args()[1:], out=out)
+
+    assert result.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, sdpa_attention(batch), atol=2e-5, rtol=2e-5)
+    assert torch.all(buffer[1::2] == 7.0)
+
+
+def test_half_precision_dot_path_used_on_gpu_stays_within_fp16_tolerance(monkeypatch):
+    # On a GPU fp16/bf16 tiles go to tl.dot unconverted; the interpreter can run that path for fp16.
+    monkeypatch.setattr(pa, "_half_precision_dot", lambda q: q.dtype == torch.float16)
+    batch = make_batch(MIXED, block_size=16, num_heads=3, num_kv_heads=1, head_dim=64,
+                       dtype=torch.float16, seed=9)
+    got = pa.paged_attention(*batch.args())
+    torch.testing.assert_close(got.float(), sdpa_attention(batch), atol=4e-3, rtol=4e-3)
+
+
+def test_query_tiles_cover_each_sequence_without_padding_the_batch():
+    q_lens = torch.tensor([1, 0, 9, 4])
+    tile_seq, tile_q_start = pa._query_tiles(q_lens, 4, torch.device("cpu"))
+    assert tile_seq.tolist() == [0, 2, 2, 2, 3]
+    assert tile_q_start.tolist() == [0, 0, 4, 8, 0]
+
+
+# ---------------------------------------------------------------- KV write
+
+def _kv_case(dtype, cache_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, block_size, heads, dim, tokens = 6, 8, 3, 64, 11
+    k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(cache_dtype)
+    # key/value as slices of one fused [tokens, 2 * heads, dim] tensor: strided views
+    kv = torch.randn(tokens, 2 * heads, dim, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(torch.int32)
+    slots[[2, 7]] = -1
+    return kv[:, :heads], kv[:, heads:], k_cache, v_cache, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_write_kv_matches_reference_and_skips_negative_slots(dtype):
+    key, value, k_cache, v_cache, slots = _kv_case(dtype, dtype, seed=11)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    before = k_cache.clone()
+
+    kv_write.write_kv(key, value, k_cache, v_cache, slots)
+    kv_write.write_kv_ref(key, value, k_ref, v_ref, slots)
+
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    flat = k_cache.view(-1, *k_cache.shape[2:])
+    written = slots[slots >= 0].long()
+    assert torch.equal(flat[written], key[slots >= 0])
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(flat[untouched], before.view_as(flat)[untouched])
+
+
+@pytest.mark.parametrize("cache_dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_write_kv_converts_fp32_tokens_to_the_cache_dtype(cache_dtype):
+    key, value, k_cache, v_cache, slots = _kv_case(torch.float32, cache_dtype, seed=12)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    kv_write.write_kv(key, value, k_cache, v_cache, slots)
+    kv_write.write_kv_ref(key, value, k_ref, v_ref, slots)
+
+    atol, rtol = TOL[cache_dtype]
+    torch.testing.assert_close(k_cache.float(), k_ref.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(v_cache.float(), v_ref.float(), atol=atol, rtol=rtol)
+
+
+def test_decode_sees_the_token_write_kv_just_stored():
+    lens = [(1, 13), (1, 16), (1, 17)]
+    batch = make_batch(lens, block_size=8, num_heads=4, num_kv_heads=2, head_dim=64, seed=13)
+    # Scatter the newest token of each sequence afresh, replacing what make_batch put there.
+    new_k = torch.randn(len(lens), 2, 64)
+    new_v = torch.randn(len(lens), 2, 64)
+    slots = torch.tensor([int(batch.block_tables[s, (L - 1) // 8]) * 8 + (L - 1) % 8
+                          for s, (_, L) in enumerate(lens)], dtype=torch.int32)
+    for s in range(len(lens)):
+        batch.keys[s][-1], batch.values[s][-1] = new_k[s], new_v[s]
+
+    kv_write.write_kv(new_k, new_v, batch.k_cache, batch.v_cache, slots)
+
+    torch.testing.assert_close(pa.paged_attention(*batch.args()), sdpa_attention(batch), atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------- dispatch
+
+def test_torch_backend_and_auto_on_cpu_give_the_reference_twins():
+    expected = (kv_write.write_kv_ref, pa.paged_attention_ref)
+    assert kernels.get_attention_ops("torch", "cpu") == expected
+    assert kernels.get_attention_ops("torch", "cuda") == expected
+    assert kernels.get_attention_ops("auto", torch.device("cpu")) == expected
+
+
+def test_triton_backend_and_auto_on_cuda_give_the_kernels():
+    expected = (kv_write.write_kv, pa.paged_attention)
+    assert kernels.get_attention_ops("triton", "cpu") == expected
+    assert kernels.get_attention_ops("auto", "cuda:0") == expected
+
+
+def test_unknown_backend_is_rejected_by_name():
+    with pytest.raises(ValueError, match="'flash'"):
+        kernels.get_attention_ops("flash", "cpu")
+
+
+def test_importing_kernels_does_not_import_triton():
+    code = "import sys, kernels; assert 'triton' not in sys.modules; kernels.write_kv; assert 'triton' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1])
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@GPU
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", SHAPES[:3])
+def test_compiled_kernels_match_sdpa_on_gpu(dtype, block_size, num_heads, num_kv_heads, head_dim):
+    lens = MIXED + random_lens("chunk", 2, seed=30) + [(130, 300)]
+    batch = make_batch(lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, dtype=dtype, seed=14).to("cuda")
+    atol, rtol = TOL[dtype] if dtype != torch.float32 else (1e-4, 1e-4)
+    got = pa.paged_attention(*batch.args())
+    torch.testing.assert_close(got.float(), sdpa_attention(batch), atol=atol, rtol=rtol)
+
+    key, value, k_cache, v_cache, slots = (t.to("cuda") for t in _kv_case(dtype, dtype, seed=15))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kv_write.write_kv(key, value, k_cache, v_cache, slots)
+    kv_write.write_kv_ref(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
