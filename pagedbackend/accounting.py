@@ -10,13 +10,14 @@ are final sequence lengths, prompt + output, in token positions):
 - ``oracle`` Orca (Oracle): exactly its final length (knows the future).
 - ``paged``  PagedAttention: ``ceil(length / block_size) * block_size``.
 
-Waste is split as in the paper's Sec. 3.1 and Fig. 2. *Internal fragmentation* is the positions that
-are allocated but never written (``allocated - effective`` once every request
-has finished). *Reserved-but-unused* needs prompt lengths: the positions a
-request holds right after its prompt is written that only later output tokens
-will fill; the Orca schemes hold all of them from admission, paged allocation
-at most the rest of the last prompt block. External fragmentation (holes left
-by a contiguous allocator) is not modelled.
+Waste is split as in the paper's Sec. 3.1 and Fig. 2. *Internal
+fragmentation* is the positions that are allocated but never written
+(``allocated - effective`` once every request has finished).
+*Reserved-but-unused* needs prompt lengths: the positions a request holds
+right after its prompt is written that only later output tokens will fill; the
+Orca schemes hold all of them from admission, paged allocation at most the
+rest of the last prompt block. External fragmentation (holes left by a
+contiguous allocator) is not modelled.
 
 CLI: ``python -m pagedbackend.accounting --lengths 37,91,128,201,511
 --max-len 512 --block-sizes 16,32 [--preset opt-13b] [--json]``.

@@ -1,0 +1,80 @@
+"""What the engine returns: per request, one entry per returned sequence."""
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class CompletionOutput:
+    index: int                       # which of the request's n outputs
+    text: str                        # offline: the whole text; streamed: new text since the last delta
+    token_ids: List[int]             # likewise: all tokens, or the new ones
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[List[Dict[int, float]]] = None   # per token: top ids -> logprob
+    finish_reason: Optional[str] = None  # None while running; "stop", "length" or "abort"
+    stop_reason: Optional[object] = None  # the stop string or token id that ended it
+    num_tokens: int = 0              # tokens generated so far in total
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_cached_prompt_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    outputs: List[CompletionOutput]
+    finished: bool
+    metrics: Optional[RequestMetrics] = None
+    error: Optional[str] = None      # set when the engine failed this request
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_usage: float = 0.0            # used device blocks / total
+    num_used_blocks: int = 0
+    num_total_blocks: int = 0
+    num_free_swap_blocks: int = 0
+    num_swap_blocks: int = 0
+    num_shared_blocks: int = 0       # referenced by more than one sequence
+    num_cached_free_blocks: int = 0  # free, but still holding a reusable prefix
+    stored_positions: int = 0        # token positions held in used blocks
+    allocated_slots: int = 0         # used blocks x block size
+    num_preemptions: int = 0         # total since start
+    num_swap_preemptions: int = 0
+    num_recompute_preemptions: int = 0
+    prefix_cache_queries: int = 0    # prompt tokens looked up
+    prefix_cache_hits: int = 0       # prompt tokens found cached
+    prompt_tokens: int = 0           # total prompt tokens admitted
+    generation_tokens: int = 0       # total tokens generated
+    num_steps: int = 0
+    last_step_tokens: int = 0        # tokens computed in the latest step
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    rejected_requests: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def memory_utilisation(self) -> float:
+        """Stored token positions / allocated slots (the paper's Figure 2 measure)."""
+        return self.stored_positions / self.allocated_slots if self.allocated_slots else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.generation_tokens / self.num_steps if self.num_steps else 0.0
