@@ -45,8 +45,8 @@ def _write_kv_kernel(
 
     k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
-    # Through fp32 so every source/cache dtype pair converts the same way
-    # (and bf16 is never handled raw, which the CPU interpreter gets wrong).
+    # Through fp32, so any source dtype reaches the cache dtype by one rule
+    # (and the interpreter never does arithmetic on raw bf16).
     k = k.to(tl.float32).to(k_cache_ptr.dtype.element_ty)
     v = v.to(tl.float32).to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd,

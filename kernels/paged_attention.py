@@ -51,8 +51,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v.repeat_interleave(group, dim=1)
         qs = q[q_start:q_end].float()
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
-        k_pos = torch.arange(kv_len).unsqueeze(0)
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(kv_len, device=q.device).unsqueeze(0)
         scores.masked_fill_((k_pos > q_pos).unsqueeze(0), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
@@ -93,7 +93,7 @@ def _paged_attention_kernel(
     rows = tl.arange(0, BLOCK_M)
     q_idx = tile_q0 + rows // GROUP_PAD  # query token within the sequence
     g = rows % GROUP_PAD
-    head = kv_head * GROUP_PAD + g
+    head = kv_head * group + g
     row_ok = (q_idx < q_len) & (g < group)
     # Causal position of each row; padding rows get a real, finite position too
     # (they see key 0 at least), so no row's softmax is ever all -inf.
@@ -216,6 +216,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
-        DIM=triton.next_power_of_2(head_dim), LOWP_DOT=_half_precision_dot(q),
+        DIM=max(16, triton.next_power_of_2(head_dim)), LOWP_DOT=_half_precision_dot(q),
     )
     return out

@@ -186,6 +186,19 @@ def test_small_blocks_gqa4_head128_in_every_dtype(dtype):
     assert_matches_sdpa(batch)
 
 
+@pytest.mark.parametrize("seed", range(24))
+def test_random_paged_batches_match_sdpa(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
+    block_size, num_heads, num_kv_heads, head_dim = pick(SHAPES)
+    lens = sum((random_lens(kind, int(torch.randint(0, 3, (1,), generator=gen)), seed=seed * 3 + i)
+                for i, kind in enumerate(("prefill", "chunk", "decode"))), []) or [(1, 1)]
+    order = torch.randperm(len(lens), generator=gen).tolist()
+    batch = make_batch([lens[i] for i in order], block_size=block_size, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=pick(DTYPES), seed=seed)
+    assert_matches_sdpa(batch)
+
+
 def test_long_query_chunk_spans_several_query_tiles():
     # 64 rows / 4 heads per group = 16 query tokens per tile: 45 tokens take three tiles.
     batch = make_batch([(45, 60), (1, 9)], block_size=16, num_heads=4, num_kv_heads=1, head_dim=64, seed=6)
@@ -235,9 +248,9 @@ def test_query_tiles_cover_each_sequence_without_padding_the_batch():
 
 # ---------------------------------------------------------------- KV write
 
-def _kv_case(dtype, cache_dtype, seed):
+def _kv_case(dtype, cache_dtype, seed, block_size=8, dim=64):
     gen = torch.Generator().manual_seed(seed)
-    num_blocks, block_size, heads, dim, tokens = 6, 8, 3, 64, 11
+    num_blocks, heads, tokens = 6, 3, 11
     k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(cache_dtype)
     v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(cache_dtype)
     # key/value as slices of one fused [tokens, 2 * heads, dim] tensor: strided views
@@ -247,9 +260,10 @@ def _kv_case(dtype, cache_dtype, seed):
     return kv[:, :heads], kv[:, heads:], k_cache, v_cache, slots
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_write_kv_matches_reference_and_skips_negative_slots(dtype):
-    key, value, k_cache, v_cache, slots = _kv_case(dtype, dtype, seed=11)
+@pytest.mark.parametrize("dtype,block_size,dim", [(torch.float32, 8, 64), (torch.float16, 16, 128),
+                                                  (torch.bfloat16, 32, 64)], ids=str)
+def test_write_kv_matches_reference_and_skips_negative_slots(dtype, block_size, dim):
+    key, value, k_cache, v_cache, slots = _kv_case(dtype, dtype, seed=11, block_size=block_size, dim=dim)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     before = k_cache.clone()
 
@@ -314,8 +328,9 @@ def test_unknown_backend_is_rejected_by_name():
         kernels.get_attention_ops("flash", "cpu")
 
 
-def test_importing_kernels_does_not_import_triton():
-    code = "import sys, kernels; assert 'triton' not in sys.modules; kernels.write_kv; assert 'triton' in sys.modules"
+def test_importing_kernels_defers_triton_until_a_kernel_is_used():
+    code = ("import sys, kernels; assert 'triton' not in sys.modules; "
+            "kernels.write_kv; assert 'triton' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1])
 
 
@@ -323,14 +338,16 @@ def test_importing_kernels_does_not_import_triton():
 
 @GPU
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", SHAPES[:3])
-def test_compiled_kernels_match_sdpa_on_gpu(dtype, block_size, num_heads, num_kv_heads, head_dim):
+def test_compiled_kernels_match_sdpa_on_gpu(dtype):
     lens = MIXED + random_lens("chunk", 2, seed=30) + [(130, 300)]
-    batch = make_batch(lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, dtype=dtype, seed=14).to("cuda")
     atol, rtol = TOL[dtype] if dtype != torch.float32 else (1e-4, 1e-4)
-    got = pa.paged_attention(*batch.args())
-    torch.testing.assert_close(got.float(), sdpa_attention(batch), atol=atol, rtol=rtol)
+    for block_size, num_heads, num_kv_heads, head_dim in SHAPES:
+        batch = make_batch(lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, dtype=dtype, seed=14).to("cuda")
+        expected = sdpa_attention(batch)
+        for attention in (pa.paged_attention, pa.paged_attention_ref):
+            got = attention(*batch.args())
+            torch.testing.assert_close(got.float(), expected, atol=atol, rtol=rtol)
 
     key, value, k_cache, v_cache, slots = (t.to("cuda") for t in _kv_case(dtype, dtype, seed=15))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
