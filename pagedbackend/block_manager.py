@@ -308,6 +308,10 @@ class BlockManager:
     def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
         return len(self._distinct_blocks(seq_ids, True)) <= self.num_free_swap_blocks
 
+    def blocks_to_swap_in(self, seq_ids: Sequence[int]) -> int:
+        """Device blocks ``swap_in`` would take at most for this group."""
+        return len(self._distinct_blocks(seq_ids, False))
+
     def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
         needed = len(self._distinct_blocks(seq_ids, False))
         return self.pool.num_free - needed >= self.watermark_blocks

@@ -1,0 +1,191 @@
+"""The online engine: the step loop runs in a background thread; requests come
+in from any thread and their output deltas stream back through ``RequestStream``.
+"""
+import asyncio
+import queue
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine, Prompt
+from .outputs import CompletionOutput, EngineStats, RequestOutput
+from .sampling_params import InvalidRequestError, SamplingParams
+from .sequence import SequenceGroup
+
+_END = object()
+
+
+class RequestStream:
+    """Output deltas of one request, read with ``async for`` (from any event
+    loop) or a plain ``for`` loop; ends after the delta with ``finished``."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._event: Optional[asyncio.Event] = None
+        self._done = False
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+        loop, event = self._loop, self._event
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(event.set)
+
+    def _take(self, item):
+        if item is _END or self._done:
+            raise StopIteration
+        if item.finished:
+            self._done = True
+            self._queue.put(_END)
+        return item
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> RequestOutput:
+        return self._take(self._queue.get())
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._loop is None:
+            self._event = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
+        while True:
+            self._event.clear()
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                await self._event.wait()
+                continue
+            try:
+                return self._take(item)
+            except StopIteration:
+                raise StopAsyncIteration from None
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None):
+        self.config = config
+        self.engine = engine or LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._lock = threading.Lock()
+        self._new: List[Tuple[SequenceGroup, RequestStream]] = []
+        self._aborts: List[str] = []
+        self._streams: Dict[str, RequestStream] = {}
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self.error: Optional[BaseException] = None
+        self._stats = self.engine.get_stats()
+        self.step_seconds: List[float] = []   # recent step times (bounded)
+        self.overhead_seconds: List[float] = []
+        self._thread = threading.Thread(target=self._run, name="pagedbackend-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ API
+    def add_request(self, request_id: str, prompt: Prompt,
+                    params: Optional[SamplingParams] = None) -> RequestStream:
+        if self.error is not None:
+            raise RuntimeError(f"the engine has failed: {self.error!r}")
+        if self._stopping:
+            raise RuntimeError("the engine is shut down")
+        group = self.engine.make_group(request_id, prompt, params)  # validates, may raise
+        stream = RequestStream(request_id)
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._new.append((group, stream))
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wakeup.set()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream.put(self._final(stream.request_id, "abort", "the engine was shut down"))
+        executor_shutdown = getattr(self.engine.runner, "shutdown", None)
+        if executor_shutdown is not None:
+            executor_shutdown()
+
+    # ------------------------------------------------------------ loop
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            try:
+                self._take_requests()
+                if not engine.has_unfinished_requests():
+                    self._wakeup.wait(0.05)
+                    self._wakeup.clear()
+                    continue
+                outputs = engine.step()
+                self._record_timing()
+                self._deliver(outputs)
+                self._stats = engine.get_stats()
+            except Exception as exc:  # reported to every request, never swallowed
+                self.error = exc
+                self._fail_all(exc)
+                return
+
+    def _take_requests(self) -> None:
+        with self._lock:
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        for group, _ in new:
+            self.engine.add_group(group)
+        finals = []
+        for request_id in aborts:
+            out = self.engine.abort_request(request_id)
+            if out is not None:
+                finals.append(out)
+        if finals:
+            self._deliver(finals)
+        if new or aborts:
+            self._stats = self.engine.get_stats()
+
+    def _deliver(self, outputs: List[RequestOutput]) -> None:
+        with self._lock:
+            targets = [(self._streams.get(o.request_id), o) for o in outputs]
+            for o in outputs:
+                if o.finished:
+                    self._streams.pop(o.request_id, None)
+        for stream, out in targets:
+            if stream is not None:
+                stream.put(out)
+
+    def _record_timing(self) -> None:
+        e = self.engine
+        self.step_seconds.append(e.last_step_seconds)
+        self.overhead_seconds.append(e.last_step_seconds - e.last_forward_seconds)
+        if len(self.step_seconds) > 1000:
+            del self.step_seconds[:500], self.overhead_seconds[:500]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream.put(self._final(stream.request_id, "abort", f"engine failure: {exc!r}"))
+
+    @staticmethod
+    def _final(request_id: str, reason: str, error: str) -> RequestOutput:
+        return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], finish_reason=reason)],
+                             True, None, error=error)

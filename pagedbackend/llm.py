@@ -1,0 +1,70 @@
+"""Offline batch generation: ``LLM(...).generate(prompts, sampling_params)``."""
+import itertools
+from typing import Dict, List, Optional, Sequence, Union
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine, Prompt
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "default", **kwargs):
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+                 use_tqdm: bool = False) -> List[RequestOutput]:
+        """Generate for every prompt (strings or token id lists); outputs come back
+        in prompt order with whole texts and token lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        order = []
+        for prompt, params in zip(prompts, sampling_params):
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, prompt, params)
+            order.append(request_id)
+        merged: Dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(order), desc="requests", unit="req")
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                merge_delta(merged, delta)
+                if delta.finished and bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [merged[r] for r in order]
+
+
+def merge_delta(merged: Dict[str, RequestOutput], delta: RequestOutput) -> RequestOutput:
+    """Fold a streamed delta into the accumulated output of its request."""
+    acc = merged.get(delta.request_id)
+    if acc is None:
+        acc = merged[delta.request_id] = RequestOutput(
+            delta.request_id, delta.prompt, delta.prompt_token_ids, [], False, delta.metrics)
+    by_index = {o.index: o for o in acc.outputs}
+    for out in delta.outputs:
+        cur = by_index.get(out.index)
+        if cur is None:
+            cur = by_index[out.index] = CompletionOutput(out.index, "", [], logprobs=[] if out.logprobs is not None else None)
+        cur.text += out.text
+        cur.token_ids += out.token_ids
+        if out.logprobs is not None:
+            cur.logprobs = (cur.logprobs or []) + out.logprobs
+        cur.cumulative_logprob = out.cumulative_logprob
+        cur.finish_reason, cur.stop_reason, cur.num_tokens = out.finish_reason, out.stop_reason, out.num_tokens
+    acc.outputs = [by_index[i] for i in sorted(by_index)]
+    acc.finished, acc.error, acc.metrics = delta.finished, delta.error, delta.metrics
+    return acc

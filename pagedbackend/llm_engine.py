@@ -1,0 +1,385 @@
+"""The engine: scheduler, block manager, model runner and sampler, one step at a time.
+
+``step()`` schedules a batch, has the runner carry out the block manager's
+swap and copy mappings, runs the model once, samples, updates every sequence
+(parallel samples are forked, beams re-parented, finished sequences free their
+blocks) and returns per-request output deltas.
+"""
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence as Seq, Union
+
+import torch
+
+from . import sampler as sampling
+from .beam_search import BeamSearchState
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import decode_new_text, find_stop_string
+from .outputs import CompletionOutput, EngineStats, RequestOutput
+from .sampling_params import InvalidRequestError, SamplingParams
+from .scheduler import ScheduledSeq, Scheduler
+from .sequence import GroupStatus, Sequence, SequenceGroup
+
+Prompt = Union[str, List[int]]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner=None):
+        self.config = config
+        if runner is None:
+            from .executor import make_executor
+            runner = make_executor(config)
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.eos_token_ids = set(runner.eos_token_ids)
+        self.max_model_len = runner.max_model_len
+        self.vocab_size = runner.vocab_size
+        self.block_manager = BlockManager(
+            runner.num_kv_blocks, config.block_size, num_swap_blocks=config.swap_space_blocks,
+            enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
+            cache_salt=str(getattr(runner, "model_path", config.model)).encode())
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.groups: Dict[str, SequenceGroup] = {}
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.stats = EngineStats()
+        self.last_forward_seconds = 0.0
+        self.last_step_seconds = 0.0
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> SequenceGroup:
+        """Validate and queue a request; raises InvalidRequestError if it can never be served."""
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        group = self.make_group(request_id, prompt, params, arrival_time)
+        self.add_group(group)
+        return group
+
+    def make_group(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
+                   arrival_time: Optional[float] = None) -> SequenceGroup:
+        """Check a request against the model and the pool and build its group.
+        Touches no engine state, so any thread may call it."""
+        params = params or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = params.max_tokens
+        room = self.max_model_len - len(token_ids)
+        if max_tokens is None:
+            if room < 1:
+                raise InvalidRequestError(f"prompt has {len(token_ids)} tokens; the model's context "
+                                          f"is {self.max_model_len}, leaving no room to generate")
+            max_tokens = room
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = "
+                f"{len(token_ids) + max_tokens} exceeds the maximum context length {self.max_model_len}")
+        bs = self.block_manager.block_size
+        width = params.best_of
+        # Alone in the pool, the request must be able to finish: shared prompt blocks
+        # plus each candidate's own blocks for its output.
+        need = -(-len(token_ids) // bs) + width * (-(-max_tokens // bs) + 1)
+        usable = self.block_manager.num_total_blocks - self.block_manager.watermark_blocks
+        if need > usable:
+            raise InvalidRequestError(
+                f"request needs up to {need} KV blocks (prompt {len(token_ids)} tokens, "
+                f"max_tokens {max_tokens}, {width} candidate(s), block size {bs}) but the pool "
+                f"offers {usable}")
+        group = SequenceGroup(request_id, text, token_ids, params,
+                              time.time() if arrival_time is None else arrival_time, max_tokens)
+        if params.use_beam_search:
+            group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)
+        return group
+
+    def add_group(self, group: SequenceGroup) -> None:
+        if group.request_id in self.groups:
+            raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
+        self.groups[group.request_id] = group
+        self.scheduler.add(group)
+        self.stats.prompt_tokens += len(group.prompt_token_ids)
+
+    def _tokenize(self, prompt: Prompt):
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt is empty after tokenisation")
+            return prompt, ids
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        return None, ids
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Stop a request and free its blocks at once; returns its final output."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        self.scheduler.remove(group)
+        for seq in group.seqs:
+            seq.finish_reason = "abort"
+        group.finished_seqs += group.seqs
+        group.seqs = []
+        group.metrics.finished_time = time.time()
+        self.stats.aborted_requests += 1
+        return self._output(group, finished=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ------------------------------------------------------------ the step
+    def step(self) -> List[RequestOutput]:
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        outputs = [self._reject(group, msg) for group, msg in sched.rejected]
+        # Order matters: a block swapped out may be handed to someone else in this step.
+        if sched.swap_out_pairs:
+            self.runner.swap_out(sched.swap_out_pairs)
+        if sched.swap_in_pairs:
+            self.runner.swap_in(sched.swap_in_pairs)
+        if sched.copy_pairs:
+            self.runner.copy_blocks(sched.copy_pairs)
+        if sched.is_empty:
+            self.last_step_seconds = time.perf_counter() - start
+            return outputs
+        now = time.time()
+        bm = self.block_manager
+        entries = []
+        for item in sched.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            begin = seq.num_computed_tokens
+            if item.group.metrics.first_scheduled_time is None:
+                item.group.metrics.first_scheduled_time = now
+            entries.append(self._entry(seq.token_ids[begin:begin + n], begin,
+                                       bm.get_block_table(seq.seq_id), item.completes))
+        forward_start = time.perf_counter()
+        logits = self.runner.execute_model(entries)
+        self.last_forward_seconds = time.perf_counter() - forward_start
+
+        completing: List[ScheduledSeq] = []
+        for item in sched.scheduled:
+            if item.completes:
+                completing.append(item)
+            item.seq.num_computed_tokens += item.num_new_tokens
+            bm.mark_computed(item.seq.seq_id, item.seq.token_ids, item.seq.num_computed_tokens)
+        with torch.inference_mode():
+            touched = self._sample_and_update(logits, completing)
+        for group in touched:
+            outputs.append(self._output(group, finished=group.is_finished))
+        self.stats.num_steps += 1
+        self.stats.last_step_tokens = sched.num_batched_tokens
+        self.last_step_seconds = time.perf_counter() - start
+        return [o for o in outputs if o is not None]
+
+    @staticmethod
+    def _entry(token_ids, start_pos, block_table, need_logits):
+        from .model_runner import SeqEntry
+        return SeqEntry(token_ids=token_ids, start_pos=start_pos, block_table=block_table,
+                        need_logits=need_logits)
+
+    def _sample_and_update(self, logits: torch.Tensor, completing: Seq[ScheduledSeq]) -> List[SequenceGroup]:
+        rows: List[sampling.SampleRow] = []
+        owners = []   # (group, seq, number of rows)
+        beams = defaultdict(list)
+        for row, item in enumerate(completing):
+            group, seq = item.group, item.seq
+            if group.is_beam_search:
+                beams[group].append((seq, row))
+                continue
+            copies = group.params.best_of if not group.forked else 1
+            for i in range(copies):
+                rows.append(self._sample_row(group, seq, row, seq.index + i))
+            owners.append((group, seq, copies))
+        touched: Dict[str, SequenceGroup] = {}
+        if rows:
+            samples = sampling.sample(logits, rows, self.generator)
+            k = 0
+            for group, seq, copies in owners:
+                self._apply_samples(group, seq, samples[k:k + copies])
+                k += copies
+                touched[group.request_id] = group
+        for group, seq_rows in beams.items():
+            if self._beam_step(group, seq_rows, logits):
+                touched[group.request_id] = group
+        return list(touched.values())
+
+    def _sample_row(self, group: SequenceGroup, seq: Sequence, row: int, index: int) -> sampling.SampleRow:
+        params = group.params
+        suppress = ()
+        if seq.num_output_tokens < params.min_tokens:
+            suppress = sorted(self.eos_token_ids | set(params.stop_token_ids))
+        key = (params.seed, index, seq.num_output_tokens) if params.seed is not None else None
+        return sampling.SampleRow(row, params, suppress, key)
+
+    def _apply_samples(self, group: SequenceGroup, seq: Sequence, samples: List[sampling.Sample]) -> None:
+        now = time.time()
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = now
+        new_seqs = [seq]
+        if not group.forked:
+            # Parallel sampling: every candidate shares the prompt's blocks.
+            for i in range(1, len(samples)):
+                child = seq.fork(i)
+                self.block_manager.fork(seq.seq_id, child.seq_id)
+                new_seqs.append(child)
+            group.seqs = list(new_seqs)
+            group.forked = True
+        for s, sample in zip(new_seqs, samples):
+            s.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
+            self.stats.generation_tokens += 1
+            self._check_stop(group, s, sample.token_id)
+            if s.finished:
+                self.scheduler.free_seq(s)
+                group.seqs.remove(s)
+                group.finished_seqs.append(s)
+        if not group.seqs:
+            self._finish_group(group)
+
+    def _check_stop(self, group: SequenceGroup, seq: Sequence, token_id: int) -> None:
+        params = group.params
+        new_text = decode_new_text(self.tokenizer, seq, params.skip_special_tokens)
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                seq.finish_reason = "stop"
+                return
+            if token_id in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token_id
+                return
+            if params.stop_list:
+                stop = find_stop_string(seq, len(new_text), params.stop_list,
+                                        params.include_stop_str_in_output)
+                if stop is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    return
+        if seq.num_output_tokens >= group.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _beam_step(self, group: SequenceGroup, seq_rows, logits: torch.Tensor) -> bool:
+        live = group.seqs
+        if len(seq_rows) < len(live):
+            # Some beams are still being recomputed after a preemption: hold the
+            # ones that are done by recomputing their last token next step.
+            for seq, _ in seq_rows:
+                seq.num_computed_tokens -= 1
+            return False
+        row_of = {seq.seq_id: row for seq, row in seq_rows}
+        rows = [row_of[s.seq_id] for s in live]
+        params = group.params
+        beam_logits = logits[rows]
+        if live[0].num_output_tokens < params.min_tokens:
+            beam_logits[:, sorted(self.eos_token_ids | set(params.stop_token_ids))] = float("-inf")
+        logprobs = torch.log_softmax(beam_logits, dim=-1)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        result = group.beam.step([s.token_ids for s in live], [s.cumulative_logprob for s in live],
+                                 logprobs, live[0].num_output_tokens, group.max_tokens, stop_ids)
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = time.time()
+        self.stats.generation_tokens += len(live)
+        if result.done:
+            for seq in live:
+                self.scheduler.free_seq(seq)
+            group.seqs = []
+            self._finish_group(group)
+            return True
+        # Re-parent: a beam chosen twice is forked (blocks shared), one not chosen is freed.
+        used = set()
+        next_beams = []
+        for parent_idx, token, _ in result.continuations:
+            parent = live[parent_idx]
+            if parent.seq_id in used:
+                child = parent.fork(len(next_beams))
+                self.block_manager.fork(parent.seq_id, child.seq_id)
+                next_beams.append(child)
+            else:
+                used.add(parent.seq_id)
+                next_beams.append(parent)
+        for seq in live:
+            if seq.seq_id not in used:
+                self.scheduler.free_seq(seq)
+        for seq, (_, token, score) in zip(next_beams, result.continuations):
+            seq.token_ids.append(token)
+            seq.cumulative_logprob = score
+        group.seqs = next_beams
+        return False
+
+    def _finish_group(self, group: SequenceGroup) -> None:
+        group.status = GroupStatus.FINISHED
+        group.metrics.finished_time = time.time()
+        if group in self.scheduler.running:
+            self.scheduler.running.remove(group)
+        self.groups.pop(group.request_id, None)
+        self.stats.finished_requests += 1
+
+    def _reject(self, group: SequenceGroup, message: str) -> RequestOutput:
+        self.groups.pop(group.request_id, None)
+        group.status = GroupStatus.FINISHED
+        self.stats.rejected_requests += 1
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                             [CompletionOutput(0, "", [], finish_reason="abort")], True,
+                             group.metrics, error=message)
+
+    # ------------------------------------------------------------ outputs
+    def _output(self, group: SequenceGroup, finished: bool) -> Optional[RequestOutput]:
+        if group.streams_deltas:
+            seqs = sorted(group.seqs + group.finished_seqs, key=lambda s: s.index)
+            outputs = [self._delta(group, s) for s in seqs]
+        elif not finished:
+            return None
+        elif group.is_beam_search and group.beam.finished:
+            outputs = [self._beam_output(group, i, h) for i, h in enumerate(group.beam.best(group.params.n))]
+        else:
+            seqs = group.finished_seqs + group.seqs
+            if group.params.best_of > group.params.n:
+                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)
+            outputs = [self._delta(group, s, index=i) for i, s in enumerate(seqs[:group.params.n])]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
+                             finished, group.metrics)
+
+    def _delta(self, group: SequenceGroup, seq: Sequence, index: Optional[int] = None) -> CompletionOutput:
+        """New tokens and text since the last delta. Text that might still turn
+        into a stop string is held back until it cannot."""
+        text = seq.output_text
+        end = len(text)
+        params = group.params
+        if not seq.finished and params.stop_list and not params.include_stop_str_in_output:
+            end = max(seq.num_sent_chars, end - (max(len(s) for s in params.stop_list) - 1))
+        new_text = text[seq.num_sent_chars:end]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
+        seq.num_sent_chars = end
+        seq.num_sent_tokens = seq.num_output_tokens
+        top = seq.logprobs[-len(new_ids):] if (params.logprobs is not None and new_ids) else None
+        return CompletionOutput(seq.index if index is None else index, new_text, new_ids,
+                                seq.cumulative_logprob, top, seq.finish_reason, seq.stop_reason,
+                                seq.num_output_tokens)
+
+    def _beam_output(self, group: SequenceGroup, index: int, hyp) -> CompletionOutput:
+        ids = hyp.token_ids[len(group.prompt_token_ids):]
+        text = self.tokenizer.decode(ids, skip_special_tokens=group.params.skip_special_tokens)
+        stop_ids = self.eos_token_ids | set(group.params.stop_token_ids)
+        reason = "stop" if ids and ids[-1] in stop_ids and not group.params.ignore_eos else "length"
+        return CompletionOutput(index, text, ids, hyp.cumulative_logprob, None, reason, None, len(ids))
+
+    # ------------------------------------------------------------ stats
+    def get_stats(self) -> EngineStats:
+        bm, sch, st = self.block_manager, self.scheduler, self.stats
+        st.num_running = len(sch.running)
+        st.num_waiting = len(sch.waiting)
+        st.num_swapped = len(sch.swapped)
+        st.num_used_blocks = bm.num_used_blocks
+        st.num_total_blocks = bm.num_total_blocks
+        st.kv_usage = bm.usage
+        st.num_swap_blocks = bm.num_swap_blocks
+        st.num_free_swap_blocks = bm.num_free_swap_blocks
+        st.num_shared_blocks = bm.num_shared_blocks
+        st.num_cached_free_blocks = bm.num_cached_free_blocks
+        st.stored_positions = bm.stored_positions()
+        st.allocated_slots = bm.num_used_blocks * bm.block_size
+        st.num_swap_preemptions = sch.num_swap_preemptions
+        st.num_recompute_preemptions = sch.num_recompute_preemptions
+        st.num_preemptions = sch.num_swap_preemptions + sch.num_recompute_preemptions
+        st.prefix_cache_queries = bm.prefix_queries
+        st.prefix_cache_hits = bm.prefix_hits
+        return EngineStats(**st.__dict__)

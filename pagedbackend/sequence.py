@@ -1,0 +1,119 @@
+"""Sequences and sequence groups: the scheduler's unit of work.
+
+A request becomes one ``SequenceGroup``. It starts with one sequence (the
+prompt); parallel sampling and beam search fork it into several that share the
+prompt's KV blocks. Preemption and admission act on whole groups.
+"""
+import enum
+import itertools
+from typing import Dict, List, Optional
+
+from .outputs import RequestMetrics
+from .sampling_params import SamplingParams
+
+
+class GroupStatus(enum.Enum):
+    WAITING = "waiting"    # no KV blocks: not admitted yet, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"    # blocks in the host pool
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One token stream: prompt tokens followed by generated tokens."""
+
+    def __init__(self, prompt_token_ids: List[int], index: int = 0):
+        self.seq_id = next(_seq_ids)
+        self.index = index                      # output index within its request
+        self.token_ids: List[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0            # tokens whose K/V are in the cache
+        self.cumulative_logprob = 0.0
+        self.logprobs: List[Dict[int, float]] = []
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Optional[object] = None
+        # Incremental detokenisation state (see detokenizer.py).
+        self.output_text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.num_sent_tokens = 0                # tokens already handed out in deltas
+        self.num_sent_chars = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> List[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int, logprob: float, top_logprobs: Optional[Dict[int, float]]) -> None:
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            self.logprobs.append(top_logprobs)
+
+    def fork(self, index: int) -> "Sequence":
+        child = Sequence.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.seq_id = next(_seq_ids)
+        child.index = index
+        child.token_ids = list(self.token_ids)
+        child.logprobs = list(self.logprobs)
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, index={self.index}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, finish={self.finish_reason})")
+
+
+class SequenceGroup:
+    """All sequences of one request, with its sampling parameters."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
+                 params: SamplingParams, arrival_time: float, max_tokens: int):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival_time = arrival_time
+        self.max_tokens = max_tokens            # resolved: never None
+        self.status = GroupStatus.WAITING
+        self.seqs: List[Sequence] = [Sequence(prompt_token_ids)]  # live sequences
+        self.finished_seqs: List[Sequence] = []
+        self.forked = False                     # parallel samples / beams created
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.beam = None                        # BeamSearchState for beam search
+        self.num_preemptions = 0
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.params.use_beam_search
+
+    @property
+    def streams_deltas(self) -> bool:
+        """Plain sampling with every candidate returned streams token by token;
+        beam search and best_of > n decide their outputs only at the end."""
+        return not self.is_beam_search and self.params.best_of == self.params.n
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == GroupStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, {self.status.value}, seqs={self.seqs})"

@@ -1,0 +1,299 @@
+"""Engine: continuous batching, preemption, parallel sampling, beam search,
+prefix sharing, stops and aborts, on a tiny random Llama compared with Hugging Face."""
+import pytest
+import torch
+
+from pagedbackend import InvalidRequestError, LLM, SamplingParams
+from pagedbackend.config import EngineConfig
+from pagedbackend.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def make_prompts(n, seed=0, low=3, high=60):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (n,), generator=g).tolist()
+    return [torch.randint(100, 40000, (n_tok,), generator=g).tolist() for n_tok in lengths]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return trim_at_eos(out[0, len(prompt):].tolist(), model.generation_config.eos_token_id)
+
+
+def trim_at_eos(ids, eos):
+    eos = {eos} if isinstance(eos, int) else set(eos)
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i + 1]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model):
+    prompts = make_prompts(12, seed=1)
+    return prompts, [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+
+
+def run(model_dir, prompts, params, **kw):
+    llm = LLM(model=str(model_dir), **kw)
+    outs = llm.generate(prompts, params)
+    return llm, outs
+
+
+def test_greedy_batch_equals_hugging_face(tiny_model_dir, hf_reference):
+    prompts, expected = hf_reference
+    llm, outs = run(tiny_model_dir, prompts, GREEDY, num_kv_blocks=256, block_size=16)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.get_stats().num_preemptions == 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_is_identical_under_forced_preemption(tiny_model_dir, hf_reference, mode):
+    prompts, expected = hf_reference
+    # 12 sequences of up to ~84 tokens need ~70 blocks of 8; 24 blocks force preemption.
+    llm, outs = run(tiny_model_dir, prompts, GREEDY, num_kv_blocks=24, block_size=8,
+                    preemption_mode=mode, swap_space_blocks=64 if mode == "swap" else 0)
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0
+    if mode == "swap":
+        assert stats.num_swap_preemptions > 0
+    else:
+        assert stats.num_recompute_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.block_manager.num_free_swap_blocks == llm.engine.block_manager.num_swap_blocks
+
+
+def test_swap_mode_falls_back_to_recompute_when_host_space_is_short(tiny_model_dir, hf_reference):
+    prompts, expected = hf_reference
+    llm, outs = run(tiny_model_dir, prompts, GREEDY, num_kv_blocks=24, block_size=8,
+                    preemption_mode="swap", swap_space_blocks=4)
+    stats = llm.engine.get_stats()
+    assert stats.num_recompute_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_chunked_prefill_with_a_small_token_budget_gives_the_same_tokens(tiny_model_dir, hf_reference):
+    prompts, expected = hf_reference
+    llm, outs = run(tiny_model_dir, prompts, GREEDY, num_kv_blocks=256, max_num_batched_tokens=16,
+                    max_num_seqs=4)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_seeded_sampling_is_reproducible_and_survives_preemption(tiny_model_dir):
+    prompts = make_prompts(8, seed=2)
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=16)
+    _, a = run(tiny_model_dir, prompts, params, num_kv_blocks=256)
+    _, b = run(tiny_model_dir, prompts[::-1], params, num_kv_blocks=256)
+    llm, c = run(tiny_model_dir, prompts, params, num_kv_blocks=16, block_size=8)
+    assert llm.engine.get_stats().num_preemptions > 0
+    ids = lambda outs: [o.outputs[0].token_ids for o in outs]
+    assert ids(a) == ids(b)[::-1] == ids(c)
+    other = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=99, max_tokens=16)
+    _, d = run(tiny_model_dir, prompts, other, num_kv_blocks=256)
+    assert ids(d) != ids(a)
+
+
+def test_parallel_samples_share_the_prompt_blocks(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, block_size=16,
+                                    enable_prefix_caching=False))
+    prompt = make_prompts(1, seed=3, low=40, high=41)[0]   # 40 tokens: 2 full blocks + 8
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    engine.step()    # prefill, sample 4 first tokens, fork
+    assert engine.block_manager.num_used_blocks == 3          # forked: nothing copied yet
+    engine.step()    # each sample writes its 2nd token: the partly filled block is copied 3 times
+    assert engine.block_manager.num_used_blocks == 2 + 4
+    assert engine.block_manager.num_shared_blocks == 2
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_parallel_sampling_with_a_seed_is_reproducible(tiny_model_dir):
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12)
+    _, a = run(tiny_model_dir, ["Once upon a time"], params, num_kv_blocks=64)
+    _, b = run(tiny_model_dir, ["Once upon a time"], params, num_kv_blocks=64)
+    texts = [o.token_ids for o in a[0].outputs]
+    assert texts == [o.token_ids for o in b[0].outputs]
+    assert len(texts) == 3 and len({tuple(t) for t in texts}) == 3
+
+
+def test_best_of_returns_the_n_most_likely_candidates(tiny_model_dir):
+    params = SamplingParams(n=2, best_of=5, temperature=1.0, seed=5, max_tokens=8)
+    _, outs = run(tiny_model_dir, ["Hello"], params, num_kv_blocks=64)
+    got = outs[0].outputs
+    assert len(got) == 2 and got[0].cumulative_logprob >= got[1].cumulative_logprob
+
+
+@pytest.mark.parametrize("width,n", [(2, 2), (4, 2), (3, 3)])
+def test_beam_search_equals_hugging_face(tiny_model_dir, hf_model, width, n):
+    prompts = make_prompts(3, seed=4, low=5, high=30)
+    params = SamplingParams(n=n, best_of=width, use_beam_search=True, temperature=0.0, max_tokens=10)
+    llm, outs = run(tiny_model_dir, prompts, params, num_kv_blocks=128, block_size=8)
+    eos = hf_model.generation_config.eos_token_id
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=n,
+                                    do_sample=False, max_new_tokens=10, early_stopping=False,
+                                    length_penalty=1.0,
+                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        expected = [trim_at_eos(r[len(prompt):].tolist(), eos) for r in ref]
+        assert [o.token_ids for o in out.outputs] == expected
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_beam_search_shares_blocks_and_frees_dropped_beams(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, block_size=8,
+                                    enable_prefix_caching=False))
+    prompt = make_prompts(1, seed=5, low=20, high=21)[0]  # 3 blocks (8 + 8 + 4)
+    engine.add_request("b", prompt, SamplingParams(n=4, use_beam_search=True, temperature=0.0,
+                                                   max_tokens=12, ignore_eos=True))
+    peak_shared = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        bm = engine.block_manager
+        peak_shared = max(peak_shared, bm.num_shared_blocks)
+        live = engine.groups["b"].seqs if "b" in engine.groups else []
+        if len(live) == 4:
+            # 4 beams never hold 4 private copies of the prompt: its full blocks stay shared.
+            assert bm.num_used_blocks < 4 * len(bm.get_block_table(live[0].seq_id))
+    assert peak_shared >= 2
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_mixed_decoding_batches_different_algorithms_in_one_step(tiny_model_dir, hf_reference):
+    prompts, expected = hf_reference
+    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=256)
+    params = [GREEDY, SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=10),
+              SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=10), GREEDY]
+    outs = llm.generate([prompts[0], prompts[1], prompts[2], prompts[3]], params)
+    assert outs[0].outputs[0].token_ids == expected[0]
+    assert outs[3].outputs[0].token_ids == expected[3]
+    assert len(outs[1].outputs) == 2 and len(outs[2].outputs) == 2
+
+
+def test_prefix_cache_skips_the_shared_prefix(tiny_model_dir):
+    prefix = make_prompts(1, seed=6, low=80, high=81)[0]
+    prompts = [prefix + tail for tail in make_prompts(6, seed=7, low=5, high=20)]
+    llm, cached = run(tiny_model_dir, prompts[:1], GREEDY, num_kv_blocks=256)
+    outs = llm.generate(prompts, GREEDY)
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_hits >= 5 * 80 // 16 * 16
+    _, uncached = run(tiny_model_dir, prompts, GREEDY, num_kv_blocks=256, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in uncached]
+
+
+def test_stop_string_spanning_tokens_ends_the_output(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=64)
+    free = llm.generate(["The weather"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    text = free.outputs[0].text
+    # A stop string made of the end of one token and the start of the next.
+    tok = llm.get_tokenizer()
+    pieces = [tok.decode([t]) for t in free.outputs[0].token_ids]
+    i = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[i][-2:] + pieces[i + 1][:2]
+    cut = text.find(stop)
+    out = llm.generate(["The weather"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                                       stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:cut]
+    kept = llm.generate(["The weather"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                                        stop=stop, include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == text[:cut + len(stop)]
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=64)
+    free = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    ids = free.outputs[0].token_ids
+    stop_id = ids[5]
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]))
+    first = ids.index(stop_id)
+    assert out[0].outputs[0].token_ids == ids[:first + 1]
+    assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].stop_reason == stop_id
+    assert free.outputs[0].finish_reason == "length" and len(ids) == 12
+    later = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=first + 2,
+                                                   stop_token_ids=[ids[first]]))
+    assert len(later[0].outputs[0].token_ids) >= first + 2
+
+
+def test_logprobs_are_returned_for_each_token(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=64)
+    out = llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for tok, top in zip(out.token_ids, out.logprobs):
+        assert tok in top and max(top.values()) == top[tok]   # greedy picks the most likely
+    assert abs(sum(top[t] for t, top in zip(out.token_ids, out.logprobs)) - out.cumulative_logprob) < 1e-4
+
+
+def test_abort_mid_generation_returns_every_block(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
+    engine.add_request("a", "A long story", SamplingParams(max_tokens=200, n=2, temperature=1.0))
+    engine.add_request("b", "Short", SamplingParams(max_tokens=4, temperature=0.0))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    final = engine.abort_request("a")
+    assert final.finished and all(o.finish_reason == "abort" for o in final.outputs)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0
+    engine.block_manager.check_invariants()
+
+
+def test_a_request_that_cannot_fit_is_rejected_while_others_finish(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=8, block_size=16)
+    with pytest.raises(InvalidRequestError, match="KV blocks"):
+        llm.generate([list(range(100, 200))], SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        llm.generate([[5] * 500], SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([[5, 10 ** 6]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([""], GREEDY)
+    outs = llm.generate(["fine", "also fine"], SamplingParams(max_tokens=5, temperature=0.0))
+    assert all(len(o.outputs[0].token_ids) == 5 or o.outputs[0].finish_reason == "stop" for o in outs)
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_online_engine_streams_deltas_that_add_up_to_the_offline_text(tiny_model_dir):
+    import asyncio
+
+    from pagedbackend import AsyncLLMEngine
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
+    offline = LLM(model=str(tiny_model_dir), num_kv_blocks=64).generate(["Tell me"], GREEDY)[0].outputs[0]
+    engine = AsyncLLMEngine(config)
+    try:
+        async def collect():
+            text, ids, count = "", [], 0
+            async for delta in engine.add_request("s", "Tell me", GREEDY):
+                text += delta.outputs[0].text
+                ids += delta.outputs[0].token_ids
+                count += 1
+            return text, ids, count
+        text, ids, count = asyncio.run(collect())
+        assert (text, ids) == (offline.text, offline.token_ids) and count > 1
+        stream = engine.add_request("x", "Tell me", SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))
+        next(stream)
+        engine.abort("x")
+        assert list(stream)[-1].outputs[0].finish_reason == "abort"
+        for _ in range(100):
+            if engine.stats().num_used_blocks == 0:
+                break
+            import time
+            time.sleep(0.02)
+        assert engine.stats().num_used_blocks == 0
+    finally:
+        engine.shutdown()
