@@ -165,24 +165,30 @@ class BlockManager:
         revived = sum(1 for b in hits if b.ref_cnt == 0)
         return _cdiv(len(token_ids), self.block_size) - len(hits) + revived
 
-    def can_allocate(self, token_id_lists: Sequence[Sequence[int]]) -> AllocStatus:
+    def can_allocate(self, token_id_lists: Sequence[Sequence[int]], reserve_tokens: int = 0) -> AllocStatus:
         """Whether sequences with these tokens (one group) can be allocated."""
-        total = sum(_cdiv(len(t), self.block_size) for t in token_id_lists)
+        extra = [self._reserved_extra(len(t), reserve_tokens) for t in token_id_lists]
+        total = sum(_cdiv(len(t), self.block_size) for t in token_id_lists) + sum(extra)
         if total > self.pool.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        needed = sum(self.blocks_needed(t) for t in token_id_lists)
+        needed = sum(self.blocks_needed(t) for t in token_id_lists) + sum(extra)
         if self.pool.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def _reserved_extra(self, num_tokens: int, reserve_tokens: int) -> int:
+        return max(0, _cdiv(reserve_tokens, self.block_size) - _cdiv(num_tokens, self.block_size))
+
+    def allocate(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int = 0) -> int:
         """Give a new sequence blocks for all its tokens, mapping cached prefix
-        blocks where it can. Returns how many leading tokens are already computed."""
+        blocks where it can. Returns how many leading tokens are already computed.
+        ``reserve_tokens`` takes blocks for that many positions up front, as a
+        contiguous-reservation server would (benchmark baselines only)."""
         if seq_id in self._seqs:
             raise BlockManagerError(f"sequence {seq_id} already has blocks")
         if not token_ids:
             raise BlockManagerError(f"sequence {seq_id} has no tokens to allocate")
-        n_blocks = _cdiv(len(token_ids), self.block_size)
+        n_blocks = _cdiv(len(token_ids), self.block_size) + self._reserved_extra(len(token_ids), reserve_tokens)
         if n_blocks > self.pool.num_blocks:
             raise BlockManagerError(
                 f"sequence {seq_id} needs {n_blocks} blocks for {len(token_ids)} tokens; "
@@ -405,5 +411,5 @@ class BlockManager:
             for h, block in pool.cached.items():
                 assert block.block_hash == h, "cache map disagrees with block"
         for seq_id, state in self._seqs.items():
-            assert len(state.blocks) == _cdiv(state.num_tokens, self.block_size), \
+            assert len(state.blocks) >= _cdiv(state.num_tokens, self.block_size), \
                 f"sequence {seq_id}: {len(state.blocks)} blocks for {state.num_tokens} tokens"

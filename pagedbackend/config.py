@@ -34,9 +34,34 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # "cpu", "cuda" or "auto" (cuda when available).
     device: str = "auto"
+    # "paged" grows each sequence a block at a time. "max", "pow2" and "oracle"
+    # emulate contiguous-reservation servers (Orca) for benchmarks: at admission
+    # a sequence takes blocks for max_model_len, the next power of two of
+    # prompt + max_tokens, or exactly prompt + max_tokens.
+    kv_reservation: str = "paged"
     # Fraction of blocks kept free when admitting new groups (avoids thrashing).
     watermark: float = 0.01
     seed: int = 0
+
+    def __post_init__(self):
+        def choice(name, allowed):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+        if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size!r}")
+        choice("preemption_mode", ("recompute", "swap"))
+        choice("kv_reservation", ("paged", "max", "pow2", "oracle"))
+        choice("dtype", ("float32", "float16", "bfloat16"))
+        choice("attention_backend", ("auto", "triton", "torch"))
+        choice("device", ("auto", "cpu", "cuda"))
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.swap_space_blocks < 0:
+            raise ValueError(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -75,9 +75,10 @@ class LLMEngine:
                 f"{len(token_ids) + max_tokens} exceeds the maximum context length {self.max_model_len}")
         bs = self.block_manager.block_size
         width = params.best_of
+        reserve = self._reservation(len(token_ids) + max_tokens)
         # Alone in the pool, the request must be able to finish: shared prompt blocks
         # plus each candidate's own blocks for its output.
-        need = -(-len(token_ids) // bs) + width * (-(-max_tokens // bs) + 1)
+        need = max(-(-len(token_ids) // bs) + width * (-(-max_tokens // bs) + 1), -(-reserve // bs))
         usable = self.block_manager.num_total_blocks - self.block_manager.watermark_blocks
         if need > usable:
             raise InvalidRequestError(
@@ -86,9 +87,18 @@ class LLMEngine:
                 f"offers {usable}")
         group = SequenceGroup(request_id, text, token_ids, params,
                               time.time() if arrival_time is None else arrival_time, max_tokens)
+        group.reserve_tokens = reserve
         if params.use_beam_search:
             group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)
         return group
+
+    def _reservation(self, final_len: int) -> int:
+        """Positions a contiguous-reservation baseline would hold for this request."""
+        scheme = self.config.kv_reservation
+        if scheme == "paged":
+            return 0
+        from .accounting import reserved_positions
+        return reserved_positions(scheme, final_len, self.max_model_len)
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:

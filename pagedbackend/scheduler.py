@@ -154,7 +154,7 @@ class Scheduler:
             if self._max_live_seqs(group) > seq_cap:
                 break
             token_lists = [s.token_ids for s in group.seqs]
-            status = self.bm.can_allocate(token_lists)
+            status = self.bm.can_allocate(token_lists, group.reserve_tokens)
             if status == AllocStatus.NEVER:
                 self.waiting.pop(0)
                 out.rejected.append((group, self._never_fits_message(group)))
@@ -163,7 +163,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             for seq in group.seqs:
-                seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids)
+                seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids, group.reserve_tokens)
             group.status = GroupStatus.RUNNING
             self._insert_by_arrival(self.running, group)
             seq_cap -= self._max_live_seqs(group)

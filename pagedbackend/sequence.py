@@ -100,6 +100,7 @@ class SequenceGroup:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.beam = None                        # BeamSearchState for beam search
         self.num_preemptions = 0
+        self.reserve_tokens = 0                 # positions reserved up front (Orca baselines)
 
     @property
     def is_beam_search(self) -> bool:

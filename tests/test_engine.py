@@ -297,3 +297,39 @@ def test_online_engine_streams_deltas_that_add_up_to_the_offline_text(tiny_model
         assert engine.stats().num_used_blocks == 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("scheme", ["max", "pow2", "oracle"])
+def test_reservation_baselines_reserve_what_the_accounting_module_says(tiny_model_dir, scheme):
+    from pagedbackend.accounting import reserved_positions
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, block_size=16,
+                                    kv_reservation=scheme, enable_prefix_caching=False,
+                                    max_model_len=512))
+    prompt = list(range(100, 137))   # 37 tokens
+    engine.add_request("r", prompt, SamplingParams(max_tokens=54, temperature=0.0, ignore_eos=True))
+    engine.step()
+    reserved = reserved_positions(scheme, 37 + 54, 512)
+    assert engine.block_manager.num_used_blocks == -(-reserved // 16)
+    stats = engine.get_stats()
+    assert stats.stored_positions == 37 and stats.allocated_slots == -(-reserved // 16) * 16
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_paged_mode_holds_only_the_blocks_its_tokens_fill(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, block_size=16,
+                                    enable_prefix_caching=False))
+    engine.add_request("r", list(range(100, 137)), SamplingParams(max_tokens=54, temperature=0.0))
+    engine.step()
+    assert engine.block_manager.num_used_blocks == 3   # 37 prompt positions
+    assert engine.get_stats().stored_positions == 37
+
+
+def test_engine_settings_are_checked():
+    with pytest.raises(ValueError, match="kv_reservation"):
+        EngineConfig(kv_reservation="contiguous")
+    with pytest.raises(ValueError, match="power of two"):
+        EngineConfig(block_size=24)
+    with pytest.raises(TypeError, match="unknown engine setting"):
+        EngineConfig.from_kwargs(blocksize=16)
