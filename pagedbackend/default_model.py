@@ -129,7 +129,6 @@ def _convert_gguf(gguf_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
     config = AutoConfig.from_pretrained(gguf_dir, **kwargs)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.name_or_path = DEFAULT_MODEL_NAME
     # A plain model built from the config (save_pretrained refuses a GGUF-loaded
     # one). The tensors are dequantised by the same converter that
     # from_pretrained(gguf_file=...) uses, which would also need `accelerate`.
@@ -137,7 +136,7 @@ def _convert_gguf(gguf_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
     tensors = load_gguf_checkpoint(str(gguf_dir / GGUF_FILE), return_tensors=True,
                                    model_to_load=model, torch_dtype=torch.float32)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
+    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
         raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     model.generation_config = GenerationConfig.from_model_config(config)

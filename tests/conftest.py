@@ -7,3 +7,33 @@ import torch
 # present; it must be switched on before `triton` is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# ---- model folders for the model runner tests -------------------------------
+import pytest  # noqa: E402
+
+# Everything is local: never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The prepared SmolLM2-135M-Instruct folder (built once per cache)."""
+    from pagedbackend.default_model import resolve_model_path
+    return resolve_model_path("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir):
+    """Tiny random Llama (4 layers, hidden 256, 4 heads / 2 KV heads), tied embeddings."""
+    from tiny_model import build_tiny_llama
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_model_dir(tmp_path_factory, default_model_dir):
+    """The same shape with a separate LM head and 6 heads / 2 KV heads (GQA ratio 3)."""
+    from tiny_model import build_tiny_llama
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_untied"), seed=1,
+                            tie_word_embeddings=False, hidden_size=384,
+                            num_attention_heads=6, num_key_value_heads=2)

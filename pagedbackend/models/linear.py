@@ -58,11 +58,11 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.full_sizes = list(output_sizes)
-        # Per shard: (start, length) inside the full HF tensor, and where it lands here.
-        self.source: List[Tuple[int, int]] = [self.rank_slice(i, size)
+        # Per shard: (start, length) of this rank's part of the full HF tensor.
+        self.rank_slices: List[Tuple[int, int]] = [self.rank_slice(i, size)
                                               for i, size in enumerate(output_sizes)]
-        self.offsets = [sum(length for _, length in self.source[:i]) for i in range(len(self.source))]
-        self.output_sizes_per_rank = [length for _, length in self.source]
+        self.output_sizes_per_rank = [length for _, length in self.rank_slices]
+        self.offsets = [sum(self.output_sizes_per_rank[:i]) for i in range(len(output_sizes))]
         rows = sum(self.output_sizes_per_rank)
         self.weight = _empty(rows, in_features, dtype=dtype)
         self.bias = _empty(rows, dtype=dtype) if bias else None
@@ -72,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
 
     @torch.no_grad()
     def load(self, shard: int, name: str, tensor: torch.Tensor) -> None:
-        start, length = self.source[shard]
+        start, length = self.rank_slices[shard]
         target = getattr(self, name)
         if target is None:
             raise ValueError(f"checkpoint has a {name} this layer was built without")
@@ -99,8 +99,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim, self.total_heads, self.total_kv_heads = head_dim, num_heads, num_kv_heads
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden_size, sizes, bias, tp_rank, tp_size, dtype)
-        self.num_heads = self.source[0][1] // head_dim
-        self.num_kv_heads = self.source[1][1] // head_dim
+        self.num_heads = self.rank_slices[0][1] // head_dim
+        self.num_kv_heads = self.rank_slices[1][1] // head_dim
 
     def rank_slice(self, shard: int, full_size: int) -> Tuple[int, int]:
         if shard == 0:

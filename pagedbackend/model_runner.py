@@ -1,0 +1,245 @@
+"""Model runner: owns the weights and the paged KV cache, and runs one step.
+
+It knows nothing about scheduling: each step it receives, per sequence, the
+tokens to compute, where they start and the block table that holds them; it
+builds the flat batch, runs the forward pass and returns last-token logits.
+Copy-on-write and swapping arrive as (src, dst) block pairs.
+"""
+import itertools
+import json
+import pathlib
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from kernels import get_attention_ops
+from pagedbackend.config import EngineConfig
+from pagedbackend.default_model import resolve_model_path
+from pagedbackend.models import MODEL_CLASSES, LlamaArgs
+from pagedbackend.models.attention import AttentionMetadata
+from pagedbackend.models.linear import Reduce
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class SeqEntry:
+    """One sequence's share of a step.
+
+    ``token_ids``: tokens whose K/V are computed now; ``start_pos``: position of
+    ``token_ids[0]`` (tokens of this sequence already cached); ``block_table``:
+    physical blocks covering at least ``start_pos + len(token_ids)`` positions;
+    ``need_logits``: return the logits of the last token.
+    """
+    token_ids: List[int]
+    start_pos: int
+    block_table: List[int]
+    need_logits: bool = True
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+
+
+class ModelRunner:
+    """Weights, KV cache (device) and swap cache (host) of one tensor-parallel rank."""
+
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1,
+                 reduce: Optional[Reduce] = None):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        if config.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {config.dtype!r}; expected one of {', '.join(DTYPES)}")
+        self.dtype = DTYPES[config.dtype]
+        self.model_path = resolve_model_path(config.model)
+        hf_config = json.loads((self.model_path / "config.json").read_text())
+        args = LlamaArgs.from_hf_config(hf_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        self.vocab_size = args.vocab_size
+        self.eos_token_ids = _eos_token_ids(self.model_path, hf_config, self.tokenizer)
+        self.max_model_len = _max_model_len(config.max_model_len, args.max_position_embeddings)
+
+        ops = get_attention_ops(config.attention_backend, self.device)
+        model_class = MODEL_CLASSES[hf_config["model_type"]]
+        with torch.device(self.device):
+            self.model = model_class(args, ops, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
+        self.model.load_weights(_read_safetensors(self.model_path))
+        self.model.eval()
+        self._allocate_kv_cache(args)
+
+    def _allocate_kv_cache(self, args: LlamaArgs) -> None:
+        if self.config.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.config.block_size}")
+        self.block_size = self.config.block_size
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        # K and V, every layer, this rank's KV heads.
+        block_shape = (self.block_size, self.model.num_kv_heads, args.head_dim)
+        self.kv_bytes_per_block = 2 * args.num_layers * self.block_size * \
+            self.model.num_kv_heads * args.head_dim * elem
+        self.num_kv_blocks = self.config.num_kv_blocks
+        if self.num_kv_blocks is None:
+            self.num_kv_blocks = self.config.kv_cache_bytes // self.kv_bytes_per_block
+            if self.num_kv_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_bytes={self.config.kv_cache_bytes} is too small for one KV block: "
+                    f"a block needs {self.kv_bytes_per_block} bytes (2 x {args.num_layers} layers "
+                    f"x {self.block_size} positions x {self.model.num_kv_heads} KV heads x "
+                    f"{args.head_dim} x {elem} bytes)")
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        # One tensor for all of it, so a block copy or swap is one indexed copy.
+        shape = (2, args.num_layers, self.num_kv_blocks, *block_shape)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(args.num_layers)]
+        self.num_swap_blocks = self.config.swap_space_blocks
+        self.swap_cache = None
+        if self.num_swap_blocks > 0:
+            self.swap_cache = torch.zeros((2, args.num_layers, self.num_swap_blocks, *block_shape),
+                                          dtype=self.dtype, device="cpu",
+                                          pin_memory=self.device.type == "cuda")
+
+    # ---- one step -------------------------------------------------------
+
+    def execute_model(self, entries: Sequence[SeqEntry]) -> torch.Tensor:
+        """Run one step; float32 logits ``[entries needing logits, vocab]`` of
+        each such entry's last token, in entry order."""
+        batch = self._prepare(entries)
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            logits = self.model.compute_logits(hidden[batch.logits_rows])
+        return logits.float()
+
+    def _prepare(self, entries: Sequence[SeqEntry]) -> _Batch:
+        if not entries:
+            raise ValueError("execute_model needs at least one entry")
+        bs = self.block_size
+        input_ids: List[int] = []
+        positions: List[int] = []
+        q_lens, seq_lens, tables = [], [], []
+        for i, entry in enumerate(entries):
+            n = len(entry.token_ids)
+            end = entry.start_pos + n
+            if n == 0 or entry.start_pos < 0:
+                raise ValueError(f"entry {i} needs at least one token and start_pos >= 0 "
+                                 f"(got {n} tokens at start_pos {entry.start_pos})")
+            if end > self.max_model_len:
+                raise ValueError(f"entry {i} reaches {end} positions, beyond max_model_len "
+                                 f"{self.max_model_len}")
+            needed = -(-end // bs)
+            if len(entry.block_table) < needed:
+                raise ValueError(f"entry {i}: block table has {len(entry.block_table)} blocks, "
+                                 f"{end} positions need {needed} (block_size {bs})")
+            input_ids.extend(entry.token_ids)
+            positions.extend(range(entry.start_pos, end))
+            q_lens.append(n)
+            seq_lens.append(end)
+            tables.append(entry.block_table[:needed])
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        self._check_ranges(ids, block_tables)
+
+        pos = torch.tensor(positions, dtype=torch.long)
+        q_lens_t = torch.tensor(q_lens)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(entries)), q_lens_t)
+        slots = block_tables[seq_of_token, pos // bs].long() * bs + pos % bs
+        cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+        logits_rows = (cu_seqlens_q[1:] - 1)[torch.tensor([e.need_logits for e in entries])]
+
+        to = dict(device=self.device, non_blocking=True)
+        meta = AttentionMetadata(slot_mapping=slots.to(**to), block_tables=block_tables.to(**to),
+                                 cu_seqlens_q=cu_seqlens_q.to(**to),
+                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(**to))
+        return _Batch(ids.to(**to), pos.to(**to), meta, logits_rows.long().to(**to))
+
+    def _check_ranges(self, ids: torch.Tensor, block_tables: torch.Tensor) -> None:
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if bad.any():
+            token = int(ids[bad.nonzero()[0, 0]])
+            raise ValueError(f"token id {token} is outside the vocabulary (size {self.vocab_size})")
+        if int(block_tables.min()) < 0 or int(block_tables.max()) >= self.num_kv_blocks:
+            raise ValueError(f"block table refers to a block outside 0..{self.num_kv_blocks - 1}")
+
+    # ---- block moves ----------------------------------------------------
+
+    def copy_blocks(self, pairs: Sequence[Tuple[int, int]]) -> None:
+        """Copy-on-write: device block src -> dst, K and V of every layer."""
+        if pairs:
+            src, dst = _pair_index(pairs, self.num_kv_blocks, self.num_kv_blocks, self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def swap_out(self, pairs: Sequence[Tuple[int, int]]) -> None:
+        """Device block src -> host block dst."""
+        if pairs:
+            src, dst = _pair_index(pairs, self.num_kv_blocks, self._swap_blocks(), "cpu")
+            self.swap_cache[:, :, dst] = self.kv_cache[:, :, src.to(self.device)].to("cpu")
+
+    def swap_in(self, pairs: Sequence[Tuple[int, int]]) -> None:
+        """Host block src -> device block dst."""
+        if pairs:
+            src, dst = _pair_index(pairs, self._swap_blocks(), self.num_kv_blocks, self.device)
+            self.kv_cache[:, :, dst] = self.swap_cache[:, :, src.cpu()].to(self.device, non_blocking=True)
+
+    def _swap_blocks(self) -> int:
+        if self.swap_cache is None:
+            raise ValueError("no swap space: set swap_space_blocks > 0 to swap blocks to the host")
+        return self.num_swap_blocks
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _max_model_len(requested: Optional[int], model_limit: int) -> int:
+    if requested is None:
+        return model_limit
+    if not 0 < requested <= model_limit:
+        raise ValueError(f"max_model_len={requested} must be between 1 and the model's "
+                         f"{model_limit} positions")
+    return requested
+
+
+def _pair_index(pairs: Sequence[Tuple[int, int]], src_blocks: int, dst_blocks: int,
+                device) -> Tuple[torch.Tensor, torch.Tensor]:
+    index = torch.tensor(pairs, dtype=torch.long).view(-1, 2)
+    src, dst = index[:, 0], index[:, 1]
+    if src.min() < 0 or src.max() >= src_blocks or dst.min() < 0 or dst.max() >= dst_blocks:
+        raise ValueError(f"block pair outside the caches ({src_blocks} source, {dst_blocks} "
+                         f"destination blocks): {list(pairs)}")
+    return src.to(device), dst.to(device)
+
+
+def _eos_token_ids(path: pathlib.Path, hf_config: dict, tokenizer) -> Set[int]:
+    values = [hf_config.get("eos_token_id"), tokenizer.eos_token_id]
+    generation_config = path / "generation_config.json"
+    if generation_config.is_file():
+        values.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    ids: Set[int] = set()
+    for value in values:
+        if value is not None:
+            ids.update(value if isinstance(value, list) else [value])
+    return {int(i) for i in ids}
+
+
+def _read_safetensors(path: pathlib.Path) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint (one file or the shards its index lists)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
