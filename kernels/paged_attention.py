@@ -38,10 +38,14 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    decodes = [s for s in range(len(lens)) if cu[s + 1] - cu[s] == 1]
+    if len(decodes) > 1:
+        _decode_batch(q, k_cache, v_cache, block_tables, cu, seq_lens, decodes, scale, out)
+    done = set(decodes) if len(decodes) > 1 else set()
     for s, kv_len in enumerate(lens):
         q_start, q_end = cu[s], cu[s + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len == 0 or s in done:
             continue
         n_blocks = (kv_len + block_size - 1) // block_size
         blocks = block_tables[s, :n_blocks].long()
@@ -219,3 +223,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DIM=max(16, triton.next_power_of_2(head_dim)), LOWP_DOT=_half_precision_dot(q),
     )
     return out
+
+
+def _decode_batch(q, k_cache, v_cache, block_tables, cu, seq_lens, seqs, scale, out) -> None:
+    """All single-token queries at once: gather their blocks into a padded
+    ``[seqs, max_len]`` view and mask the padding (one query sees every key)."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // num_kv_heads
+    idx = torch.tensor(seqs, device=q.device)
+    rows = torch.tensor([cu[s] for s in seqs], device=q.device)
+    lens = seq_lens[idx].long()
+    n_blocks = (int(lens.max()) + block_size - 1) // block_size
+    tables = block_tables[idx, :n_blocks].long().clamp_(min=0)
+    k = k_cache[tables].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
+    v = v_cache[tables].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
+    qs = q[rows].float().view(len(seqs), num_kv_heads, group, head_dim)
+    scores = torch.einsum("nkgd,nlkd->nkgl", qs, k) * scale
+    pad = torch.arange(k.shape[1], device=q.device).unsqueeze(0) >= lens.unsqueeze(1)
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    v.masked_fill_(pad[:, :, None, None], 0.0)  # padding may hold anything, even NaN
+    probs = torch.softmax(scores, dim=-1)
+    out[rows] = torch.einsum("nkgl,nlkd->nkgd", probs, v).reshape(len(seqs), -1, head_dim).to(out.dtype)
