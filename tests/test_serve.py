@@ -1,0 +1,232 @@
+"""The server launcher: tritonserver found, backend stub prepared, settings parsed,
+a server started on free loopback ports and stopped with nothing left behind."""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from pagedbackend.config import EngineConfig
+from pagedbackend.serve import (ServerError, TritonServer, engine_config, find_tritonserver,
+                                group_members, make_model_repository, prepare_backend,
+                                read_parameters, server_command, triton_home)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+ECHO_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] } ]
+output [ { name: "text_output", data_type: TYPE_STRING, dims: [ 1 ] } ]
+instance_group [ { count: 1, kind: KIND_CPU } ]
+"""
+ECHO_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+import pagedbackend.config  # the venv's packages are importable from the stub
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        {init}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0]
+            out = np.array([b"echo:" + text], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", out)]))
+        return responses
+"""
+
+
+def write_echo_repository(root: pathlib.Path, init: str = "pass") -> pathlib.Path:
+    model = root / "echo"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(ECHO_CONFIG)
+    (model / "1" / "model.py").write_text(ECHO_MODEL.replace("{init}", init))
+    return root
+
+
+def listening_addresses(port: int) -> set:
+    """Local addresses listening on ``port`` (hex, as in /proc/net/tcp*)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in pathlib.Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+def processes_mentioning(text: str) -> list:
+    """Ids of live processes whose command line contains ``text``."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def echo(server: TritonServer, text: str) -> str:
+    body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [text]}]}
+    request = urllib.request.Request(f"{server.http_url}/v2/models/echo/infer",
+                                     data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return json.loads(reply.read())["outputs"][0]["data"][0]
+
+
+def test_find_tritonserver_returns_the_bundled_executable():
+    binary = find_tritonserver()
+    assert binary.name == "tritonserver" and os.access(binary, os.X_OK)
+    assert binary.is_relative_to(triton_home())
+
+
+def test_prepare_backend_places_this_pythons_stub_next_to_the_backend_once():
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    source = triton_home() / "python_backend_stubs" / version / "triton_python_backend_stub"
+
+    stub = prepare_backend()
+    first_mtime = stub.stat().st_mtime_ns
+    again = prepare_backend()
+
+    assert stub.parent == triton_home() / "backends" / "python"
+    assert (stub.parent / "libtriton_python.so").is_file()
+    assert stub.read_bytes() == source.read_bytes() and os.access(stub, os.X_OK)
+    assert again == stub and stub.stat().st_mtime_ns == first_mtime  # not copied twice
+
+
+def test_server_command_binds_every_endpoint_to_loopback_with_the_cpu_flags():
+    command = server_command("model_repository", 18000, 18001, 18002)
+
+    for flag in ("--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
+                 "--http-port=18000", "--grpc-port=18001", "--metrics-port=18002",
+                 "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
+                 "--cuda-memory-pool-byte-size=0:0"):
+        assert flag in command
+    assert f"--model-repository={(pathlib.Path('model_repository')).resolve()}" in command
+
+
+def test_engine_config_reads_typed_parameters_and_environment_overrides():
+    parameters = {"model": {"string_value": "/models/x"}, "num_kv_blocks": {"string_value": "64"},
+                  "enable_prefix_caching": {"string_value": "false"}, "watermark": "0.05",
+                  "max_model_len": {"string_value": ""}, "EXECUTION_ENV_PATH": {"string_value": "/env"}}
+    environ = {"PAGEDBACKEND_NUM_KV_BLOCKS": "32", "PAGEDBACKEND_DTYPE": "bfloat16",
+               "PAGEDBACKEND_CACHE": "/not/a/setting"}
+
+    config = engine_config(parameters, environ)
+
+    assert config == EngineConfig(model="/models/x", num_kv_blocks=32, enable_prefix_caching=False,
+                                  watermark=0.05, max_model_len=None, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"num_kv_blokcs": "64"}, "unknown engine setting(s): num_kv_blokcs"),
+    ({"num_kv_blocks": "many"}, "num_kv_blocks: expected int"),
+    ({"enable_prefix_caching": "perhaps"}, "enable_prefix_caching: expected bool"),
+])
+def test_engine_config_names_a_bad_setting(parameters, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        engine_config(parameters, {})
+
+
+def test_shipped_config_parses_into_an_engine_config():
+    text = (REPO / "model_repository" / "paged_llm" / "config.pbtxt").read_text()
+
+    config = engine_config(read_parameters(text), {})
+
+    assert config.model == "default" and config.max_num_seqs == 64 and config.num_kv_blocks > 0
+
+
+def test_make_model_repository_replaces_and_adds_parameters(tmp_path):
+    repo = make_model_repository(tmp_path, {"num_kv_blocks": 48, "model": "/m", "seed": 5,
+                                            "enable_prefix_caching": False})
+
+    params = read_parameters((repo / "paged_llm" / "config.pbtxt").read_text())
+    assert (repo / "paged_llm" / "1" / "model.py").is_file()
+    assert params["num_kv_blocks"] == "48" and params["model"] == "/m"
+    assert params["seed"] == "5" and params["enable_prefix_caching"] == "false"
+    assert params["max_num_seqs"] == "64"  # untouched entries stay
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_server_starts_on_free_loopback_ports_and_stops_without_orphans(tmp_path):
+    repo = write_echo_repository(tmp_path / "repo")
+
+    with TritonServer(repo, ready_timeout_s=60) as server:
+        answer = echo(server, "hi")
+        ports = [int(url.rsplit(":", 1)[1].split("/")[0])
+                 for url in (server.http_url, server.grpc_url, server.metrics_url)]
+        bound = [listening_addresses(port) for port in ports]
+        group = server.process.pid
+        assert group_members(group)  # tritonserver and its Python stub
+        assert "nv_inference_request_success" in server.metrics()
+
+    assert answer == "echo:hi"
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::ffff:127.0.0.1
+    assert all(addresses and addresses <= loopback for addresses in bound)
+    assert group_members(group) == [] and processes_mentioning(str(repo)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_model_that_fails_to_load_is_reported_with_the_server_log(tmp_path):
+    repo = write_echo_repository(tmp_path / "repo", init='raise RuntimeError("weights are missing")')
+    server = TritonServer(repo, ready_timeout_s=60)
+
+    with pytest.raises(ServerError, match="weights are missing"):
+        server.start()
+
+    assert server.process is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_serve_cli_prints_the_urls_and_exits_cleanly_on_sigterm(tmp_path):
+    repo = write_echo_repository(tmp_path / "repo")
+    from pagedbackend.serve import free_port
+    ports = [str(free_port()) for _ in range(3)]
+    command = [sys.executable, "-m", "pagedbackend.serve", "--model-repository", str(repo),
+               "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        lines, deadline = [], time.monotonic() + 60
+        while time.monotonic() < deadline and not any(l.startswith("ready:") for l in lines):
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        ready = [l for l in lines if l.startswith("ready:")]
+
+        process.send_signal(signal.SIGTERM)
+        status = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+    assert ready and f"http://127.0.0.1:{ports[0]}" in ready[0] and f"127.0.0.1:{ports[1]}" in ready[0]
+    assert status == 0
+    assert processes_mentioning(str(repo)) == []
+
+
+@pytest.mark.timeout(120)
+def test_serve_cli_refuses_a_missing_model_folder(tmp_path):
+    repo = make_model_repository(tmp_path, {"model": str(tmp_path / "absent")})
+
+    done = subprocess.run([sys.executable, "-m", "pagedbackend.serve", "--model-repository", str(repo),
+                           "--prepare-only"], cwd=REPO, capture_output=True, text=True, timeout=100)
+
+    assert done.returncode == 1
+    assert "absent does not exist" in done.stderr
