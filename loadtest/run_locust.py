@@ -1,0 +1,129 @@
+"""A short headless locust run against a tritonserver this command starts.
+
+    python -m loadtest.run_locust --out results/loadtest [--model default] \
+        [--users 4] [--run-time 30s] [--max-requests 40] [--workload alpaca] \
+        [--protocol grpc|http|both] [--arrival closed|poisson --rate 2]
+
+Writes ``summary.json`` and ``summary.csv`` (p50/p90/p99 of time to first
+token, time per output token, inter-token latency and end-to-end latency,
+request and token throughput, failures) plus locust's own CSV files. Exits
+non-zero if any request failed.
+"""
+import argparse
+import csv
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+LOCUSTFILE = pathlib.Path(__file__).with_name("locustfile.py")
+METRICS = ("ttft", "tpot", "itl", "e2e")
+
+
+def run_locust(http_url: str, grpc_url: str, out_dir, users: int = 4, run_time: str = "30s",
+               max_requests: int = 40, workload: str = "alpaca", protocol: str = "grpc",
+               arrival: str = "closed", rate: float = 1.0, algorithm: str = "greedy",
+               max_output_tokens: int = 32, tokenizer: str = "", timeout: float = 900) -> dict:
+    """Run locust headless against a running server and summarise its CSV output."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    classes = {"grpc": ["GrpcStreamUser"], "http": ["HttpStreamUser"],
+               "both": ["GrpcStreamUser", "HttpStreamUser"]}[protocol]
+    users = max(users, len(classes))
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *classes, "--headless",
+           "-u", str(users), "-r", str(users), "--run-time", run_time, "--stop-timeout", "120",
+           "--csv", str(out / "locust"), "--host", http_url, "--grpc-url", grpc_url,
+           "--workload", workload, "--algorithm", algorithm, "--arrival", arrival, "--rate", str(rate),
+           "--max-requests", str(max_requests), "--max-output-tokens", str(max_output_tokens),
+           "--only-summary", "--loglevel", "WARNING"]
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
+    env = {**os.environ, "PYTHONPATH": str(LOCUSTFILE.parent.parent)}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    seconds = time.perf_counter() - start
+    (out / "locust.log").write_text(proc.stdout + proc.stderr)
+    summary = summarise(out / "locust_stats.csv", seconds)
+    summary.update(command=" ".join(cmd[1:]), locust_exit_code=proc.returncode, workload=workload,
+                   protocol=protocol, users=users, arrival=arrival,
+                   rate=rate if arrival == "poisson" else None)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    with open(out / "summary.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["metric", "count", "p50_ms", "p90_ms", "p99_ms", "mean_ms"])
+        for name in METRICS:
+            m = summary["metrics"].get(name)
+            if m:
+                writer.writerow([name, m["count"], m["p50_ms"], m["p90_ms"], m["p99_ms"], m["mean_ms"]])
+    return summary
+
+
+def summarise(stats_csv, seconds: float) -> dict:
+    rows = {}
+    with open(stats_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            rows[(row["Type"], row["Name"])] = row
+    metrics = {}
+    for name in METRICS:
+        row = rows.get(("metric", name))
+        if row and int(row["Request Count"]):
+            metrics[name] = {"count": int(row["Request Count"]), "p50_ms": float(row["50%"]),
+                             "p90_ms": float(row["90%"]), "p99_ms": float(row["99%"]),
+                             "mean_ms": float(row["Average Response Time"])}
+    requests = [r for (kind, name), r in rows.items() if name == "request" and kind != "metric"]
+    done = sum(int(r["Request Count"]) - int(r["Failure Count"]) for r in requests)
+    failures = sum(int(r["Failure Count"]) for r in requests)
+    e2e = rows.get(("metric", "e2e"))
+    tokens = float(e2e["Average Content Size"]) * int(e2e["Request Count"]) if e2e else 0.0
+    # Rates over locust's own test window (excludes start-up of the locust process).
+    rate = float(e2e["Requests/s"]) if e2e else 0.0
+    return {"metrics": metrics, "requests": done, "failures": failures, "seconds": round(seconds, 2),
+            "requests_per_s": rate, "output_tokens": int(tokens),
+            "output_tokens_per_s": rate * float(e2e["Average Content Size"]) if e2e else 0.0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.run_locust", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/loadtest")
+    ap.add_argument("--model", default="default", help="'default', 'tiny' or a model folder")
+    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--run-time", default="60s")
+    ap.add_argument("--max-requests", type=int, default=24)
+    ap.add_argument("--max-output-tokens", type=int, default=32)
+    ap.add_argument("--workload", default="alpaca")
+    ap.add_argument("--algorithm", default="greedy")
+    ap.add_argument("--protocol", default="both", choices=["grpc", "http", "both"])
+    ap.add_argument("--arrival", default="closed", choices=["closed", "poisson"])
+    ap.add_argument("--rate", type=float, default=1.0)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="engine setting for the served model (repeatable)")
+    args = ap.parse_args(argv)
+
+    from loadtest.bench.common import bench_model
+    from pagedbackend.serve import TritonServer, make_model_repository
+    settings = dict(s.split("=", 1) for s in args.set)
+    settings["model"] = bench_model(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = make_model_repository(pathlib.Path(tmp) / "repo", settings)
+        with TritonServer(repo) as server:
+            print(f"server ready: {server.http_url} / {server.grpc_url}; running locust ...", flush=True)
+            summary = run_locust(server.http_url, server.grpc_url, args.out, users=args.users,
+                                 run_time=args.run_time, max_requests=args.max_requests,
+                                 workload=args.workload, protocol=args.protocol, arrival=args.arrival,
+                                 rate=args.rate, algorithm=args.algorithm,
+                                 max_output_tokens=args.max_output_tokens)
+    for name, m in summary["metrics"].items():
+        print(f"{name:5s} n={m['count']:5d}  p50 {m['p50_ms']:8.1f} ms  p90 {m['p90_ms']:8.1f} ms  "
+              f"p99 {m['p99_ms']:8.1f} ms")
+    print(f"{summary['requests']} requests, {summary['failures']} failures, "
+          f"{summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tokens/s; "
+          f"summary in {args.out}/summary.json")
+    return 1 if summary["failures"] or not summary["requests"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

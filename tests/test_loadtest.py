@@ -1,0 +1,35 @@
+"""A short locust run against a real tritonserver: every request succeeds and
+every latency metric is reported."""
+import json
+import pathlib
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    from pagedbackend.serve import TritonServer, make_model_repository
+    repo = make_model_repository(tmp_path_factory.mktemp("repo"),
+                                 {"model": str(tiny_model_dir), "num_kv_blocks": 128, "max_num_seqs": 16})
+    with TritonServer(repo) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("arrival", ["closed", "poisson"])
+def test_short_locust_run_over_grpc_and_http_has_no_failures(server, tmp_path, tiny_model_dir, arrival):
+    from loadtest.run_locust import run_locust
+    summary = run_locust(server.http_url, server.grpc_url, tmp_path, users=4, run_time="40s",
+                         max_requests=10, workload="alpaca", protocol="both", arrival=arrival, rate=4.0,
+                         max_output_tokens=12, tokenizer=str(tiny_model_dir), timeout=300)
+    assert summary["failures"] == 0, (tmp_path / "locust.log").read_text()[-3000:]
+    assert summary["requests"] == 10
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        m = summary["metrics"][name]
+        assert m["count"] > 0 and 0 < m["p50_ms"] <= m["p90_ms"] <= m["p99_ms"]
+    assert summary["metrics"]["e2e"]["p50_ms"] >= summary["metrics"]["ttft"]["p50_ms"]
+    assert summary["output_tokens"] > 0 and summary["output_tokens_per_s"] > 0
+    saved = json.loads((pathlib.Path(tmp_path) / "summary.json").read_text())
+    assert saved["metrics"].keys() == summary["metrics"].keys()
+    assert (pathlib.Path(tmp_path) / "summary.csv").read_text().startswith("metric,count,p50_ms")
