@@ -333,3 +333,22 @@ def test_engine_settings_are_checked():
         EngineConfig(block_size=24)
     with pytest.raises(TypeError, match="unknown engine setting"):
         EngineConfig.from_kwargs(blocksize=16)
+
+
+def test_an_engine_failure_reaches_every_open_stream_and_refuses_new_requests(tiny_model_dir):
+    """A device fault cannot be caused on purpose here, so the runner's forward is
+    replaced by one that raises (the only stand-in in this file)."""
+    from pagedbackend import AsyncLLMEngine
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
+    try:
+        def broken(entries):
+            raise RuntimeError("device lost")
+        engine.engine.runner.execute_model = broken
+        stream = engine.add_request("f", "Hello", GREEDY)
+        final = list(stream)[-1]
+        assert final.finished and "device lost" in final.error
+        with pytest.raises(RuntimeError, match="engine has failed"):
+            engine.add_request("g", "Hello", GREEDY)
+        assert not engine.is_alive()
+    finally:
+        engine.shutdown()
