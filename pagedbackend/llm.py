@@ -17,6 +17,18 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers, if any (also done when the LLM is garbage-collected)."""
+        stop = getattr(self.engine.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
                  use_tqdm: bool = False) -> List[RequestOutput]:

@@ -39,11 +39,20 @@ class SeqEntry:
 
 
 @dataclass
-class _Batch:
+class StepBatch:
+    """One step's flat batch; ``logits_rows``: rows whose logits are returned."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor
+
+    def to(self, device: torch.device) -> "StepBatch":
+        to = dict(device=device, non_blocking=True)
+        meta = self.meta
+        return StepBatch(self.input_ids.to(**to), self.positions.to(**to), AttentionMetadata(
+            slot_mapping=meta.slot_mapping.to(**to), block_tables=meta.block_tables.to(**to),
+            cu_seqlens_q=meta.cu_seqlens_q.to(**to), seq_lens=meta.seq_lens.to(**to)),
+            self.logits_rows.to(**to))
 
 
 class ModelRunner:
@@ -79,10 +88,9 @@ class ModelRunner:
             raise ValueError(f"block_size must be positive, got {self.config.block_size}")
         self.block_size = self.config.block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
-        # K and V, every layer, this rank's KV heads.
         block_shape = (self.block_size, self.model.num_kv_heads, args.head_dim)
-        self.kv_bytes_per_block = 2 * args.num_layers * self.block_size * \
-            self.model.num_kv_heads * args.head_dim * elem
+        self.kv_bytes_per_block = kv_block_bytes(args, self.block_size, self.model.num_kv_heads,
+                                                 self.dtype)
         self.num_kv_blocks = self.config.num_kv_blocks
         if self.num_kv_blocks is None:
             self.num_kv_blocks = self.config.kv_cache_bytes // self.kv_bytes_per_block
@@ -110,13 +118,21 @@ class ModelRunner:
     def execute_model(self, entries: Sequence[SeqEntry]) -> torch.Tensor:
         """Run one step; float32 logits ``[entries needing logits, vocab]`` of
         each such entry's last token, in entry order."""
-        batch = self._prepare(entries)
+        return self.execute_batch(self.prepare(entries))
+
+    def execute_batch(self, batch: StepBatch, compute_logits: bool = True) -> Optional[torch.Tensor]:
+        """The forward pass of a prepared batch (host or device tensors); with
+        ``compute_logits=False`` it only fills the KV cache (a worker rank)."""
+        batch = batch.to(self.device)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            if not compute_logits:
+                return None
             logits = self.model.compute_logits(hidden[batch.logits_rows])
         return logits.float()
 
-    def _prepare(self, entries: Sequence[SeqEntry]) -> _Batch:
+    def prepare(self, entries: Sequence[SeqEntry]) -> StepBatch:
+        """Check the entries and build the flat batch as host tensors."""
         if not entries:
             raise ValueError("execute_model needs at least one entry")
         bs = self.block_size
@@ -153,11 +169,10 @@ class ModelRunner:
         cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
         logits_rows = (cu_seqlens_q[1:] - 1)[torch.tensor([e.need_logits for e in entries])]
 
-        to = dict(device=self.device, non_blocking=True)
-        meta = AttentionMetadata(slot_mapping=slots.to(**to), block_tables=block_tables.to(**to),
-                                 cu_seqlens_q=cu_seqlens_q.to(**to),
-                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(**to))
-        return _Batch(ids.to(**to), pos.to(**to), meta, logits_rows.long().to(**to))
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
+                                 cu_seqlens_q=cu_seqlens_q,
+                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+        return StepBatch(ids, pos, meta, logits_rows.long())
 
     def _check_ranges(self, ids: torch.Tensor, block_tables: torch.Tensor) -> None:
         bad = (ids < 0) | (ids >= self.vocab_size)
@@ -197,6 +212,12 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def kv_block_bytes(args: LlamaArgs, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block on one rank: K and V, every layer, the rank's KV heads."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * args.num_layers * block_size * num_kv_heads * args.head_dim * elem
 
 
 def _max_model_len(requested: Optional[int], model_limit: int) -> int:

@@ -88,9 +88,8 @@ class ColumnParallelLinear(nn.Module):
 class QKVParallelLinear(ColumnParallelLinear):
     """Merged q/k/v projection split by attention heads.
 
-    Query heads divide evenly across ranks. KV heads divide evenly too, or, when
-    there are fewer KV heads than ranks, each KV head is replicated on
-    ``tp_size / num_kv_heads`` consecutive ranks.
+    Each rank takes whole KV heads with the query heads that read them (see
+    ``kv_heads_of_rank``), so every rank runs ordinary GQA on its share.
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
@@ -104,34 +103,60 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def rank_slice(self, shard: int, full_size: int) -> Tuple[int, int]:
         if shard == 0:
-            start, heads = even_split(self.total_heads, self.tp_rank, self.tp_size, "num_attention_heads")
+            start, heads = query_heads_of_rank(self.total_heads, self.total_kv_heads,
+                                               self.tp_rank, self.tp_size)
         else:
             start, heads = kv_heads_of_rank(self.total_kv_heads, self.tp_rank, self.tp_size)
         return start * self.head_dim, heads * self.head_dim
 
 
 def kv_heads_of_rank(num_kv_heads: int, tp_rank: int, tp_size: int) -> Tuple[int, int]:
-    """(first KV head, KV head count) held by ``tp_rank``."""
+    """(first KV head, KV head count) held by ``tp_rank``.
+
+    With at least as many KV heads as ranks, each rank holds whole KV heads, as
+    evenly as they divide: when ``tp_size`` does not divide ``num_kv_heads`` the
+    first ``num_kv_heads % tp_size`` ranks hold one more (9 query / 3 KV heads on
+    2 ranks: 6 / 2 on rank 0, 3 / 1 on rank 1), so rank 0 holds the largest KV
+    share. With fewer KV heads than ranks, each KV head is replicated on
+    ``tp_size / num_kv_heads`` consecutive ranks, which split its query heads.
+    """
     if num_kv_heads >= tp_size:
-        return even_split(num_kv_heads, tp_rank, tp_size, "num_key_value_heads")
+        base, extra = divmod(num_kv_heads, tp_size)
+        return tp_rank * base + min(tp_rank, extra), base + (tp_rank < extra)
     if tp_size % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size ({tp_size}) must divide or be a multiple of "
-                         f"num_key_value_heads ({num_kv_heads})")
+        raise ValueError(f"tensor_parallel_size ({tp_size}) exceeds num_key_value_heads "
+                         f"({num_kv_heads}) and is not a multiple of it")
     return tp_rank // (tp_size // num_kv_heads), 1
+
+
+def query_heads_of_rank(num_heads: int, num_kv_heads: int, tp_rank: int,
+                        tp_size: int) -> Tuple[int, int]:
+    """(first query head, query head count) of ``tp_rank``: the query heads of its KV heads."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads ({num_heads}) is not a multiple of "
+                         f"num_key_value_heads ({num_kv_heads})")
+    if num_kv_heads >= tp_size:
+        group = num_heads // num_kv_heads
+        start, count = kv_heads_of_rank(num_kv_heads, tp_rank, tp_size)
+        return start * group, count * group
+    return even_split(num_heads, tp_rank, tp_size, "num_attention_heads")
 
 
 class RowParallelLinear(nn.Module):
     """``y = reduce(x_rank W_rank^T) + b`` with W's input columns split across ranks.
 
-    The bias is added once, after the reduction.
+    The bias is added once, after the reduction. ``in_slice`` (start, length)
+    overrides the even split of the input features (attention heads split
+    unevenly, see ``kv_heads_of_rank``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1, reduce: Optional[Reduce] = None,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None,
+                 in_slice: Optional[Tuple[int, int]] = None):
         super().__init__()
         self.in_features = in_features
-        self.in_start, in_per_rank = even_split(in_features, tp_rank, tp_size, "input size")
+        self.in_start, in_per_rank = in_slice or even_split(in_features, tp_rank, tp_size, "input size")
         self.reduce = reduce or (_identity if tp_size == 1 else all_reduce_sum)
         self.weight = _empty(out_features, in_per_rank, dtype=dtype)
         self.bias = _empty(out_features, dtype=dtype) if bias else None

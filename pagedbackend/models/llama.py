@@ -5,7 +5,10 @@ RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head (tied or not).
 
 Tensor parallelism: q/k/v and gate/up are column-parallel (heads and
 intermediate features split across ranks), o_proj and down_proj row-parallel
-with one reduction each. The embedding and LM head stay replicated. Parameter
+with one reduction each. A rank holds whole KV heads and the query heads that
+read them (``kv_heads_of_rank``: uneven shares when the ranks do not divide the
+KV heads, replicated KV heads when there are fewer KV heads than ranks). The
+embedding and LM head stay replicated; only rank 0 computes logits. Parameter
 names follow Hugging Face after merging q/k/v into ``qkv_proj`` and gate/up
 into ``gate_up_proj``; ``load_weights`` takes the original HF tensors.
 """
@@ -94,7 +97,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = args.head_dim
         self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size, False,
-                                        tp_rank, tp_size, reduce, dtype)
+                                        tp_rank, tp_size, reduce, dtype,
+                                        in_slice=self.qkv_proj.rank_slices[0])
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, args.head_dim,
                                    args.head_dim ** -0.5, *ops)

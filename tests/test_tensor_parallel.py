@@ -1,0 +1,243 @@
+"""Tensor parallelism over two CPU ranks (gloo): the same tokens as one rank,
+through preemption too; workers start and stop with the engine, leave no
+process behind, and a dead worker makes generation fail at once, naming it."""
+import gc
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from pagedbackend import LLM, SamplingParams
+from pagedbackend.async_engine import AsyncLLMEngine
+from pagedbackend.config import EngineConfig
+from pagedbackend.model_runner import SeqEntry
+from pagedbackend.models.linear import (QKVParallelLinear, RowParallelLinear, kv_heads_of_rank,
+                                        query_heads_of_rank)
+from pagedbackend.parallel import (COPY, MESSAGE_LEN, SWAP_IN, SWAP_OUT, TensorParallelError,
+                                   pack_step, synthetic_decode_batch, unpack_step)
+
+CPU = dict(device="cpu", attention_backend="torch")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_prompts(n, seed=0, low=3, high=60):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (n,), generator=g).tolist()
+    return [torch.randint(100, 40000, (k,), generator=g).tolist() for k in lengths]
+
+
+def token_ids(outputs):
+    return [[o.token_ids for o in out.outputs] for out in outputs]
+
+
+def alive(pid):
+    """Running (a zombie nobody has reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def still_alive(pids, within=10.0):
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def port_is_free(port):
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        except OSError:
+            return False
+    return True
+
+
+PROMPTS = make_prompts(8, seed=1)
+BEAM = SamplingParams(temperature=0.0, max_tokens=12, n=2, use_beam_search=True)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir):
+    """Greedy outputs of PROMPTS and a beam search, on one rank."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # several times faster than 2 on a busy 2-core machine
+    try:
+        llm = LLM(str(tiny_model_dir), num_kv_blocks=256, **CPU)
+        return token_ids(llm.generate(PROMPTS, GREEDY)), token_ids(llm.generate(PROMPTS[:2], BEAM))
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- splitting ------------------------------------------------------------
+
+def test_kv_heads_are_shared_out_whole_with_the_extra_ones_on_the_first_ranks():
+    # SmolLM2: 9 query heads / 3 KV heads on 2 ranks.
+    assert [kv_heads_of_rank(3, r, 2) for r in range(2)] == [(0, 2), (2, 1)]
+    assert [query_heads_of_rank(9, 3, r, 2) for r in range(2)] == [(0, 6), (6, 3)]
+    # Fewer KV heads than ranks: each is replicated, its query heads split.
+    assert [kv_heads_of_rank(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    with pytest.raises(ValueError, match="not a multiple"):
+        kv_heads_of_rank(2, 0, 3)
+
+
+def test_uneven_head_split_reassembles_the_full_attention_projections():
+    hidden, head_dim, heads, kv_heads = 16, 4, 9, 3
+    q, k, v = (torch.randn(n * head_dim, hidden) for n in (heads, kv_heads, kv_heads))
+    o = torch.randn(hidden, heads * head_dim)
+    x = torch.randn(5, hidden)
+    parts, partial_out = [], torch.zeros(5, hidden)
+    for rank in range(2):
+        layer = QKVParallelLinear(hidden, head_dim, heads, kv_heads, tp_rank=rank, tp_size=2)
+        for shard, weight in enumerate((q, k, v)):
+            layer.load(shard, "weight", weight)
+        parts.append(layer(x).split(layer.output_sizes_per_rank, dim=-1))
+        o_proj = RowParallelLinear(heads * head_dim, hidden, tp_rank=rank, tp_size=2,
+                                   reduce=lambda y: y, in_slice=layer.rank_slices[0])
+        o_proj.load("weight", o)
+        partial_out += o_proj(parts[-1][0])
+    for i, weight in enumerate((q, k, v)):
+        torch.testing.assert_close(torch.cat([p[i] for p in parts], dim=-1), x @ weight.T)
+    torch.testing.assert_close(partial_out, (x @ q.T) @ o.T, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(tiny_model_dir):
+    # 4 query heads / 2 KV heads cannot go over 3 ranks.
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        LLM(str(tiny_model_dir), tensor_parallel_size=3, num_kv_blocks=32, **CPU)
+    assert time.monotonic() - start < 2
+
+
+# ---- the step message -------------------------------------------------------
+
+@pytest.mark.parametrize("num_seqs, context, broadcasts", [(1, 40, 1), (64, 512, 1), (64, 2048, 2)])
+def test_step_message_round_trips_batch_and_block_moves(num_seqs, context, broadcasts):
+    batch = synthetic_decode_batch(num_seqs, context)
+    moves = [(SWAP_OUT, [(3, 0), (4, 1)]), (SWAP_IN, [(1, 7)]), (COPY, [(5, 6)])]
+    tensors = pack_step(batch, moves)
+    # Steps up to MESSAGE_LEN words travel as one broadcast, larger ones as two.
+    assert len(tensors) == broadcasts and tensors[0].numel() == MESSAGE_LEN
+    got, got_moves = unpack_step(tensors)
+    assert got_moves == moves
+    for name in ("input_ids", "positions"):
+        assert torch.equal(getattr(got, name), getattr(batch, name))
+    for name in ("slot_mapping", "block_tables", "cu_seqlens_q", "seq_lens"):
+        want, have = getattr(batch.meta, name), getattr(got.meta, name)
+        assert have.dtype == want.dtype and torch.equal(have, want)
+
+
+# ---- two ranks ----------------------------------------------------------------
+
+@pytest.mark.timeout(90)
+def test_two_ranks_generate_the_same_tokens_as_one(tiny_model_dir, one_rank):
+    greedy, beams = one_rank
+    with LLM(str(tiny_model_dir), tensor_parallel_size=2, num_kv_blocks=256, **CPU) as llm:
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == greedy
+        # Beam search forks sequences: copy-on-write block copies reach the worker.
+        assert token_ids(llm.generate(PROMPTS[:2], BEAM)) == beams
+        assert llm.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forced_preemption_under_two_ranks_keeps_the_tokens(tiny_model_dir, one_rank, mode):
+    greedy, _ = one_rank
+    # 8 sequences of up to ~76 tokens need ~45 blocks of 8; 14 blocks force preemption.
+    with LLM(str(tiny_model_dir), tensor_parallel_size=2, num_kv_blocks=14, block_size=8,
+             preemption_mode=mode, swap_space_blocks=64 if mode == "swap" else 0, **CPU) as llm:
+        outs = token_ids(llm.generate(PROMPTS, GREEDY))
+        stats = llm.engine.get_stats()
+    assert (stats.num_swap_preemptions if mode == "swap" else stats.num_recompute_preemptions) > 0
+    assert outs == greedy
+
+
+@pytest.mark.timeout(60)
+def test_engine_shutdown_stops_the_workers_and_frees_the_port(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, num_kv_blocks=32, **CPU)
+    engine = AsyncLLMEngine(config)   # what the Triton model's initialize / finalize use
+    try:
+        pids, port = engine.engine.runner.worker_pids, engine.engine.runner.master_port
+        assert len(pids) == 1 and alive(pids[0])
+        deltas = list(engine.add_request("r0", "Hello", SamplingParams(max_tokens=4, temperature=0.0)))
+        assert deltas[-1].finished and deltas[-1].error is None
+        assert sum(len(d.outputs[0].token_ids) for d in deltas) == 4
+    finally:
+        engine.shutdown()
+    assert still_alive(pids) == []
+    assert port_is_free(port)
+    with pytest.raises(TensorParallelError, match="shut down"):
+        engine.engine.runner.execute_model([SeqEntry([5, 6], 0, [0])])
+
+
+@pytest.mark.timeout(60)
+def test_a_garbage_collected_engine_leaves_no_worker(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, num_kv_blocks=32, **CPU)
+    pids = llm.engine.runner.worker_pids
+    del llm
+    gc.collect()
+    assert still_alive(pids) == []
+
+
+@pytest.mark.timeout(60)
+def test_workers_exit_when_their_parent_is_killed(tiny_model_dir):
+    script = (f"import json, time\nfrom pagedbackend import LLM\n"
+              f"llm = LLM({str(tiny_model_dir)!r}, tensor_parallel_size=2, num_kv_blocks=32, "
+              f"device='cpu', attention_backend='torch')\n"
+              f"print(json.dumps(llm.engine.runner.worker_pids), flush=True)\ntime.sleep(60)\n")
+    env = dict(os.environ, PYTHONPATH=REPO, HF_HUB_OFFLINE="1")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, cwd=REPO)
+    try:
+        pids = json.loads(parent.stdout.readline())
+        assert pids and all(alive(p) for p in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert still_alive(pids) == []
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_killed_mid_run_makes_generate_raise_naming_its_rank(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, num_kv_blocks=64, **CPU)
+    (pid,), port = llm.engine.runner.worker_pids, llm.engine.runner.master_port
+
+    def kill_after_a_few_steps():
+        deadline = time.monotonic() + 30
+        while llm.engine.stats.num_steps < 3 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_after_a_few_steps)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL"):
+        llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
+    assert time.monotonic() - start < 20
+    killer.join()
+    assert port_is_free(port)
+    with pytest.raises(TensorParallelError, match="rank 1"):   # it stays failed, no hang
+        llm.generate(PROMPTS[:1], GREEDY)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_default_model_on_two_ranks_generates_the_same_tokens_as_one(default_model_dir):
+    # 9 query / 3 KV heads: rank 0 holds 2 KV heads, rank 1 holds 1.
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    one = token_ids(LLM("default", num_kv_blocks=64, **CPU).generate(prompts, params))
+    gc.collect()
+    with LLM("default", tensor_parallel_size=2, num_kv_blocks=64, **CPU) as llm:
+        assert token_ids(llm.generate(prompts, params)) == one
