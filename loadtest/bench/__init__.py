@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m loadtest.bench NAME [options]``; ``--help`` lists them."""

@@ -1,0 +1,68 @@
+"""``python -m loadtest.bench NAME [options]``; ``NAME --help`` for its options.
+``python -m loadtest.bench all --quick [--out DIR]`` runs every benchmark small."""
+import importlib
+import sys
+import time
+import traceback
+
+BENCHMARKS = {
+    "memory": "KV position utilisation: paged vs Orca Max/Pow2/Oracle reservation (Fig. 2)",
+    "capacity": "sustainable request rate and batch size under one KV budget (Figs. 12, 13)",
+    "blocksize": "block-size sweep; swap vs recompute preemption (Figs. 18, 19)",
+    "hf": "continuous batching vs Hugging Face generate with static batches",
+    "server": "the same workload through tritonserver vs the in-process engine",
+    "sharing": "KV memory saved by parallel sampling and beam search sharing (Fig. 15)",
+    "prefix": "prefix-cache speed-up on shared-prefix (1-shot, 5-shot) workloads (Fig. 16)",
+    "overhead": "scheduler time per step outside the model forward",
+}
+
+# Small settings for `all --quick` (benchmarks without a --quick flag of their own).
+QUICK_ARGS = {
+    "sharing": ["--requests", "2", "--widths", "2", "--max-output", "16"],
+    "prefix": ["--model", "tiny", "--requests", "4"],
+    "overhead": ["--seqs", "32", "--steps", "5"],
+}
+
+
+def run_all(argv) -> int:
+    """Every benchmark in turn; one that fails is reported and the rest still run."""
+    quick = "--quick" in argv
+    passed = [a for a in argv if a != "--quick"]
+    failed = []
+    for name in BENCHMARKS:
+        args = list(passed)
+        if quick:
+            args = QUICK_ARGS.get(name, ["--quick"]) + args
+        print(f"== {name} {' '.join(args)}", flush=True)
+        start = time.perf_counter()
+        saved, sys.argv = sys.argv, [sys.argv[0], name, *args]   # the command each result records
+        try:
+            importlib.import_module(f"loadtest.bench.{name}").main(args)
+        except SystemExit as exc:   # argparse errors and deliberate exits
+            if exc.code not in (0, None):
+                failed.append(name)
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+        finally:
+            sys.argv = saved
+        print(f"== {name}: {time.perf_counter() - start:.0f} s", flush=True)
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+def main() -> None:
+    if len(sys.argv) >= 2 and sys.argv[1] == "all":
+        sys.exit(run_all(sys.argv[2:]))
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help") or sys.argv[1] not in BENCHMARKS:
+        print(__doc__.strip() + "\n")
+        for name, what in BENCHMARKS.items():
+            print(f"  {name:10s} {what}")
+        sys.exit(0 if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help") else 2)
+    # sys.argv stays whole: each result records "python -m loadtest.bench NAME ..." from it.
+    importlib.import_module(f"loadtest.bench.{sys.argv[1]}").main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()

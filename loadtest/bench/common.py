@@ -1,0 +1,62 @@
+"""Shared pieces of the benchmarks: result files, the machine description, models."""
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+from typing import Any, Dict
+
+import torch
+
+
+def machine() -> Dict[str, Any]:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def write_result(out_dir: str, name: str, result: Dict[str, Any]) -> pathlib.Path:
+    """Write ``name.json`` with the command line and the machine next to the figures."""
+    path = pathlib.Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    result = {"benchmark": name, "command": "python -m loadtest.bench " + " ".join(sys.argv[1:]),
+              "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "workloads": "synthetic, seeded (loadtest/workloads.py): no data set can be downloaded here",
+              **result}
+    target = path / f"{name}.json"
+    target.write_text(json.dumps(result, indent=2))
+    return target
+
+
+def bench_model(model: str, cache_dir: str = None) -> str:
+    """``tiny`` builds (once) a small random Llama with a long context for fast
+    scheduling benchmarks; anything else is passed to the engine as is."""
+    if model != "tiny":
+        return model
+    from pagedbackend.models.tiny import build_tiny_llama
+    base = pathlib.Path(cache_dir or os.environ.get("PAGEDBACKEND_CACHE",
+                                                    pathlib.Path.home() / ".cache" / "pagedbackend"))
+    path = base / "bench-tiny-llama"
+    if not (path / "config.json").exists():
+        build_tiny_llama(path, max_position_embeddings=4096)
+    return str(path)
+
+
+def add_common_args(ap, out: str = "results/bench", threads: int = 1) -> None:
+    """Flags every benchmark shares: output folder, seed, torch threads, quick mode."""
+    ap.add_argument("--out", default=out, help="folder for the JSON result and the PNG figure")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--threads", type=int, default=threads,
+                    help="torch CPU threads (1 keeps timings steady on a shared 2-core machine)")
+    ap.add_argument("--quick", action="store_true", help="a small run that finishes in about a minute")
+
+
+def set_threads(n: int) -> None:
+    if n and n > 0:
+        torch.set_num_threads(n)

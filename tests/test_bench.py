@@ -1,0 +1,235 @@
+"""Benchmarks (loadtest/bench): each one's core computation on a tiny input.
+No benchmark runs at full size here."""
+import argparse
+import asyncio
+import importlib
+import json
+import math
+
+import pytest
+
+from loadtest import workloads
+from loadtest.bench import capacity, hf, memory, plots, replay, server
+from loadtest.bench.__main__ import BENCHMARKS
+from pagedbackend.accounting import reserved_positions, scheme_report
+from pagedbackend.config import EngineConfig
+
+Request = workloads.Request
+
+
+def make_engine(model_dir, **kw):
+    from pagedbackend import LLMEngine
+    settings = dict(model=str(model_dir), block_size=16, num_kv_blocks=256, max_model_len=512,
+                    enable_prefix_caching=False)
+    settings.update(kw)
+    return LLMEngine(EngineConfig(**settings))
+
+
+# ---------------------------------------------------------------- memory
+
+def test_memory_utilisation_at_finish_equals_the_accounting_module():
+    trace = workloads.sharegpt_like(50, seed=3)
+    rows = memory.trace_accounting(trace, 2048, [16, 64])
+    lengths, prompts = [r.total_len for r in trace], [r.prompt_len for r in trace]
+    for row in rows:
+        expected = scheme_report(row["scheme"], lengths, 2048, row["block_size"], prompts)
+        assert row["utilisation_at_finish"] == expected.utilisation
+        assert row["allocated"] == expected.allocated
+    assert [r["label"] for r in rows] == ["Orca (Max)", "Orca (Pow2)", "Orca (Oracle)",
+                                         "Paged (16)", "Paged (64)"]
+
+
+def test_lifetime_utilisation_counts_every_step_a_request_lives():
+    # prompt 3, output 2: two steps holding 3 and 4 positions (7 stored).
+    trace = [Request(3, 2)]
+    assert memory.lifetime_utilisation(trace, "oracle", 16) == {"stored": 7, "held": 10, "utilisation": 0.7}
+    assert memory.lifetime_utilisation(trace, "max", 16)["held"] == 32
+    assert memory.lifetime_utilisation(trace, "pow2", 16)["held"] == 2 * 8
+    assert memory.lifetime_utilisation(trace, "paged", 16, block_size=4)["held"] == 4 + 4
+
+
+@pytest.mark.parametrize("mode", ["max", "pow2", "oracle"])
+def test_reservation_modes_reserve_what_the_accounting_module_says(tiny_model_dir, mode):
+    trace = [Request(5, 7), Request(20, 40), Request(3, 90)]
+    engine = make_engine(tiny_model_dir, block_size=1, num_kv_blocks=4096, kv_reservation=mode,
+                         watermark=0.0)
+    prompts = workloads.make_prompt_token_ids(trace, engine.vocab_size, seed=0)
+    jobs = replay.jobs_from_trace(trace, prompts)
+    for job in jobs:
+        engine.add_request(job.request_id, job.prompt, _greedy(job.max_tokens))
+
+    engine.step()
+
+    stats = engine.get_stats()
+    assert stats.allocated_slots == sum(reserved_positions(mode, r.total_len, 512) for r in trace)
+    assert stats.stored_positions == sum(r.prompt_len for r in trace)
+
+
+def test_live_ledger_agrees_with_the_accounting_over_lifetimes(tiny_model_dir):
+    trace = [Request(5, 12), Request(30, 20), Request(9, 6)]
+    rows = memory.live_ledger(str(tiny_model_dir), trace, 512, 16, seed=0, progress=False)
+    assert [r["mode"] for r in rows] == ["max", "pow2", "oracle", "paged"]
+    for row in rows:
+        assert row["utilisation"] == pytest.approx(row["accounting_over_lifetime"], abs=0.03)
+    by_mode = {r["mode"]: r["utilisation"] for r in rows}
+    assert by_mode["paged"] > by_mode["oracle"] > by_mode["pow2"] > by_mode["max"]
+
+
+# ---------------------------------------------------------------- replay / capacity
+
+def _greedy(n):
+    from pagedbackend import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_replay_measures_latency_from_the_trace_arrival_time(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    jobs = [replay.Job("a", [100, 101, 102], 3, 0.0), replay.Job("b", [200, 201], 2, 0.3)]
+
+    result = replay.replay(engine, jobs, realtime=True)
+
+    assert result.seconds >= 0.3
+    recs = {r.request_id: r for r in result.requests}
+    assert recs["b"].arrival == pytest.approx(0.3, abs=0.05)
+    assert [recs["a"].output_tokens, recs["b"].output_tokens] == [3, 2]
+    assert all(r.finished and 0 < r.ttft <= r.latency for r in recs.values())
+    assert len(result.stored) == len(result.allocated) == result.steps
+
+
+def test_replay_time_limit_cuts_off_and_counts_unfinished_requests(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    jobs = [replay.Job("slow", [100] * 8, 400, 0.0)]
+
+    result = replay.replay(engine, jobs, realtime=False, time_limit=0.2)
+
+    assert result.timed_out
+    (rec,) = result.requests
+    assert not rec.finished and rec.normalised_latency == pytest.approx(rec.latency / 400)
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_used_blocks == 0
+
+
+def test_capacity_point_finishes_a_handful_of_requests_with_well_formed_rows(tiny_model_dir):
+    args = argparse.Namespace(block_size=16, num_kv_blocks=32, max_model_len=256, max_num_seqs=64,
+                              max_num_batched_tokens=512, seed=0, modes=["paged", "oracle"],
+                              point_time_limit=60.0)
+    trace = workloads.alpaca_like(5, seed=0, max_model_len=256)
+    trace = [Request(r.prompt_len, min(r.output_len, 8)) for r in trace]
+
+    points, saturation = capacity.sweep(str(tiny_model_dir), args, trace, [20.0, 40.0],
+                                        bound=math.inf, fixed_rate=20.0, progress=False)
+
+    assert list(points) == list(saturation) == ["paged", "oracle"]
+    assert all(s["finished"] == 5 and s["capacity_req_s"] > 0 for s in saturation.values())
+    summary = capacity.summarise(points, saturation, bound=math.inf, fixed_rate=20.0)
+    assert summary["modes"]["paged"]["at_least"] and summary["modes"]["oracle"]["running_at_fixed_rate"] > 0
+    assert set(summary["ratios"]["paged/oracle"]) >= {"saturated_throughput", "sustainable_rate"}
+    for pts in points.values():
+        assert [p["rate"] for p in pts] == [20.0, 40.0]
+        for p in pts:
+            assert p["finished"] == 5 and not p["timed_out"]
+            assert p["output_tokens"] == sum(r.output_len for r in trace)
+            assert p["normalised_latency_s"] > 0 and p["mean_running"] > 0
+
+
+def test_sustainable_rate_interpolates_the_bound_crossing():
+    pts = [{"rate": r, "normalised_latency_s": y, "timed_out": False}
+           for r, y in [(1, 0.1), (2, 0.2), (3, 0.6)]]
+    best, crossing = capacity.sustainable_rate(pts, bound=0.4)
+    assert best == 2 and crossing == pytest.approx(2.5)
+    assert capacity.sustainable_rate(pts, bound=1.0) == (3, 3)        # never crossed: a lower bound
+    assert capacity.sustainable_rate(pts, bound=0.05) == (None, None)
+
+
+# ---------------------------------------------------------------- hf
+
+def test_left_padding_puts_every_prompt_at_the_right_edge():
+    ids, mask = hf.left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_static_batches_run_to_their_longest_output():
+    batches = list(hf.hf_batches([[1], [2], [3]], [4, 9, 2], batch_size=2))
+    assert [(len(p), new) for p, _, new in batches] == [(2, 9), (1, 2)]
+
+
+def test_hf_static_batching_generates_the_engines_greedy_tokens(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts, lengths = [[100, 200, 300, 400], [500, 600], [700, 800, 900]], [5, 3, 4]
+
+    ours = hf.run_engine(str(tiny_model_dir), prompts, lengths, max_num_seqs=8)
+    theirs = hf.run_hf(model, 2, prompts, lengths, batch_size=2)
+
+    assert theirs["tokens"] == ours["tokens"]
+    assert theirs["generated_tokens"] == 2 * 5 + 4
+
+
+# ---------------------------------------------------------------- blocksize
+
+def test_swap_micro_benchmark_and_kv_block_size(tiny_model_dir):
+    blocksize = importlib.import_module("loadtest.bench.blocksize")
+    engine = make_engine(tiny_model_dir, block_size=8)
+    assert blocksize.kv_bytes_per_block(str(tiny_model_dir), 8) == engine.runner.kv_bytes_per_block
+
+    rows = blocksize.micro(str(tiny_model_dir), [8, 32], tokens=64, repeats=1)
+
+    assert [(r["block_size"], r["blocks"]) for r in rows] == [(8, 8), (32, 2)]
+    assert all(r["swap_out_in_ms"] > 0 and r["recompute_ms"] > 0 for r in rows)
+
+
+def test_swap_preemption_is_timed_when_the_pool_is_short(tiny_model_dir):
+    blocksize = importlib.import_module("loadtest.bench.blocksize")
+    # Two admitted sequences of 20 prompt tokens need a third block each past
+    # position 32: 6 blocks, one more than the pool.
+    engine = blocksize.make_engine(str(tiny_model_dir), 16, 512, 0, "swap", swap_blocks=64,
+                                   num_kv_blocks=5)
+    trace = [Request(20, 16), Request(20, 16)]
+
+    row = blocksize.offline_run(engine, trace, seed=0)
+
+    assert row["finished"] == 2 and row["preemptions"] > 0
+    assert row["swapped_blocks"] > 0 and row["swap_seconds"] > 0
+
+
+# ---------------------------------------------------------------- server driver, plots, registry
+
+def test_server_driver_records_first_token_and_tokens_per_request():
+    async def send(i):
+        await asyncio.sleep(0.01)
+        yield 0, ""            # a response without tokens does not count as the first token
+        await asyncio.sleep(0.02)
+        yield 2, "ab"
+        yield 1, "c"
+
+    records, seconds = asyncio.run(server.drive(send, ["p", "q"], [3, 3], [0.0, 0.05], "test"))
+
+    assert [r["tokens"] for r in records] == [3, 3] and [r["text"] for r in records] == ["abc", "abc"]
+    assert all(0.02 < r["ttft"] <= r["latency"] for r in records)
+    assert seconds >= 0.05
+    summary = server.summarise(records, seconds)
+    assert summary["output_tokens"] == 6 and summary["median_ttft_s"] > 0.02
+
+
+def test_results_record_the_command_that_made_them(tmp_path, monkeypatch):
+    from loadtest.bench.common import write_result
+    monkeypatch.setattr("sys.argv", ["python -m loadtest.bench", "memory", "--quick"])
+
+    path = write_result(str(tmp_path), "memory", {"x": 1})
+
+    doc = json.loads(path.read_text())
+    assert doc["command"] == "python -m loadtest.bench memory --quick" and doc["x"] == 1
+    assert "synthetic" in doc["workloads"]
+
+
+def test_plots_write_a_png(tmp_path):
+    fig, (ax,) = plots.figure()
+    plots.grouped_bars(ax, ["a", "b"], {"x": [0.5, 0.25]}, percent=True)
+    path = plots.save(fig, str(tmp_path), "check", "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_registered_benchmark_has_a_main():
+    for name in BENCHMARKS:
+        assert callable(importlib.import_module(f"loadtest.bench.{name}").main), name
