@@ -43,8 +43,10 @@ class LLMEngine:
         self.groups: Dict[str, SequenceGroup] = {}
         self.generator = torch.Generator().manual_seed(config.seed)
         self.stats = EngineStats()
-        self.last_forward_seconds = 0.0
-        self.last_step_seconds = 0.0
+        # Timings of the latest step (seconds): all of it, the model forward,
+        # scheduling, and sampling with the sequence updates.
+        self.last_step_seconds = self.last_forward_seconds = 0.0
+        self.last_schedule_seconds = self.last_sample_seconds = 0.0
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -144,6 +146,7 @@ class LLMEngine:
     def step(self) -> List[RequestOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.last_schedule_seconds = time.perf_counter() - start
         outputs = [self._reject(group, msg) for group, msg in sched.rejected]
         # Order matters: a block swapped out may be handed to someone else in this step.
         if sched.swap_out_pairs:
@@ -176,7 +179,9 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             bm.mark_computed(item.seq.seq_id, item.seq.token_ids, item.seq.num_computed_tokens)
         with torch.inference_mode():
+            sample_start = time.perf_counter()
             touched = self._sample_and_update(logits, completing)
+            self.last_sample_seconds = time.perf_counter() - sample_start
         for group in touched:
             outputs.append(self._output(group, finished=group.is_finished))
         self.stats.num_steps += 1

@@ -70,22 +70,21 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
     """One token per row. ``logits`` is float32 ``[num_rows_in_batch, vocab]``;
     it is modified in place by suppression."""
     apply_suppression(logits, rows)
+    # Greedy picks for every row at once (no copy of the logits), and the model's
+    # log-probabilities (log_softmax is the fastest normaliser on CPU).
+    row_idx = torch.tensor([r.row for r in rows], device=logits.device)
+    token_ids = logits.argmax(dim=-1)[row_idx]
     logprobs = torch.log_softmax(logits, dim=-1)
-    token_ids = torch.empty(len(rows), dtype=torch.long)
-    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    if greedy:
-        idx = torch.tensor([rows[i].row for i in greedy])
-        token_ids[greedy] = logits[idx].argmax(dim=-1).cpu()
     random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random:
-        idx = torch.tensor([rows[i].row for i in random])
+        idx = torch.tensor([rows[i].row for i in random], device=logits.device)
         probs = _filter(logits[idx], [rows[i].params for i in random]).softmax(dim=-1)
         noise = torch.empty_like(probs)
         for j, i in enumerate(random):
             key = rows[i].seed_key
             noise[j].exponential_(generator=_seeded_generator(key) if key else generator)
-        token_ids[random] = (probs / noise).argmax(dim=-1).cpu()
-    chosen = logprobs[torch.tensor([r.row for r in rows]), token_ids.to(logits.device)].tolist()
+        token_ids[random] = (probs / noise).argmax(dim=-1)
+    chosen = logprobs[row_idx, token_ids].tolist()
     samples = [Sample(int(t), lp) for t, lp in zip(token_ids.tolist(), chosen)]
     for i, r in enumerate(rows):
         k = r.params.logprobs

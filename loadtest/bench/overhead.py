@@ -29,19 +29,25 @@ def main(argv=None):
                                                            ignore_eos=True))
     engine.step()   # the prefill of every prompt
     assert len(engine.scheduler.running) == args.seqs
-    overhead, forward = [], []
+    overhead, forward, schedule, sample = [], [], [], []
     for _ in range(args.steps):
         engine.step()
         forward.append(engine.last_forward_seconds)
         overhead.append(engine.last_step_seconds - engine.last_forward_seconds)
+        schedule.append(engine.last_schedule_seconds)
+        sample.append(engine.last_sample_seconds)
     result = {"running_seqs": args.seqs, "steps": args.steps,
+              "schedule_ms_median": 1000 * statistics.median(schedule),
+              "sample_and_update_ms_median": 1000 * statistics.median(sample),
               "overhead_ms_median": 1000 * statistics.median(overhead),
               "overhead_ms_mean": 1000 * statistics.fmean(overhead),
               "forward_ms_median": 1000 * statistics.median(forward),
               "overhead_us_per_seq": 1e6 * statistics.median(overhead) / args.seqs}
     print(f"{args.seqs} running sequences: {result['overhead_ms_median']:.1f} ms per step outside the "
           f"forward ({result['overhead_us_per_seq']:.0f} us per sequence); forward "
-          f"{result['forward_ms_median']:.1f} ms")
+          f"{result['forward_ms_median']:.1f} ms; of the overhead, scheduling "
+          f"{result['schedule_ms_median']:.1f} ms, sampling + sequence updates "
+          f"{result['sample_and_update_ms_median']:.1f} ms")
     print(f"wrote {write_result(args.out, 'overhead', {'model': args.model, **result})}")
     return result
 
