@@ -4,7 +4,6 @@ in from any thread and their output deltas stream back through ``RequestStream``
 import asyncio
 import queue
 import threading
-import time
 from typing import Dict, List, Optional, Tuple
 
 from .config import EngineConfig

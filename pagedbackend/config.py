@@ -1,7 +1,12 @@
 """Engine configuration: one dataclass, the same names as ``LLM(...)`` and the
 ``parameters`` of ``config.pbtxt``."""
+import os
+import typing
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Any, Mapping, Optional
+
+# Environment variables PAGEDBACKEND_<FIELD> override config.pbtxt parameters.
+ENV_PREFIX = "PAGEDBACKEND_"
 
 
 @dataclass
@@ -70,3 +75,53 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine setting(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+def engine_config(parameters: Mapping[str, Any],
+                  environ: Mapping[str, str] = os.environ) -> EngineConfig:
+    """EngineConfig from ``config.pbtxt`` parameters, overridden by PAGEDBACKEND_<FIELD>.
+
+    ``parameters`` maps names to strings or to Triton's ``{"string_value": ...}``.
+    Upper-case names belong to Triton (EXECUTION_ENV_PATH, ...) and are skipped.
+    """
+    raw = {}
+    for name, value in parameters.items():
+        if name.isupper():
+            continue
+        raw[name] = value.get("string_value", "") if isinstance(value, dict) else value
+    known = {f.name for f in fields(EngineConfig)}
+    for name in known:
+        if ENV_PREFIX + name.upper() in environ:
+            raw[name] = environ[ENV_PREFIX + name.upper()]
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
+    hints = typing.get_type_hints(EngineConfig)
+    return EngineConfig(**{name: _parse_setting(name, hints[name], value)
+                           for name, value in raw.items()})
+
+
+def _parse_setting(name: str, hint: Any, value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    args = typing.get_args(hint)
+    if type(None) in args:  # Optional[X]
+        if text.lower() in ("", "none", "null"):
+            return None
+        hint = next(a for a in args if a is not type(None))
+    try:
+        if hint is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if hint is int:
+            return int(text)
+        if hint is float:
+            return float(text)
+    except ValueError:
+        raise ValueError(f"engine setting {name}: expected {hint.__name__}, got {value!r}") from None
+    return text

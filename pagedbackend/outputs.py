@@ -1,5 +1,5 @@
 """What the engine returns: per request, one entry per returned sequence."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 

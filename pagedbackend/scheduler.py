@@ -21,7 +21,7 @@ generated tokens, reusing whatever prefix blocks are still cached.
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, List, Tuple
 
 from .block_manager import AllocStatus, BlockManager
 from .config import EngineConfig

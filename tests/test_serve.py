@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from pagedbackend.config import EngineConfig
-from pagedbackend.serve import (ServerError, TritonServer, engine_config, find_tritonserver,
+from pagedbackend.config import EngineConfig, engine_config
+from pagedbackend.serve import (ServerError, TritonServer, find_tritonserver,
                                 group_members, make_model_repository, prepare_backend,
                                 read_parameters, server_command, triton_home)
 

@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 from pagedbackend.async_engine import AsyncLLMEngine
 from pagedbackend.sampling_params import SamplingParams
-from pagedbackend.serve import engine_config
+from pagedbackend.config import engine_config
 
 TICK_S = 0.1             # cancellation poll period
 STATS_EVERY_TICKS = 2    # gauges and counters refreshed every 0.2 s
