@@ -16,6 +16,7 @@ from .beam_search import BeamSearchState
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import decode_new_text, find_stop_string
+from .model_runner import SeqEntry
 from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
@@ -166,8 +167,8 @@ class LLMEngine:
             begin = seq.num_computed_tokens
             if item.group.metrics.first_scheduled_time is None:
                 item.group.metrics.first_scheduled_time = now
-            entries.append(self._entry(seq.token_ids[begin:begin + n], begin,
-                                       bm.get_block_table(seq.seq_id), item.completes))
+            entries.append(SeqEntry(seq.token_ids[begin:begin + n], begin,
+                                    bm.get_block_table(seq.seq_id), item.completes))
         forward_start = time.perf_counter()
         logits = self.runner.execute_model(entries)
         self.last_forward_seconds = time.perf_counter() - forward_start
@@ -188,12 +189,6 @@ class LLMEngine:
         self.stats.last_step_tokens = sched.num_batched_tokens
         self.last_step_seconds = time.perf_counter() - start
         return [o for o in outputs if o is not None]
-
-    @staticmethod
-    def _entry(token_ids, start_pos, block_table, need_logits):
-        from .model_runner import SeqEntry
-        return SeqEntry(token_ids=token_ids, start_pos=start_pos, block_table=block_table,
-                        need_logits=need_logits)
 
     def _sample_and_update(self, logits: torch.Tensor, completing: Seq[ScheduledSeq]) -> List[SequenceGroup]:
         rows: List[sampling.SampleRow] = []
