@@ -30,7 +30,9 @@ def run_engine(model: str, prompts, lengths, max_num_seqs: int) -> dict:
     from pagedbackend import LLM, SamplingParams
     llm = LLM(model=model, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
     llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))  # warm-up
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
+    # min_tokens = max_tokens suppresses EOS as HF's min_new_tokens does, so both
+    # pick the same tokens (ignore_eos alone would let EOS be chosen and continue).
+    params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     seconds = time.perf_counter() - start
