@@ -29,10 +29,7 @@ def server(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def offline(tiny_model_dir):
     """The offline engine with the same settings, for reference outputs."""
-    try:
-        from pagedbackend import LLM
-    except ImportError:
-        pytest.skip("the offline LLM API is not available")
+    from pagedbackend import LLM
     return LLM(model=str(tiny_model_dir), **SETTINGS)
 
 
