@@ -48,7 +48,7 @@ def sampling_params(args: argparse.Namespace) -> dict:
 def chat_prompt(prompt: str, tokenizer_path=None) -> str:
     from transformers import AutoTokenizer
     if tokenizer_path is None:
-        from pagedbackend.default_model import resolve_model_path
+        from pagedbackend.models.default_model import resolve_model_path
         tokenizer_path = resolve_model_path("default")
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],

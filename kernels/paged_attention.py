@@ -16,7 +16,8 @@ Shapes: ``q`` and ``out`` ``[num_tokens, num_heads, head_dim]``; caches
 ``num_kv_heads`` (grouped-query attention).
 """
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
 
 import torch
 import triton
@@ -25,10 +26,41 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 
 
+@dataclass
+class RefPlan:
+    """Host-side layout of a step for the torch twin, built once per step:
+    ``decodes`` (sequences with one query token, batched together when there
+    are several) and ``others`` as (sequence, first query row, query rows,
+    keys) tuples."""
+    decode_seqs: Optional[torch.Tensor]     # [n] sequence indices, on the device
+    decode_rows: Optional[torch.Tensor]     # [n] their query rows
+    decode_max_len: int
+    others: List[Tuple[int, int, int, int]]
+
+
+def plan_paged_attention_ref(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                             num_heads: int = 0, num_kv_heads: int = 0,
+                             device: Union[str, torch.device] = "cpu") -> RefPlan:
+    """The torch twin's layout, from host copies (head counts are not needed)."""
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    decodes = [s for s in range(len(lens)) if cu[s + 1] - cu[s] == 1]
+    if len(decodes) < 2:
+        decodes = []
+    batched = set(decodes)
+    others = [(s, cu[s], cu[s + 1] - cu[s], lens[s]) for s in range(len(lens))
+              if s not in batched and cu[s + 1] > cu[s]]
+    if not decodes:
+        return RefPlan(None, None, 0, others)
+    return RefPlan(torch.tensor(decodes, device=device), torch.tensor([cu[s] for s in decodes], device=device),
+                   max(lens[s] for s in decodes), others)
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         seq_lens: torch.Tensor, scale: Optional[float] = None,
-                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        out: Optional[torch.Tensor] = None,
+                        plan: Optional[RefPlan] = None) -> torch.Tensor:
     """Torch reference twin: gathers each sequence's K/V and runs softmax in fp32."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -36,17 +68,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if out is None:
         out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    decodes = [s for s in range(len(lens)) if cu[s + 1] - cu[s] == 1]
-    if len(decodes) > 1:
-        _decode_batch(q, k_cache, v_cache, block_tables, cu, seq_lens, decodes, scale, out)
-    done = set(decodes) if len(decodes) > 1 else set()
-    for s, kv_len in enumerate(lens):
-        q_start, q_end = cu[s], cu[s + 1]
-        q_len = q_end - q_start
-        if q_len == 0 or s in done:
-            continue
+    if plan is None:
+        plan = plan_paged_attention_ref(cu_seqlens_q, seq_lens, device=q.device)
+    if plan.decode_seqs is not None:
+        _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan, scale, out)
+    for s, q_start, q_len, kv_len in plan.others:
+        q_end = q_start + q_len
         n_blocks = (kv_len + block_size - 1) // block_size
         blocks = block_tables[s, :n_blocks].long()
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
@@ -168,6 +195,16 @@ def _half_precision_dot(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
+@dataclass
+class TritonPlan:
+    """Host-side tile map of a step for the Triton-lang kernel, built once per
+    step: program ``i`` takes up to ``block_q`` query tokens of sequence
+    ``tile_seq[i]``, starting at its query token ``tile_q_start[i]``."""
+    tile_seq: torch.Tensor       # int32, on the device
+    tile_q_start: torch.Tensor   # int32, on the device
+    block_q: int
+
+
 def _query_tiles(q_lens: torch.Tensor, block_q: int, device: torch.device):
     """Host-side tile -> (sequence, first query token) map; no batch padding."""
     n_tiles = (q_lens + block_q - 1) // block_q
@@ -177,15 +214,34 @@ def _query_tiles(q_lens: torch.Tensor, block_q: int, device: torch.device):
     return tile_seq.to(device, torch.int32), tile_q_start.to(device, torch.int32)
 
 
+def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
+                         num_kv_heads: int, device: Union[str, torch.device] = "cpu") -> TritonPlan:
+    """The tile map, from host (CPU) copies of the step's query layout."""
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    min_q = max(1, 16 // group_pad)
+    max_q = max(min_q, _MAX_ROWS // group_pad)
+    # Size the query tile to the longest query run so pure-decode batches do
+    # not pay for prefill-sized tiles; the bounds keep the recompiles few.
+    cu = cu_seqlens_q.to("cpu", torch.int64)
+    q_lens = cu[1:] - cu[:-1]
+    longest = int(q_lens.max()) if len(q_lens) else 0
+    block_q = min(max(triton.next_power_of_2(max(longest, 1)), min_q), max_q)
+    tile_seq, tile_q_start = _query_tiles(q_lens, block_q, torch.device(device))
+    return TritonPlan(tile_seq, tile_q_start, block_q)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     seq_lens: torch.Tensor, scale: Optional[float] = None,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None,
+                    plan: Optional[TritonPlan] = None) -> torch.Tensor:
     """Triton-lang twin of :func:`paged_attention_ref`.
 
     Grid: (query tiles over all sequences, kv heads). A tile is up to BLOCK_Q
     query tokens of one sequence; it walks that sequence's block table in
-    tiles of BLOCK_N key positions up to its last causal position.
+    tiles of BLOCK_N key positions up to its last causal position. ``plan``
+    (``plan_paged_attention``) is computed here when not given; a model passes
+    the step's plan so no layer copies the layout to the host again.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -197,50 +253,41 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-
-    group_pad = triton.next_power_of_2(group)
-    min_q = max(1, 16 // group_pad)
-    max_q = max(min_q, _MAX_ROWS // group_pad)
-    # Size the query tile to the longest query run so pure-decode batches do
-    # not pay for prefill-sized tiles; the bounds keep the recompiles few.
-    cu = cu_seqlens_q.to("cpu", torch.int64)
-    q_lens = cu[1:] - cu[:-1]
-    longest = int(q_lens.max()) if len(q_lens) else 0
-    block_q = min(max(triton.next_power_of_2(max(longest, 1)), min_q), max_q)
-    tile_seq, tile_q_start = _query_tiles(q_lens, block_q, q.device)
-    if len(tile_seq) == 0:
+    if plan is None:
+        plan = plan_paged_attention(cu_seqlens_q, seq_lens, num_heads, num_kv_heads, q.device)
+    if len(plan.tile_seq) == 0:
         return out
 
     block_n = min(max(32, triton.next_power_of_2(block_size)), 64)
-    grid = (len(tile_seq), num_kv_heads)
+    grid = (len(plan.tile_seq), num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
-        block_tables, cu_seqlens_q, seq_lens, tile_seq, tile_q_start,
+        block_tables, cu_seqlens_q, seq_lens, plan.tile_seq, plan.tile_q_start,
         scale * _LOG2E, head_dim, block_size, group,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
-        BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
+        BLOCK_Q=plan.block_q, GROUP_PAD=triton.next_power_of_2(group), BLOCK_N=block_n,
         DIM=max(16, triton.next_power_of_2(head_dim)), LOWP_DOT=_half_precision_dot(q),
     )
     return out
 
 
-def _decode_batch(q, k_cache, v_cache, block_tables, cu, seq_lens, seqs, scale, out) -> None:
+def _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan: RefPlan, scale, out) -> None:
     """All single-token queries at once: gather their blocks into a padded
     ``[seqs, max_len]`` view and mask the padding (one query sees every key)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
-    idx = torch.tensor(seqs, device=q.device)
-    rows = torch.tensor([cu[s] for s in seqs], device=q.device)
+    idx, rows = plan.decode_seqs, plan.decode_rows
+    n = len(idx)
     lens = seq_lens[idx].long()
-    n_blocks = (int(lens.max()) + block_size - 1) // block_size
+    n_blocks = (plan.decode_max_len + block_size - 1) // block_size
     tables = block_tables[idx, :n_blocks].long().clamp_(min=0)
-    k = k_cache[tables].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
-    v = v_cache[tables].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
-    qs = q[rows].float().view(len(seqs), num_kv_heads, group, head_dim)
+    k = k_cache[tables].reshape(n, -1, num_kv_heads, head_dim).float()
+    v = v_cache[tables].reshape(n, -1, num_kv_heads, head_dim).float()
+    qs = q[rows].float().view(n, num_kv_heads, group, head_dim)
     scores = torch.einsum("nkgd,nlkd->nkgl", qs, k) * scale
     pad = torch.arange(k.shape[1], device=q.device).unsqueeze(0) >= lens.unsqueeze(1)
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     v.masked_fill_(pad[:, :, None, None], 0.0)  # padding may hold anything, even NaN
     probs = torch.softmax(scores, dim=-1)
-    out[rows] = torch.einsum("nkgl,nlkd->nkgd", probs, v).reshape(len(seqs), -1, head_dim).to(out.dtype)
+    out[rows] = torch.einsum("nkgl,nlkd->nkgd", probs, v).reshape(n, -1, head_dim).to(out.dtype)

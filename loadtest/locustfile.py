@@ -62,7 +62,7 @@ class Workload:
     def __init__(self, opts):
         from transformers import AutoTokenizer
 
-        from pagedbackend.default_model import resolve_model_path
+        from pagedbackend.models.default_model import resolve_model_path
         tokenizer = AutoTokenizer.from_pretrained(opts.tokenizer or resolve_model_path("default"))
         trace = workloads.make_trace(opts.workload, opts.max_requests, opts.seed)
         trace = [workloads.Request(min(r.prompt_len, opts.max_prompt_tokens),

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from loadtest.bench.common import bench_model
-    from pagedbackend.serve import TritonServer, make_model_repository
+    from pagedbackend.serving.launcher import TritonServer, make_model_repository
     settings = dict(s.split("=", 1) for s in args.set)
     settings["model"] = bench_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,22 +1,24 @@
-"""pagedbackend: PagedAttention LLM serving on NVIDIA Triton Inference Server."""
+"""pagedbackend: PagedAttention LLM serving on NVIDIA Triton Inference Server.
+
+Layers, bottom up: ``config`` and ``sampling_params`` (plain data),
+``kernels`` and ``models`` (the forward pass), ``core`` (blocks and
+scheduling) and ``sample`` (token selection), ``worker`` (the model runner and
+its executors), ``engine`` (the request lifecycle and text), ``serving``
+(tritonserver, the Triton model's helpers). A module imports only from layers
+below its own.
+"""
 from .config import EngineConfig
-from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
+
+_ENGINE = ("LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "CompletionOutput", "EngineStats")
 
 
 def __getattr__(name):
     # The engine pulls in torch and the model code; load it only when asked.
-    if name == "LLM":
-        from .llm import LLM
-        return LLM
-    if name == "LLMEngine":
-        from .llm_engine import LLMEngine
-        return LLMEngine
-    if name == "AsyncLLMEngine":
-        from .async_engine import AsyncLLMEngine
-        return AsyncLLMEngine
+    if name in _ENGINE:
+        from . import engine
+        return getattr(engine, name)
     raise AttributeError(f"module 'pagedbackend' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineConfig", "SamplingParams",
-           "InvalidRequestError", "RequestOutput", "CompletionOutput", "EngineStats"]
+__all__ = ["EngineConfig", "SamplingParams", "InvalidRequestError", *_ENGINE]

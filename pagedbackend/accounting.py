@@ -1,14 +1,8 @@
 """KV-cache memory accounting: how many token positions each allocation scheme
 reserves for a set of sequences, and how many of them hold real token state.
 
-Schemes (the paper's Orca baselines, Sec. 6.1, and paged allocation; lengths
-are final sequence lengths, prompt + output, in token positions):
-
-- ``max``    Orca (Max): every request reserves ``max_len`` positions.
-- ``pow2``   Orca (Pow2): the next power of two of its final length, capped at
-             ``max_len``.
-- ``oracle`` Orca (Oracle): exactly its final length (knows the future).
-- ``paged``  PagedAttention: ``ceil(length / block_size) * block_size``.
+The schemes (Orca Max / Pow2 / Oracle and paged allocation) and the per-token
+KV size are defined once, in ``pagedbackend.core.kv_memory``.
 
 Waste is split as in the paper's Sec. 3.1 and Fig. 2. *Internal
 fragmentation* is the positions that are allocated but never written
@@ -25,12 +19,12 @@ CLI: ``python -m pagedbackend.accounting --lengths 37,91,128,201,511
 import argparse
 import json
 import math
-import numbers
 import sys
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
-SCHEMES = ("max", "pow2", "oracle", "paged")
+from pagedbackend.core.kv_memory import (KVModel, check_block_size, check_positive_int,
+                                         reserved_positions)
 
 # Bytes per entry of a sequence's block table (an int32 physical block id).
 BLOCK_TABLE_ENTRY_BYTES = 4
@@ -41,24 +35,6 @@ PRESETS = {
     # OPT-13B: multi-head attention, 40 heads x 128 = 5120 hidden.
     "opt-13b": {"layers": 40, "kv_heads": 40, "head_dim": 128},
 }
-
-
-@dataclass(frozen=True)
-class KVModel:
-    """The model dimensions that size one token's K and V state."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int = 2
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        # K and V, every layer, every KV head.
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return self.kv_bytes_per_token * block_size
 
 
 @dataclass(frozen=True)
@@ -77,44 +53,6 @@ class SchemeReport:
     allocated_bytes: Optional[int] = None     # KV bytes (+ block tables for paged)
     effective_bytes: Optional[int] = None
     block_table_bytes: Optional[int] = None   # paged only
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-
-
-def _check_block_size(block_size) -> None:
-    _check_positive_int("block size", block_size)
-    if block_size & (block_size - 1):
-        raise ValueError(f"block size must be a power of two, got {block_size}")
-
-
-def next_power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def reserved_positions(scheme: str, length: int, max_len: int,
-                       block_size: Optional[int] = None) -> int:
-    """Positions ``scheme`` reserves for one sequence of final ``length``."""
-    _check_positive_int("max_len", max_len)
-    _check_positive_int("length", length)
-    if length > max_len:
-        raise ValueError(f"length {length} exceeds max_len {max_len}")
-    if scheme == "max":
-        return max_len
-    if scheme == "pow2":
-        return min(next_power_of_two(length), max_len)
-    if scheme == "oracle":
-        return length
-    if scheme == "paged":
-        if block_size is None:
-            raise ValueError("the paged scheme needs a block_size")
-        _check_block_size(block_size)
-        return math.ceil(length / block_size) * block_size
-    raise ValueError(f"unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
 
 
 def _admission_reserved(scheme: str, length: int, prompt_len: int,
@@ -137,18 +75,18 @@ def _label(scheme: str, max_len: int, block_size: Optional[int]) -> str:
 
 def _validate_lengths(lengths: Sequence[int], max_len: int,
                       prompt_lengths: Optional[Sequence[int]]) -> None:
-    _check_positive_int("max_len", max_len)
+    check_positive_int("max_len", max_len)
     if len(lengths) == 0:
         raise ValueError("lengths is empty: give at least one sequence length")
     for n in lengths:
-        _check_positive_int("length", n)
+        check_positive_int("length", n)
         if n > max_len:
             raise ValueError(f"length {n} exceeds max_len {max_len}")
     if prompt_lengths is not None:
         if len(prompt_lengths) != len(lengths):
             raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(lengths)} lengths")
         for p, n in zip(prompt_lengths, lengths):
-            _check_positive_int("prompt length", p)
+            check_positive_int("prompt length", p)
             if p > n:
                 raise ValueError(f"prompt length {p} exceeds its final length {n}")
 
@@ -162,7 +100,7 @@ def scheme_report(scheme: str, lengths: Sequence[int], max_len: int,
     if scheme == "paged":
         if block_size is None:
             raise ValueError("the paged scheme needs a block_size")
-        _check_block_size(block_size)
+        check_block_size(block_size)
     else:
         block_size = None
     allocated = sum(reserved_positions(scheme, int(n), max_len, block_size) for n in lengths)
@@ -191,7 +129,7 @@ def utilisation_report(lengths: Sequence[int], max_len: int,
                        model: Optional[KVModel] = None) -> list[SchemeReport]:
     """One report per scheme: Max, Pow2, Oracle, then paged per block size."""
     for bs in block_sizes:
-        _check_block_size(bs)
+        check_block_size(bs)
     reports = [scheme_report(s, lengths, max_len, None, prompt_lengths, model)
                for s in ("max", "pow2", "oracle")]
     reports += [scheme_report("paged", lengths, max_len, bs, prompt_lengths, model)
@@ -322,7 +260,7 @@ def _model_from_args(args) -> Optional[KVModel]:
     if missing:
         raise ValueError(f"incomplete model: also give {', '.join(missing)} (or --preset / --model-config)")
     for k, v in {**base, "dtype_bytes": args.dtype_bytes}.items():
-        _check_positive_int(k.replace("_", "-"), v)
+        check_positive_int(k.replace("_", "-"), v)
     return KVModel(dtype_bytes=args.dtype_bytes, **base)
 
 

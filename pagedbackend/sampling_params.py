@@ -1,7 +1,10 @@
 """Sampling parameters, with vLLM's field names and defaults."""
 import json
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Union
+
+from .config import coerce
 
 _EPS = 1e-5
 
@@ -95,12 +98,13 @@ class SamplingParams:
         if not isinstance(params, dict):
             raise InvalidRequestError(f"sampling parameters must be a JSON object, got {type(params).__name__}")
         known = {f.name: f for f in fields(cls) if f.init}
+        hints = typing.get_type_hints(cls)
         unknown = sorted(set(params) - set(known))
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         kwargs = {}
         for name, value in params.items():
-            kwargs[name] = _coerce(name, known[name].type, value)
+            kwargs[name] = coerce(f"sampling parameter {name}", hints[name], value, InvalidRequestError)
         try:
             return cls(**kwargs)
         except TypeError as exc:  # e.g. comparing a list with an int
@@ -113,29 +117,3 @@ class SamplingParams:
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"sampling_parameters is not valid JSON: {exc}") from None
         return cls.from_dict(params)
-
-
-def _coerce(name: str, annotation: Any, value: Any) -> Any:
-    text = str(annotation)
-    if value is None:
-        return None
-    try:
-        if text in ("<class 'bool'>", "bool"):
-            if isinstance(value, str):
-                if value.lower() in ("true", "1"):
-                    return True
-                if value.lower() in ("false", "0"):
-                    return False
-                raise ValueError
-            return bool(value)
-        if "int" in text and "List" not in text and not isinstance(value, bool):
-            if isinstance(value, str):
-                return int(value)
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            return value
-        if text in ("<class 'float'>", "float") and not isinstance(value, bool):
-            return float(value)
-    except ValueError:
-        raise InvalidRequestError(f"sampling parameter {name} has an invalid value {value!r}") from None
-    return value

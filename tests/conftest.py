@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The prepared SmolLM2-135M-Instruct folder (built once per cache)."""
-    from pagedbackend.default_model import resolve_model_path
+    from pagedbackend.models.default_model import resolve_model_path
     return resolve_model_path("default")
 
 

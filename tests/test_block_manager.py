@@ -3,9 +3,9 @@ import time
 
 import pytest
 
-from pagedbackend.block_manager import (AllocStatus, BlockManager, BlockManagerError,
+from pagedbackend.core.block_manager import (AllocStatus, BlockManager, BlockManagerError,
                                         NoFreeBlocksError, UnknownSequenceError)
-from pagedbackend.block_pool import FreeBlockQueue, KVBlock
+from pagedbackend.core.block_pool import FreeBlockQueue, KVBlock
 
 
 def tokens(n, start=0):

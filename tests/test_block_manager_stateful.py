@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedbackend.block_manager import AllocStatus, BlockManager, NoFreeBlocksError
+from pagedbackend.core.block_manager import AllocStatus, BlockManager, NoFreeBlocksError
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

@@ -5,7 +5,7 @@ import torch
 
 from pagedbackend import InvalidRequestError, LLM, SamplingParams
 from pagedbackend.config import EngineConfig
-from pagedbackend.llm_engine import LLMEngine
+from pagedbackend.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -255,8 +255,9 @@ def test_abort_mid_generation_returns_every_block(tiny_model_dir):
 
 def test_a_request_that_cannot_fit_is_rejected_while_others_finish(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), num_kv_blocks=8, block_size=16)
-    with pytest.raises(InvalidRequestError, match="KV blocks"):
-        llm.generate([list(range(100, 200))], SamplingParams(max_tokens=100))
+    assert llm.engine.max_model_len == 96   # capped: one sequence must fit the 8-block pool
+    with pytest.raises(InvalidRequestError, match="KV blocks"):   # 3 prompt + 2 x 4 output blocks
+        llm.generate([list(range(100, 140))], SamplingParams(n=2, temperature=0.8, max_tokens=40))
     with pytest.raises(InvalidRequestError, match="maximum context length"):
         llm.generate([[5] * 500], SamplingParams(max_tokens=100))
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):

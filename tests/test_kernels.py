@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import kv_write
-from kernels import paged_attention as pa
+import pagedbackend.kernels as kernels
+from pagedbackend.kernels import kv_write
+from pagedbackend.kernels import paged_attention as pa
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (atol, rtol) against fp32 attention on the same (already rounded) inputs.
@@ -311,14 +311,14 @@ def test_decode_sees_the_token_write_kv_just_stored():
 # ---------------------------------------------------------------- dispatch
 
 def test_torch_backend_and_auto_on_cpu_give_the_reference_twins():
-    expected = (kv_write.write_kv_ref, pa.paged_attention_ref)
+    expected = (kv_write.write_kv_ref, pa.paged_attention_ref, pa.plan_paged_attention_ref)
     assert kernels.get_attention_ops("torch", "cpu") == expected
     assert kernels.get_attention_ops("torch", "cuda") == expected
     assert kernels.get_attention_ops("auto", torch.device("cpu")) == expected
 
 
 def test_triton_backend_and_auto_on_cuda_give_the_kernels():
-    expected = (kv_write.write_kv, pa.paged_attention)
+    expected = (kv_write.write_kv, pa.paged_attention, pa.plan_paged_attention)
     assert kernels.get_attention_ops("triton", "cpu") == expected
     assert kernels.get_attention_ops("auto", "cuda:0") == expected
 

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from pagedbackend import default_model
+from pagedbackend.models import default_model
 from pagedbackend.config import EngineConfig
-from pagedbackend.model_runner import ModelRunner, SeqEntry
+from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
 
 MAX_NEW_TOKENS = 16
 
@@ -35,17 +35,23 @@ def shuffled_block_tables(runner, lengths, seed=0):
     return [physical[s:s + n] for s, n in zip(starts, need)]
 
 
+def eos_ids(runner):
+    from pagedbackend.engine.tokenizer import eos_token_ids, load_tokenizer
+    return eos_token_ids(runner.model_path, load_tokenizer(runner.model_path))
+
+
 def greedy_paged(runner, prompts, max_new_tokens=MAX_NEW_TOKENS):
     """Greedy decoding through the runner. Every other prompt starts one step
     late, so step 2 mixes prefills with decodes; a sequence stops at EOS."""
     tables = shuffled_block_tables(runner, [len(p) + max_new_tokens for p in prompts])
+    eos = eos_ids(runner)
     tokens = [list(p) for p in prompts]
     cached = [0] * len(prompts)
     outputs = [[] for _ in prompts]
     step = 0
 
     def running(i):
-        done = len(outputs[i]) == max_new_tokens or (outputs[i] and outputs[i][-1] in runner.eos_token_ids)
+        done = len(outputs[i]) == max_new_tokens or (outputs[i] and outputs[i][-1] in eos)
         return not done and (i % 2 == 0 or step > 0)
 
     while any(running(i) for i in range(len(prompts))):
@@ -200,7 +206,8 @@ def test_logits_come_only_for_entries_that_ask_in_entry_order(tiny_runner):
     batched = tiny_runner.execute_model([SeqEntry(prompts[0], 0, tables[0], True),
                                          SeqEntry(prompts[1], 0, tables[1], False),
                                          SeqEntry(prompts[2], 0, tables[2], True)])
-    torch.testing.assert_close(batched, torch.stack([alone[0], alone[2]]), atol=1e-5, rtol=1e-5)
+    # Batched and single-row matmuls block differently: fp32 rounding differs by ~1e-5.
+    torch.testing.assert_close(batched, torch.stack([alone[0], alone[2]]), atol=5e-5, rtol=1e-4)
 
 
 def test_bfloat16_runner_returns_float32_logits_close_to_float32(tiny_model_dir, tiny_runner):
@@ -322,7 +329,7 @@ def test_kv_cache_is_sized_from_the_byte_budget(tiny_model_dir):
     assert runner.kv_bytes_per_block == 65536
     assert runner.num_kv_blocks == 10
     assert runner.kv_caches[0][0].shape == (10, 16, 2, 64)
-    assert runner.eos_token_ids == {2} and runner.max_model_len == 512
+    assert runner.max_model_len == 512 and not hasattr(runner, "tokenizer")
 
 
 def test_too_small_kv_budget_says_what_one_block_needs(tiny_model_dir):

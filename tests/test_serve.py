@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 
 from pagedbackend.config import EngineConfig, engine_config
-from pagedbackend.serve import (ServerError, TritonServer, find_tritonserver,
-                                group_members, make_model_repository, prepare_backend,
+from pagedbackend.serving.launcher import (ServerError, TritonServer, find_tritonserver,
+                                make_model_repository, prepare_backend,
                                 read_parameters, server_command, triton_home)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -158,6 +158,21 @@ def test_make_model_repository_replaces_and_adds_parameters(tmp_path):
     assert params["max_num_seqs"] == "64"  # untouched entries stay
 
 
+def group_members(pgid: int) -> list:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if stat:
+            state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == pgid and state != "Z":
+                members.append(int(entry.name))
+    return members
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_server_starts_on_free_loopback_ports_and_stops_without_orphans(tmp_path):
@@ -169,7 +184,7 @@ def test_server_starts_on_free_loopback_ports_and_stops_without_orphans(tmp_path
                  for url in (server.http_url, server.grpc_url, server.metrics_url)]
         bound = [listening_addresses(port) for port in ports]
         group = server.process.pid
-        assert group_members(group)  # tritonserver and its Python stub
+        assert len(group_members(group)) >= 2  # tritonserver and its Python stub
         assert "nv_inference_request_success" in server.metrics()
 
     assert answer == "echo:hi"
@@ -194,7 +209,7 @@ def test_a_model_that_fails_to_load_is_reported_with_the_server_log(tmp_path):
 @pytest.mark.timeout(120)
 def test_serve_cli_prints_the_urls_and_exits_cleanly_on_sigterm(tmp_path):
     repo = write_echo_repository(tmp_path / "repo")
-    from pagedbackend.serve import free_port
+    from pagedbackend.serving.launcher import free_port
     ports = [str(free_port()) for _ in range(3)]
     command = [sys.executable, "-m", "pagedbackend.serve", "--model-repository", str(repo),
                "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from client import ServerError, acollect, generate, grpc_stream, grpc_stream_async, http_stream
-from pagedbackend.serve import TritonServer, make_model_repository
+from pagedbackend.serving.launcher import TritonServer, make_model_repository
 
 pytestmark = pytest.mark.slow
 

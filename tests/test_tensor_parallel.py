@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from pagedbackend import LLM, SamplingParams
-from pagedbackend.async_engine import AsyncLLMEngine
+from pagedbackend.engine.async_engine import AsyncLLMEngine
 from pagedbackend.config import EngineConfig
-from pagedbackend.model_runner import SeqEntry
+from pagedbackend.worker.model_runner import SeqEntry
 from pagedbackend.models.linear import (QKVParallelLinear, RowParallelLinear, kv_heads_of_rank,
                                         query_heads_of_rank)
-from pagedbackend.parallel import (COPY, MESSAGE_LEN, SWAP_IN, SWAP_OUT, TensorParallelError,
-                                   pack_step, synthetic_decode_batch, unpack_step)
+from loadtest.bench.broadcast import synthetic_decode_batch
+from pagedbackend.worker.tp_protocol import (COPY, MESSAGE_LEN, SWAP_IN, SWAP_OUT, TensorParallelError,
+                                             pack_step, unpack_step)
 
 CPU = dict(device="cpu", attention_backend="torch")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)

@@ -1,5 +1,5 @@
 """Test helper: the tiny random Llama builder (kept in the package, where the
 benchmarks use it too)."""
-from pagedbackend.models.tiny import TINY_DEFAULTS, build_tiny_llama
+from loadtest.tiny_model import TINY_DEFAULTS, build_tiny_llama
 
 __all__ = ["TINY_DEFAULTS", "build_tiny_llama"]

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "sharing": "KV memory saved by parallel sampling and beam search sharing (Fig. 15)",
     "prefix": "prefix-cache speed-up on shared-prefix (1-shot, 5-shot) workloads (Fig. 16)",
     "overhead": "scheduler time per step outside the model forward",
+    "broadcast": "tensor parallelism: per-step cost of the step message on two CPU ranks",
 }
 
 # Small settings for `all --quick` (benchmarks without a --quick flag of their own).

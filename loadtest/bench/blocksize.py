@@ -98,13 +98,13 @@ def sweep(model: str, names, block_sizes, seed: int, scale: float = 1.0, max_out
 
 def micro(model: str, block_sizes, tokens: int, repeats: int = 5) -> list:
     """Swap out + in of ``tokens`` positions vs recomputing them, per block size."""
-    from pagedbackend.model_runner import SeqEntry
+    from pagedbackend.config import EngineConfig
+    from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
     rows = []
     for bs in block_sizes:
         n_blocks = -(-tokens // bs)
-        engine = make_engine(model, bs, n_blocks * bs, 0, "swap", swap_blocks=n_blocks,
-                             num_kv_blocks=n_blocks)
-        runner = engine.runner
+        runner = ModelRunner(EngineConfig(model=model, block_size=bs, num_kv_blocks=n_blocks,
+                                          swap_space_blocks=n_blocks))
         pairs = [(i, i) for i in range(n_blocks)]
         prompt = [100 + i % 1000 for i in range(tokens)]
         swap, recompute = [], []
@@ -142,11 +142,10 @@ def preemption(model: str, block_sizes, n: int, mib: float, seed: int, max_outpu
 
 def kv_bytes_per_block(model: str, block_size: int, dtype_bytes: int = 4) -> int:
     """K and V of every layer for one block (fp32 by default, as the engine runs here)."""
-    import json
-    from pagedbackend.default_model import resolve_model_path
-    from pagedbackend.models import LlamaArgs
-    args = LlamaArgs.from_hf_config(json.loads((resolve_model_path(model) / "config.json").read_text()))
-    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * dtype_bytes
+    from pagedbackend.accounting import model_from_config
+    from pagedbackend.models.default_model import resolve_model_path
+    kv = model_from_config(str(resolve_model_path(model)), dtype_bytes=dtype_bytes)
+    return kv.kv_bytes_per_block(block_size)
 
 
 def plot(result: dict, out_dir: str):

@@ -39,7 +39,7 @@ def bench_model(model: str, cache_dir: str = None) -> str:
     scheduling benchmarks; anything else is passed to the engine as is."""
     if model != "tiny":
         return model
-    from pagedbackend.models.tiny import build_tiny_llama
+    from loadtest.tiny_model import build_tiny_llama
     base = pathlib.Path(cache_dir or os.environ.get("PAGEDBACKEND_CACHE",
                                                     pathlib.Path.home() / ".cache" / "pagedbackend"))
     path = base / "bench-tiny-llama"

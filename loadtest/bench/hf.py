@@ -100,7 +100,7 @@ def main(argv=None):
     set_threads(args.threads)
     started = time.perf_counter()
     from transformers import AutoModelForCausalLM
-    from pagedbackend.default_model import resolve_model_path
+    from pagedbackend.models.default_model import resolve_model_path
     model = bench_model(args.model)
     folder = resolve_model_path(model)
     trace = workloads.alpaca_like(args.requests, args.seed)

@@ -98,7 +98,7 @@ def run_in_process(settings: dict, prompts, lengths, arrival_sets) -> list:
 
 def run_server(settings: dict, prompts, lengths, arrival_sets, threads: int) -> list:
     from client import generate, grpc_stream_async
-    from pagedbackend.serve import TritonServer, make_model_repository
+    from pagedbackend.serving.launcher import TritonServer, make_model_repository
     import tritonclient.grpc.aio as aioclient
 
     out = []
@@ -155,7 +155,7 @@ def main(argv=None):
     started = time.perf_counter()
     model = bench_model(args.model)
     from transformers import AutoTokenizer
-    from pagedbackend.default_model import resolve_model_path
+    from pagedbackend.models.default_model import resolve_model_path
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model), local_files_only=True)
     trace = workloads.alpaca_like(args.requests, args.seed)
     prompts = workloads.make_text_prompts(trace, tokenizer, args.seed)

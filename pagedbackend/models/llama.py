@@ -14,7 +14,7 @@ into ``gate_up_proj``; ``load_weights`` takes the original HF tensors.
 """
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +88,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding, ops: Tuple[Callable, Callable],
+    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding, ops,
                  tp_rank: int, tp_size: int, reduce: Optional[Reduce], dtype: torch.dtype):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(args.hidden_size, args.head_dim, args.num_heads,
@@ -101,7 +101,7 @@ class LlamaAttention(nn.Module):
                                         in_slice=self.qkv_proj.rank_slices[0])
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, args.head_dim,
-                                   args.head_dim ** -0.5, *ops)
+                                   args.head_dim ** -0.5, ops)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -132,7 +132,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding, ops: Tuple[Callable, Callable],
+    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding, ops,
                  tp_rank: int, tp_size: int, reduce: Optional[Reduce], dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
@@ -156,13 +156,13 @@ _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head; one instance per tensor-parallel rank.
 
-    ``ops`` is ``(write_kv, paged_attention)`` (see ``kernels``); ``reduce`` sums
+    ``ops`` are the attention kernels (``pagedbackend.kernels.AttentionOps``); ``reduce`` sums
     row-parallel partial outputs across ranks (identity for ``tp_size == 1``).
     Build it on the target device (``with torch.device(...)``), then call
     ``load_weights``.
     """
 
-    def __init__(self, args: LlamaArgs, ops: Tuple[Callable, Callable], dtype: torch.dtype,
+    def __init__(self, args: LlamaArgs, ops, dtype: torch.dtype,
                  max_positions: Optional[int] = None, tp_rank: int = 0, tp_size: int = 1,
                  reduce: Optional[Reduce] = None):
         super().__init__()

@@ -6,10 +6,10 @@ prompt's KV blocks. Preemption and admission act on whole groups.
 """
 import enum
 import itertools
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .outputs import RequestMetrics
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 class GroupStatus(enum.Enum):
@@ -20,6 +20,17 @@ class GroupStatus(enum.Enum):
 
 
 _seq_ids = itertools.count()
+
+
+@dataclass
+class RequestMetrics:
+    """One request's timeline on the engine's clock (``time.time()``)."""
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None    # when its latest token was sampled
+    finished_time: Optional[float] = None
+    num_cached_prompt_tokens: int = 0
 
 
 class Sequence:
@@ -100,7 +111,6 @@ class SequenceGroup:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.beam = None                        # BeamSearchState for beam search
         self.num_preemptions = 0
-        self.reserve_tokens = 0                 # positions reserved up front (Orca baselines)
 
     @property
     def is_beam_search(self) -> bool:

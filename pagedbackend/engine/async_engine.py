@@ -6,11 +6,11 @@ import queue
 import threading
 from typing import Dict, List, Optional, Tuple
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .llm_engine import LLMEngine, Prompt
 from .outputs import CompletionOutput, EngineStats, RequestOutput
-from .sampling_params import InvalidRequestError, SamplingParams
-from .sequence import SequenceGroup
+from ..sampling_params import InvalidRequestError, SamplingParams
+from ..core.sequence import SequenceGroup
 
 _END = object()
 
@@ -79,8 +79,6 @@ class AsyncLLMEngine:
         self._stopping = False
         self.error: Optional[BaseException] = None
         self._stats = self.engine.get_stats()
-        self.step_seconds: List[float] = []   # recent step times (bounded)
-        self.overhead_seconds: List[float] = []
         self._thread = threading.Thread(target=self._run, name="pagedbackend-engine", daemon=True)
         self._thread.start()
 
@@ -136,7 +134,6 @@ class AsyncLLMEngine:
                     self._wakeup.clear()
                     continue
                 outputs = engine.step()
-                self._record_timing()
                 self._deliver(outputs)
                 self._stats = engine.get_stats()
             except Exception as exc:  # reported to every request, never swallowed
@@ -169,13 +166,6 @@ class AsyncLLMEngine:
         for stream, out in targets:
             if stream is not None:
                 stream.put(out)
-
-    def _record_timing(self) -> None:
-        e = self.engine
-        self.step_seconds.append(e.last_step_seconds)
-        self.overhead_seconds.append(e.last_step_seconds - e.last_forward_seconds)
-        if len(self.step_seconds) > 1000:
-            del self.step_seconds[:500], self.overhead_seconds[:500]
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

@@ -1,11 +1,11 @@
 """Chooses how the model runs: in this process, or split over tensor-parallel workers."""
-from .config import EngineConfig
+from pagedbackend.config import EngineConfig
 
 
 def make_executor(config: EngineConfig):
     """A model runner for the engine (the same interface whatever the parallelism)."""
     if config.tensor_parallel_size > 1:
-        from .parallel import TensorParallelExecutor
+        from pagedbackend.worker.tp_executor import TensorParallelExecutor
         return TensorParallelExecutor(config)
-    from .model_runner import ModelRunner
+    from pagedbackend.worker.model_runner import ModelRunner
     return ModelRunner(config)

@@ -6,7 +6,7 @@ character (U+FFFD) waits for the next token.
 """
 from typing import Optional
 
-from .sequence import Sequence
+from ..core.sequence import Sequence
 
 _CONTEXT_TOKENS = 5
 

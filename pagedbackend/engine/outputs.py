@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from ..core.sequence import RequestMetrics
+
 
 @dataclass
 class CompletionOutput:
@@ -17,15 +19,6 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
-    num_cached_prompt_tokens: int = 0
 
 
 @dataclass

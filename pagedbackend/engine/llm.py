@@ -2,10 +2,10 @@
 import itertools
 from typing import Dict, List, Optional, Sequence, Union
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .llm_engine import LLMEngine, Prompt
 from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 class LLM:

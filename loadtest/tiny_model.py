@@ -36,7 +36,7 @@ def build_tiny_llama(path, seed: int = 0, std: float = 0.1, **overrides) -> path
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pagedbackend.default_model import resolve_model_path
+    from pagedbackend.models.default_model import resolve_model_path
 
     path = pathlib.Path(path)
     settings = {**TINY_DEFAULTS, **overrides}

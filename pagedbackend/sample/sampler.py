@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 @dataclass
@@ -29,10 +29,10 @@ class Sample:
     top_logprobs: Optional[Dict[int, float]] = None
 
 
-def _seeded_generator(key: Tuple[int, int, int]) -> torch.Generator:
+def _seeded_generator(key: Tuple[int, int, int], device: torch.device) -> torch.Generator:
     seed, index, position = key
     mixed = ((seed * 1_000_003 + index) * 1_000_033 + position) % (2 ** 63)
-    return torch.Generator().manual_seed(mixed)
+    return torch.Generator(device=device).manual_seed(mixed)
 
 
 def apply_suppression(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
@@ -82,7 +82,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
         noise = torch.empty_like(probs)
         for j, i in enumerate(random):
             key = rows[i].seed_key
-            noise[j].exponential_(generator=_seeded_generator(key) if key else generator)
+            noise[j].exponential_(generator=_seeded_generator(key, logits.device) if key else generator)
         token_ids[random] = (probs / noise).argmax(dim=-1)
     chosen = logprobs[row_idx, token_ids].tolist()
     samples = [Sample(int(t), lp) for t, lp in zip(token_ids.tolist(), chosen)]
@@ -96,3 +96,20 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
             top[samples[i].token_id] = samples[i].logprob
             samples[i].top_logprobs = top
     return samples
+
+
+class Sampler:
+    """``sample`` with the engine's unseeded generator, kept on the logits'
+    device (a CPU generator cannot draw into CUDA tensors)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._generator: Optional[torch.Generator] = None
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generator
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> List[Sample]:
+        return sample(logits, rows, self.generator(logits.device))

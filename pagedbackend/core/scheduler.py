@@ -19,27 +19,38 @@ waiting queue in arrival order, to be prefilled again from its prompt and
 generated tokens, reusing whatever prefix blocks are still cached.
 """
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, List, Tuple
+from typing import Deque, List, Optional, Set, Tuple
 
+from ..config import EngineConfig
+from ..sampling_params import InvalidRequestError
 from .block_manager import AllocStatus, BlockManager
-from .config import EngineConfig
+from .kv_memory import reserved_positions
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
 BlockMapping = List[Tuple[int, int]]
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @dataclass
 class ScheduledSeq:
+    """One sequence's share of a step: what the model runner computes for it.
+
+    ``token_ids`` are the tokens whose K/V are computed now, starting at
+    position ``start_pos``; ``block_table`` covers all of them;
+    ``need_logits`` says the step completes the sequence (sample it)."""
     group: SequenceGroup
     seq: Sequence
     num_new_tokens: int            # computed this step, from seq.num_computed_tokens
-
-    @property
-    def completes(self) -> bool:
-        """After this step every token of the sequence is computed: sample it."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    token_ids: List[int] = field(default_factory=list)
+    start_pos: int = 0
+    block_table: List[int] = field(default_factory=list)
+    need_logits: bool = False
 
 
 @dataclass
@@ -57,17 +68,80 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class StepUpdate:
+    """What sampling decided for the sequences of one step, for
+    ``Scheduler.update_from_output``: new sequences that share a parent's
+    blocks (parallel samples, beams), sequences that are done (their blocks go
+    back), groups that are finished, and sequences whose last token must be
+    computed again next step (a beam held while its siblings are recomputed)."""
+    forks: List[Tuple[Sequence, Sequence]] = field(default_factory=list)   # (parent, child)
+    freed: List[Sequence] = field(default_factory=list)
+    finished: List[SequenceGroup] = field(default_factory=list)
+    held: Set[int] = field(default_factory=set)                           # seq ids
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    """Owns the block manager: admission, the step's batch, preemption, and
+    the blocks' fate after each step (``update_from_output``)."""
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
+                 cache_salt: bytes = b""):
         if config.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {config.preemption_mode!r}")
         self.config = config
-        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.bm = BlockManager(num_kv_blocks, config.block_size, num_swap_blocks=config.swap_space_blocks,
+                               enable_prefix_caching=config.enable_prefix_caching,
+                               watermark=config.watermark, cache_salt=cache_salt)
         self.waiting: List[SequenceGroup] = []   # kept in arrival order
         self.running: List[SequenceGroup] = []   # kept in arrival order
         self.swapped: Deque[SequenceGroup] = deque()
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """Read-only use outside the scheduler: statistics and tests."""
+        return self.bm
+
+    # ------------------------------------------------------------ admission
+    def reserve_tokens(self, final_len: int) -> int:
+        """Positions a contiguous-reservation baseline (``kv_reservation``)
+        holds for a request from admission on; 0 when paged."""
+        scheme = self.config.kv_reservation
+        return 0 if scheme == "paged" else reserved_positions(scheme, final_len, self.max_model_len)
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.bm.num_total_blocks - self.bm.watermark_blocks
+
+    def max_blocks(self, prompt_len: int, max_tokens: int, width: int) -> int:
+        """KV blocks a request needs, alone in the pool, to finish: its prompt's
+        blocks (shared by every candidate) plus each candidate's blocks for its
+        output, one more each for a copied partial block."""
+        bs = self.bm.block_size
+        paged = _cdiv(prompt_len, bs) + width * (_cdiv(max_tokens, bs) + 1)
+        return max(paged, _cdiv(self.reserve_tokens(prompt_len + max_tokens), bs))
+
+    def admission_error(self, prompt_len: int, max_tokens: int, width: int) -> Optional[str]:
+        """Why a request can never run, or None: the one admission check, used
+        at submission (so nothing that cannot run is ever queued)."""
+        if width > self.config.max_num_seqs:
+            return (f"the request needs {width} sequences at once (n / best_of) but "
+                    f"max_num_seqs is {self.config.max_num_seqs}")
+        need = self.max_blocks(prompt_len, max_tokens, width)
+        if need > self.usable_blocks:
+            return (f"request needs up to {need} KV blocks (prompt {prompt_len} tokens, "
+                    f"max_tokens {max_tokens}, {width} candidate(s), block size "
+                    f"{self.bm.block_size}) but the pool offers {self.usable_blocks}")
+        return None
+
+    def check_admissible(self, group: SequenceGroup) -> None:
+        message = self.admission_error(len(group.prompt_token_ids), group.max_tokens,
+                                       self._max_live_seqs(group))
+        if message is not None:
+            raise InvalidRequestError(message)
 
     # ------------------------------------------------------------ queue changes
     def add(self, group: SequenceGroup) -> None:
@@ -88,9 +162,6 @@ class Scheduler:
             if self.bm.has_seq(seq.seq_id):
                 self.bm.free(seq.seq_id)
         group.status = GroupStatus.FINISHED
-
-    def free_seq(self, seq: Sequence) -> None:
-        self.bm.free(seq.seq_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -154,23 +225,56 @@ class Scheduler:
             if self._max_live_seqs(group) > seq_cap:
                 break
             token_lists = [s.token_ids for s in group.seqs]
-            status = self.bm.can_allocate(token_lists, group.reserve_tokens)
-            if status == AllocStatus.NEVER:
+            reserve = self.reserve_tokens(len(group.prompt_token_ids) + group.max_tokens)
+            status = self.bm.can_allocate(token_lists, reserve)
+            if status == AllocStatus.NEVER:  # cannot happen after check_admissible; kept as a guard
                 self.waiting.pop(0)
-                out.rejected.append((group, self._never_fits_message(group)))
+                out.rejected.append((group, f"request {group.request_id} can never fit the KV pool"))
                 continue
             if status == AllocStatus.LATER:
                 break
             self.waiting.pop(0)
             for seq in group.seqs:
-                seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids, group.reserve_tokens)
+                seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids, reserve)
+            if group.metrics.num_cached_prompt_tokens == 0:
+                group.metrics.num_cached_prompt_tokens = group.seqs[0].num_computed_tokens
             group.status = GroupStatus.RUNNING
             self._insert_by_arrival(self.running, group)
             seq_cap -= self._max_live_seqs(group)
             budget = self._schedule_prefill(group, budget, out)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        now = time.time()
+        for item in out.scheduled:   # what the model runner reads
+            seq = item.seq
+            if item.group.metrics.first_scheduled_time is None:
+                item.group.metrics.first_scheduled_time = now
+            item.start_pos = seq.num_computed_tokens
+            item.token_ids = seq.token_ids[item.start_pos:item.start_pos + item.num_new_tokens]
+            item.block_table = self.bm.get_block_table(seq.seq_id)
+            item.need_logits = item.start_pos + item.num_new_tokens == seq.num_tokens
         return out
+
+    def update_from_output(self, out: SchedulerOutput, update: StepUpdate) -> None:
+        """After the forward pass and sampling: count the computed tokens (and
+        register full blocks in the prefix cache), share blocks with forked
+        sequences, return the blocks of finished ones, retire finished groups."""
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens = item.start_pos + item.num_new_tokens
+            if seq.seq_id in update.held:
+                seq.num_computed_tokens -= 1
+            if self.bm.has_seq(seq.seq_id):
+                self.bm.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        for parent, child in update.forks:
+            self.bm.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+        for seq in update.freed:
+            self.bm.free(seq.seq_id)
+        for group in update.finished:
+            group.status = GroupStatus.FINISHED
+            if group in self.running:
+                self.running.remove(group)
 
     # ------------------------------------------------------------ helpers
     @staticmethod
@@ -230,8 +334,3 @@ class Scheduler:
         group.status = GroupStatus.WAITING
         self._insert_by_arrival(self.waiting, group)
         self.num_recompute_preemptions += 1
-
-    def _never_fits_message(self, group: SequenceGroup) -> str:
-        need = sum(-(-s.num_tokens // self.bm.block_size) for s in group.seqs)
-        return (f"request {group.request_id} needs {need} KV blocks for its tokens but the pool "
-                f"has {self.bm.num_total_blocks} (block size {self.bm.block_size})")

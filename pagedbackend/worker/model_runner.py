@@ -1,58 +1,29 @@
 """Model runner: owns the weights and the paged KV cache, and runs one step.
 
-It knows nothing about scheduling: each step it receives, per sequence, the
-tokens to compute, where they start and the block table that holds them; it
-builds the flat batch, runs the forward pass and returns last-token logits.
-Copy-on-write and swapping arrive as (src, dst) block pairs.
+It knows nothing about scheduling or text: each step it receives, per
+sequence, the tokens to compute, where they start and the block table that
+holds them (``SeqEntry``, or the scheduler's ``ScheduledSeq``); it builds the
+flat batch with the attention layout of the step (``batch.py``), runs the
+forward pass and returns last-token logits. Copy-on-write and swapping arrive
+as (src, dst) block pairs.
 """
-import itertools
 import json
 import pathlib
-from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from kernels import get_attention_ops
 from pagedbackend.config import EngineConfig
-from pagedbackend.default_model import resolve_model_path
+from pagedbackend.core.kv_memory import KVModel
+from pagedbackend.kernels import get_attention_ops
 from pagedbackend.models import MODEL_CLASSES, LlamaArgs
-from pagedbackend.models.attention import AttentionMetadata
+from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models.linear import Reduce
+from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-
-@dataclass
-class SeqEntry:
-    """One sequence's share of a step.
-
-    ``token_ids``: tokens whose K/V are computed now; ``start_pos``: position of
-    ``token_ids[0]`` (tokens of this sequence already cached); ``block_table``:
-    physical blocks covering at least ``start_pos + len(token_ids)`` positions;
-    ``need_logits``: return the logits of the last token.
-    """
-    token_ids: List[int]
-    start_pos: int
-    block_table: List[int]
-    need_logits: bool = True
-
-
-@dataclass
-class StepBatch:
-    """One step's flat batch; ``logits_rows``: rows whose logits are returned."""
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_rows: torch.Tensor
-
-    def to(self, device: torch.device) -> "StepBatch":
-        to = dict(device=device, non_blocking=True)
-        meta = self.meta
-        return StepBatch(self.input_ids.to(**to), self.positions.to(**to), AttentionMetadata(
-            slot_mapping=meta.slot_mapping.to(**to), block_tables=meta.block_tables.to(**to),
-            cu_seqlens_q=meta.cu_seqlens_q.to(**to), seq_lens=meta.seq_lens.to(**to)),
-            self.logits_rows.to(**to))
+__all__ = ["DTYPES", "ModelRunner", "SeqEntry", "StepBatch", "kv_block_bytes", "resolve_device"]
 
 
 class ModelRunner:
@@ -60,8 +31,6 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1,
                  reduce: Optional[Reduce] = None):
-        from transformers import AutoTokenizer
-
         self.config = config
         self.device = resolve_device(config.device)
         if config.dtype not in DTYPES:
@@ -70,17 +39,16 @@ class ModelRunner:
         self.model_path = resolve_model_path(config.model)
         hf_config = json.loads((self.model_path / "config.json").read_text())
         args = LlamaArgs.from_hf_config(hf_config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         self.vocab_size = args.vocab_size
-        self.eos_token_ids = _eos_token_ids(self.model_path, hf_config, self.tokenizer)
         self.max_model_len = _max_model_len(config.max_model_len, args.max_position_embeddings)
 
-        ops = get_attention_ops(config.attention_backend, self.device)
+        self.attention_ops = ops = get_attention_ops(config.attention_backend, self.device)
         model_class = MODEL_CLASSES[hf_config["model_type"]]
         with torch.device(self.device):
             self.model = model_class(args, ops, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
         self.model.eval()
+        self.num_heads = self.model.layers[0].self_attn.num_heads
         self._allocate_kv_cache(args)
 
     def _allocate_kv_cache(self, args: LlamaArgs) -> None:
@@ -123,6 +91,8 @@ class ModelRunner:
     def execute_batch(self, batch: StepBatch, compute_logits: bool = True) -> Optional[torch.Tensor]:
         """The forward pass of a prepared batch (host or device tensors); with
         ``compute_logits=False`` it only fills the KV cache (a worker rank)."""
+        if batch.meta.plan is None:   # a worker rank's batch arrives without one
+            self.plan(batch)
         batch = batch.to(self.device)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
@@ -132,55 +102,18 @@ class ModelRunner:
         return logits.float()
 
     def prepare(self, entries: Sequence[SeqEntry]) -> StepBatch:
-        """Check the entries and build the flat batch as host tensors."""
-        if not entries:
-            raise ValueError("execute_model needs at least one entry")
-        bs = self.block_size
-        input_ids: List[int] = []
-        positions: List[int] = []
-        q_lens, seq_lens, tables = [], [], []
-        for i, entry in enumerate(entries):
-            n = len(entry.token_ids)
-            end = entry.start_pos + n
-            if n == 0 or entry.start_pos < 0:
-                raise ValueError(f"entry {i} needs at least one token and start_pos >= 0 "
-                                 f"(got {n} tokens at start_pos {entry.start_pos})")
-            if end > self.max_model_len:
-                raise ValueError(f"entry {i} reaches {end} positions, beyond max_model_len "
-                                 f"{self.max_model_len}")
-            needed = -(-end // bs)
-            if len(entry.block_table) < needed:
-                raise ValueError(f"entry {i}: block table has {len(entry.block_table)} blocks, "
-                                 f"{end} positions need {needed} (block_size {bs})")
-            input_ids.extend(entry.token_ids)
-            positions.extend(range(entry.start_pos, end))
-            q_lens.append(n)
-            seq_lens.append(end)
-            tables.append(entry.block_table[:needed])
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        ids = torch.tensor(input_ids, dtype=torch.long)
-        self._check_ranges(ids, block_tables)
+        """Check the entries and build the flat batch, with the step's
+        attention plan, as host tensors."""
+        batch = build_step_batch(entries, self.block_size, self.max_model_len, self.vocab_size,
+                                 self.num_kv_blocks)
+        self.plan(batch)
+        return batch
 
-        pos = torch.tensor(positions, dtype=torch.long)
-        q_lens_t = torch.tensor(q_lens)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(entries)), q_lens_t)
-        slots = block_tables[seq_of_token, pos // bs].long() * bs + pos % bs
-        cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-        logits_rows = (cu_seqlens_q[1:] - 1)[torch.tensor([e.need_logits for e in entries])]
-
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
-                                 cu_seqlens_q=cu_seqlens_q,
-                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
-        return StepBatch(ids, pos, meta, logits_rows.long())
-
-    def _check_ranges(self, ids: torch.Tensor, block_tables: torch.Tensor) -> None:
-        bad = (ids < 0) | (ids >= self.vocab_size)
-        if bad.any():
-            token = int(ids[bad.nonzero()[0, 0]])
-            raise ValueError(f"token id {token} is outside the vocabulary (size {self.vocab_size})")
-        if int(block_tables.min()) < 0 or int(block_tables.max()) >= self.num_kv_blocks:
-            raise ValueError(f"block table refers to a block outside 0..{self.num_kv_blocks - 1}")
+    def plan(self, batch: StepBatch) -> None:
+        """Lay out the step for the attention kernels, once for every layer."""
+        meta = batch.meta
+        meta.plan = self.attention_ops.plan(meta.cu_seqlens_q, meta.seq_lens, self.num_heads,
+                                            self.model.num_kv_heads, self.device)
 
     # ---- block moves ----------------------------------------------------
 
@@ -217,7 +150,7 @@ def resolve_device(device: str) -> torch.device:
 def kv_block_bytes(args: LlamaArgs, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block on one rank: K and V, every layer, the rank's KV heads."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * args.num_layers * block_size * num_kv_heads * args.head_dim * elem
+    return KVModel(args.num_layers, num_kv_heads, args.head_dim, elem).kv_bytes_per_block(block_size)
 
 
 def _max_model_len(requested: Optional[int], model_limit: int) -> int:
@@ -237,18 +170,6 @@ def _pair_index(pairs: Sequence[Tuple[int, int]], src_blocks: int, dst_blocks: i
         raise ValueError(f"block pair outside the caches ({src_blocks} source, {dst_blocks} "
                          f"destination blocks): {list(pairs)}")
     return src.to(device), dst.to(device)
-
-
-def _eos_token_ids(path: pathlib.Path, hf_config: dict, tokenizer) -> Set[int]:
-    values = [hf_config.get("eos_token_id"), tokenizer.eos_token_id]
-    generation_config = path / "generation_config.json"
-    if generation_config.is_file():
-        values.append(json.loads(generation_config.read_text()).get("eos_token_id"))
-    ids: Set[int] = set()
-    for value in values:
-        if value is not None:
-            ids.update(value if isinstance(value, list) else [value])
-    return {int(i) for i in ids}
 
 
 def _read_safetensors(path: pathlib.Path) -> Iterator[Tuple[str, torch.Tensor]]:

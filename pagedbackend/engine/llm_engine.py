@@ -1,53 +1,77 @@
-"""The engine: scheduler, block manager, model runner and sampler, one step at a time.
+"""The engine: scheduler, model runner and sampler, one step at a time.
 
-``step()`` schedules a batch, has the runner carry out the block manager's
-swap and copy mappings, runs the model once, samples, updates every sequence
-(parallel samples are forked, beams re-parented, finished sequences free their
-blocks) and returns per-request output deltas.
+``step()`` asks the scheduler for a batch, has the runner carry out the
+scheduler's swap and copy mappings and run the model once, samples, updates
+every sequence's tokens and text (parallel samples fork, beams re-parent,
+stops end sequences), hands the outcome back to the scheduler
+(``update_from_output``: the only place blocks change after a step) and
+returns per-request output deltas. The engine owns the tokenizer; the runner
+sees token ids only.
 """
+import dataclasses
+import logging
 import time
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence as Seq, Union
 
 import torch
 
-from . import sampler as sampling
-from .beam_search import BeamSearchState
-from .block_manager import BlockManager
-from .config import EngineConfig
+from ..config import EngineConfig
+from ..core.scheduler import ScheduledSeq, Scheduler, StepUpdate
+from ..core.sequence import GroupStatus, Sequence, SequenceGroup
+from ..models.default_model import resolve_model_path
+from ..sample import BeamSearchState, SampleRow, Sampler
+from ..sampling_params import InvalidRequestError, SamplingParams
 from .detokenizer import decode_new_text, find_stop_string
-from .model_runner import SeqEntry
 from .outputs import CompletionOutput, EngineStats, RequestOutput
-from .sampling_params import InvalidRequestError, SamplingParams
-from .scheduler import ScheduledSeq, Scheduler
-from .sequence import GroupStatus, Sequence, SequenceGroup
+from .tokenizer import eos_token_ids, load_tokenizer
 
 Prompt = Union[str, List[int]]
+logger = logging.getLogger("pagedbackend")
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner=None):
-        self.config = config
+        model_path = resolve_model_path(config.model)
+        self.config = config = dataclasses.replace(config, model=str(model_path))
+        self.tokenizer = load_tokenizer(model_path)
+        self.eos_token_ids = eos_token_ids(model_path, self.tokenizer)
         if runner is None:
-            from .executor import make_executor
+            from ..worker import make_executor
             runner = make_executor(config)
         self.runner = runner
-        self.tokenizer = runner.tokenizer
-        self.eos_token_ids = set(runner.eos_token_ids)
-        self.max_model_len = runner.max_model_len
         self.vocab_size = runner.vocab_size
-        self.block_manager = BlockManager(
-            runner.num_kv_blocks, config.block_size, num_swap_blocks=config.swap_space_blocks,
-            enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
-            cache_salt=str(getattr(runner, "model_path", config.model)).encode())
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.max_model_len,
+                                   cache_salt=str(model_path).encode())
+        self.max_model_len = self._fit_max_model_len(runner.max_model_len)
+        self.scheduler.max_model_len = self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         # Timings of the latest step (seconds): all of it, the model forward,
         # scheduling, and sampling with the sequence updates.
         self.last_step_seconds = self.last_forward_seconds = 0.0
         self.last_schedule_seconds = self.last_sample_seconds = 0.0
+
+    @property
+    def block_manager(self):
+        """The scheduler's block manager, for statistics and tests (read only)."""
+        return self.scheduler.block_manager
+
+    def _fit_max_model_len(self, model_len: int) -> int:
+        """The longest sequence one request may reach: one sequence of it must
+        fit the pool alone (with a block to spare for a copy-on-write), so a
+        longer ``max_model_len`` is capped, with a log line."""
+        bs = self.config.block_size
+        fits = (self.scheduler.usable_blocks - 2) * bs
+        if model_len <= fits:
+            return model_len
+        where = (f"the KV pool ({self.scheduler.block_manager.num_total_blocks} blocks of {bs}, "
+                 f"{self.scheduler.usable_blocks} usable) holds one sequence of at most {max(fits, 0)} tokens")
+        if fits < 1:
+            raise ValueError(f"the KV cache is too small to serve anything: {where}; give more KV blocks")
+        logger.warning("max_model_len capped from %d to %d: %s", model_len, fits, where)
+        return fits
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -76,32 +100,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = "
                 f"{len(token_ids) + max_tokens} exceeds the maximum context length {self.max_model_len}")
-        bs = self.block_manager.block_size
-        width = params.best_of
-        reserve = self._reservation(len(token_ids) + max_tokens)
-        # Alone in the pool, the request must be able to finish: shared prompt blocks
-        # plus each candidate's own blocks for its output.
-        need = max(-(-len(token_ids) // bs) + width * (-(-max_tokens // bs) + 1), -(-reserve // bs))
-        usable = self.block_manager.num_total_blocks - self.block_manager.watermark_blocks
-        if need > usable:
-            raise InvalidRequestError(
-                f"request needs up to {need} KV blocks (prompt {len(token_ids)} tokens, "
-                f"max_tokens {max_tokens}, {width} candidate(s), block size {bs}) but the pool "
-                f"offers {usable}")
         group = SequenceGroup(request_id, text, token_ids, params,
                               time.time() if arrival_time is None else arrival_time, max_tokens)
-        group.reserve_tokens = reserve
+        self.scheduler.check_admissible(group)
         if params.use_beam_search:
             group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)
         return group
-
-    def _reservation(self, final_len: int) -> int:
-        """Positions a contiguous-reservation baseline would hold for this request."""
-        scheme = self.config.kv_reservation
-        if scheme == "paged":
-            return 0
-        from .accounting import reserved_positions
-        return reserved_positions(scheme, final_len, self.max_model_len)
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:
@@ -159,30 +163,16 @@ class LLMEngine:
         if sched.is_empty:
             self.last_step_seconds = time.perf_counter() - start
             return outputs
-        now = time.time()
-        bm = self.block_manager
-        entries = []
-        for item in sched.scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            begin = seq.num_computed_tokens
-            if item.group.metrics.first_scheduled_time is None:
-                item.group.metrics.first_scheduled_time = now
-            entries.append(SeqEntry(seq.token_ids[begin:begin + n], begin,
-                                    bm.get_block_table(seq.seq_id), item.completes))
         forward_start = time.perf_counter()
-        logits = self.runner.execute_model(entries)
+        logits = self.runner.execute_model(sched.scheduled)
         self.last_forward_seconds = time.perf_counter() - forward_start
 
-        completing: List[ScheduledSeq] = []
-        for item in sched.scheduled:
-            if item.completes:
-                completing.append(item)
-            item.seq.num_computed_tokens += item.num_new_tokens
-            bm.mark_computed(item.seq.seq_id, item.seq.token_ids, item.seq.num_computed_tokens)
+        sample_start = time.perf_counter()
+        update = StepUpdate()
         with torch.inference_mode():
-            sample_start = time.perf_counter()
-            touched = self._sample_and_update(logits, completing)
-            self.last_sample_seconds = time.perf_counter() - sample_start
+            touched = self._sample_and_update(logits, [i for i in sched.scheduled if i.need_logits], update)
+        self.scheduler.update_from_output(sched, update)
+        self.last_sample_seconds = time.perf_counter() - sample_start
         for group in touched:
             outputs.append(self._output(group, finished=group.is_finished))
         self.stats.num_steps += 1
@@ -190,8 +180,9 @@ class LLMEngine:
         self.last_step_seconds = time.perf_counter() - start
         return [o for o in outputs if o is not None]
 
-    def _sample_and_update(self, logits: torch.Tensor, completing: Seq[ScheduledSeq]) -> List[SequenceGroup]:
-        rows: List[sampling.SampleRow] = []
+    def _sample_and_update(self, logits: torch.Tensor, completing: Seq[ScheduledSeq],
+                           update: StepUpdate) -> List[SequenceGroup]:
+        rows: List[SampleRow] = []
         owners = []   # (group, seq, number of rows)
         beams = defaultdict(list)
         for row, item in enumerate(completing):
@@ -205,35 +196,36 @@ class LLMEngine:
             owners.append((group, seq, copies))
         touched: Dict[str, SequenceGroup] = {}
         if rows:
-            samples = sampling.sample(logits, rows, self.generator)
+            samples = self.sampler(logits, rows)
             k = 0
             for group, seq, copies in owners:
-                self._apply_samples(group, seq, samples[k:k + copies])
+                self._apply_samples(group, seq, samples[k:k + copies], update)
                 k += copies
                 touched[group.request_id] = group
         for group, seq_rows in beams.items():
-            if self._beam_step(group, seq_rows, logits):
+            if self._beam_step(group, seq_rows, logits, update):
                 touched[group.request_id] = group
         return list(touched.values())
 
-    def _sample_row(self, group: SequenceGroup, seq: Sequence, row: int, index: int) -> sampling.SampleRow:
+    def _sample_row(self, group: SequenceGroup, seq: Sequence, row: int, index: int) -> SampleRow:
         params = group.params
         suppress = ()
         if seq.num_output_tokens < params.min_tokens:
             suppress = sorted(self.eos_token_ids | set(params.stop_token_ids))
         key = (params.seed, index, seq.num_output_tokens) if params.seed is not None else None
-        return sampling.SampleRow(row, params, suppress, key)
+        return SampleRow(row, params, suppress, key)
 
-    def _apply_samples(self, group: SequenceGroup, seq: Sequence, samples: List[sampling.Sample]) -> None:
+    def _apply_samples(self, group: SequenceGroup, seq: Sequence, samples, update: StepUpdate) -> None:
         now = time.time()
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = now
+        group.metrics.last_token_time = now
         new_seqs = [seq]
         if not group.forked:
             # Parallel sampling: every candidate shares the prompt's blocks.
             for i in range(1, len(samples)):
                 child = seq.fork(i)
-                self.block_manager.fork(seq.seq_id, child.seq_id)
+                update.forks.append((seq, child))
                 new_seqs.append(child)
             group.seqs = list(new_seqs)
             group.forked = True
@@ -242,11 +234,11 @@ class LLMEngine:
             self.stats.generation_tokens += 1
             self._check_stop(group, s, sample.token_id)
             if s.finished:
-                self.scheduler.free_seq(s)
+                update.freed.append(s)
                 group.seqs.remove(s)
                 group.finished_seqs.append(s)
         if not group.seqs:
-            self._finish_group(group)
+            self._finish_group(group, update)
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence, token_id: int) -> None:
         params = group.params
@@ -267,13 +259,12 @@ class LLMEngine:
         if seq.num_output_tokens >= group.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
-    def _beam_step(self, group: SequenceGroup, seq_rows, logits: torch.Tensor) -> bool:
+    def _beam_step(self, group: SequenceGroup, seq_rows, logits: torch.Tensor, update: StepUpdate) -> bool:
         live = group.seqs
         if len(seq_rows) < len(live):
             # Some beams are still being recomputed after a preemption: hold the
             # ones that are done by recomputing their last token next step.
-            for seq, _ in seq_rows:
-                seq.num_computed_tokens -= 1
+            update.held.update(seq.seq_id for seq, _ in seq_rows)
             return False
         row_of = {seq.seq_id: row for seq, row in seq_rows}
         rows = [row_of[s.seq_id] for s in live]
@@ -285,14 +276,15 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         result = group.beam.step([s.token_ids for s in live], [s.cumulative_logprob for s in live],
                                  logprobs, live[0].num_output_tokens, group.max_tokens, stop_ids)
+        now = time.time()
         if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = time.time()
+            group.metrics.first_token_time = now
+        group.metrics.last_token_time = now
         self.stats.generation_tokens += len(live)
         if result.done:
-            for seq in live:
-                self.scheduler.free_seq(seq)
+            update.freed.extend(live)
             group.seqs = []
-            self._finish_group(group)
+            self._finish_group(group, update)
             return True
         # Re-parent: a beam chosen twice is forked (blocks shared), one not chosen is freed.
         used = set()
@@ -301,25 +293,22 @@ class LLMEngine:
             parent = live[parent_idx]
             if parent.seq_id in used:
                 child = parent.fork(len(next_beams))
-                self.block_manager.fork(parent.seq_id, child.seq_id)
+                update.forks.append((parent, child))
                 next_beams.append(child)
             else:
                 used.add(parent.seq_id)
                 next_beams.append(parent)
-        for seq in live:
-            if seq.seq_id not in used:
-                self.scheduler.free_seq(seq)
+        update.freed.extend(seq for seq in live if seq.seq_id not in used)
         for seq, (_, token, score) in zip(next_beams, result.continuations):
             seq.token_ids.append(token)
             seq.cumulative_logprob = score
         group.seqs = next_beams
         return False
 
-    def _finish_group(self, group: SequenceGroup) -> None:
+    def _finish_group(self, group: SequenceGroup, update: StepUpdate) -> None:
         group.status = GroupStatus.FINISHED
         group.metrics.finished_time = time.time()
-        if group in self.scheduler.running:
-            self.scheduler.running.remove(group)
+        update.finished.append(group)
         self.groups.pop(group.request_id, None)
         self.stats.finished_requests += 1
 
@@ -346,7 +335,7 @@ class LLMEngine:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)
             outputs = [self._delta(group, s, index=i) for i, s in enumerate(seqs[:group.params.n])]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                             finished, group.metrics)
+                             finished, dataclasses.replace(group.metrics))
 
     def _delta(self, group: SequenceGroup, seq: Sequence, index: Optional[int] = None) -> CompletionOutput:
         """New tokens and text since the last delta. Text that might still turn

@@ -1,0 +1,27 @@
+"""The engine's text side: the tokenizer and the ids that end a sequence.
+
+Only the engine loads a tokenizer; the model runner and tensor-parallel
+workers deal in token ids alone.
+"""
+import json
+import pathlib
+from typing import Set
+
+
+def load_tokenizer(model_path: pathlib.Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+
+
+def eos_token_ids(model_path: pathlib.Path, tokenizer) -> Set[int]:
+    """EOS ids named by config.json, the tokenizer and generation_config.json."""
+    hf_config = json.loads((model_path / "config.json").read_text())
+    values = [hf_config.get("eos_token_id"), tokenizer.eos_token_id]
+    generation_config = model_path / "generation_config.json"
+    if generation_config.is_file():
+        values.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    ids: Set[int] = set()
+    for value in values:
+        if value is not None:
+            ids.update(value if isinstance(value, list) else [value])
+    return {int(i) for i in ids}

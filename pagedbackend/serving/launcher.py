@@ -1,0 +1,365 @@
+"""Run NVIDIA's tritonserver (bundled by nvidia-pytriton) over our model repository.
+
+    python -m pagedbackend.serve --model-repository model_repository \
+        --http-port 8000 --grpc-port 8001 --metrics-port 8002
+
+Engine settings come from the ``parameters`` of each model's ``config.pbtxt``
+(names as ``EngineConfig`` fields). An environment variable
+``PAGEDBACKEND_<FIELD>`` (e.g. ``PAGEDBACKEND_NUM_KV_BLOCKS=512``) overrides the
+file; ``--set field=value`` and ``--model`` set those variables for the server.
+The pieces (``find_tritonserver``, ``prepare_backend``, ``server_command``,
+``TritonServer``, ``make_model_repository``) are reused by tests and benchmarks.
+"""
+import argparse
+import hashlib
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import fields
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+from pagedbackend.config import ENV_PREFIX, EngineConfig
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+DEFAULT_MODEL_NAME = "paged_llm"
+# Without a GPU these silence CUDA probing (RECIPES.md); harmless with one.
+NO_GPU_FLAGS = ("--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
+                "--cuda-memory-pool-byte-size=0:0")
+
+
+# --------------------------------------------------------------- engine settings
+
+def read_model_config(config_text: str):
+    """A ``config.pbtxt`` as Triton's ``ModelConfig`` protobuf message."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+    return text_format.Parse(config_text, model_config_pb2.ModelConfig())
+
+
+def read_parameters(config_text: str) -> Dict[str, str]:
+    """The ``parameters`` (string values) of a config.pbtxt."""
+    return {key: value.string_value for key, value in read_model_config(config_text).parameters.items()}
+
+
+def make_model_repository(dest, settings: Mapping[str, Any] = (),
+                          source=DEFAULT_MODEL_REPOSITORY,
+                          model_name: str = DEFAULT_MODEL_NAME) -> pathlib.Path:
+    """Copy ``source/model_name`` into ``dest`` with some parameters replaced or added."""
+    from google.protobuf import text_format
+    dest = pathlib.Path(dest)
+    target = dest / model_name
+    shutil.copytree(pathlib.Path(source) / model_name, target,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    config_file = target / "config.pbtxt"
+    config = read_model_config(config_file.read_text())
+    for key, value in dict(settings).items():
+        value = "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        config.parameters[key].string_value = value
+    config_file.write_text(text_format.MessageToString(config))
+    return dest
+
+
+# --------------------------------------------------------------- tritonserver
+
+def triton_home() -> pathlib.Path:
+    """The tritonserver tree shipped inside nvidia-pytriton."""
+    try:
+        import pytriton
+    except ImportError:
+        raise FileNotFoundError("tritonserver comes from nvidia-pytriton: "
+                                "pip install nvidia-pytriton==0.7.0 (or run make setup)") from None
+    return pathlib.Path(pytriton.__file__).parent / "tritonserver"
+
+
+def find_tritonserver() -> pathlib.Path:
+    binary = triton_home() / "bin" / "tritonserver"
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
+        raise FileNotFoundError(f"no executable tritonserver at {binary}; "
+                                "reinstall nvidia-pytriton==0.7.0")
+    return binary
+
+
+def prepare_backend(home: Optional[pathlib.Path] = None) -> pathlib.Path:
+    """Place the Python backend stub built for this Python next to libtriton_python.so.
+
+    The stub must match the interpreter that runs model.py, and sit at the same
+    depth so its relative library paths resolve. Copied only if missing or different.
+    """
+    home = home or triton_home()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    source = home / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not source.is_file():
+        raise FileNotFoundError(f"nvidia-pytriton has no Python backend stub for Python {version}")
+    target = home / "backends" / "python" / "triton_python_backend_stub"
+    if not target.is_file() or _digest(target) != _digest(source):
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        shutil.copy2(source, tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)  # atomic for concurrent launchers
+    return target
+
+
+def _digest(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def server_env(base: Optional[Mapping[str, str]] = None,
+               overrides: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """Environment for tritonserver: this venv's bin first on PATH (so the stub's
+    Python finds the venv's packages) and Python's LIBDIR on LD_LIBRARY_PATH."""
+    env = dict(os.environ if base is None else base)
+    env.update(overrides or {})
+    venv_bin = str(pathlib.Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([venv_bin] + [p for p in env.get("PATH", "").split(os.pathsep)
+                                                if p and p != venv_bin])
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if libdir:
+        old = env.get("LD_LIBRARY_PATH")
+        env["LD_LIBRARY_PATH"] = libdir + (os.pathsep + old if old else "")
+    return env
+
+
+def server_command(model_repository, http_port: int, grpc_port: int, metrics_port: int,
+                   host: str = "127.0.0.1", log_verbose: int = 0,
+                   exit_timeout_s: Optional[int] = None, extra: Sequence[str] = ()) -> list:
+    home = triton_home()
+    command = [str(find_tritonserver()),
+               f"--model-repository={pathlib.Path(model_repository).resolve()}",
+               f"--backend-directory={home / 'backends'}",
+               f"--http-address={host}", f"--http-port={http_port}",
+               f"--grpc-address={host}", f"--grpc-port={grpc_port}",
+               f"--metrics-address={host}", f"--metrics-port={metrics_port}",
+               *NO_GPU_FLAGS, f"--log-verbose={log_verbose}"]
+    if exit_timeout_s is not None:
+        command.append(f"--exit-timeout-secs={exit_timeout_s}")
+    return command + list(extra)
+
+
+def prepare_models(model_repository, environ: Mapping[str, str] = os.environ) -> list:
+    """Resolve (and for "default", build once) each repository model's weights folder,
+    so a slow first preparation happens here rather than inside the model load."""
+    try:
+        from pagedbackend.models.default_model import resolve_model_path
+    except ImportError:
+        return []
+    override = environ.get(ENV_PREFIX + "MODEL")
+    paths = []
+    for config_file in sorted(pathlib.Path(model_repository).glob("*/config.pbtxt")):
+        params = read_parameters(config_file.read_text())
+        if "model" in params or override:
+            paths.append(resolve_model_path(override or params["model"]))
+    return paths
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def is_ready(http_url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=timeout) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+class ServerError(RuntimeError):
+    """tritonserver did not start or did not become ready."""
+
+
+class TritonServer:
+    """A tritonserver process on loopback ports, started and stopped as a context.
+
+        with TritonServer(repo) as server:
+            server.grpc_url, server.http_url, server.metrics_url, server.metrics()
+
+    Ports left as None are picked free. The process runs in its own process
+    group; stopping sends SIGTERM, then SIGKILL to anything left in the group.
+    """
+
+    def __init__(self, model_repository, http_port: Optional[int] = None,
+                 grpc_port: Optional[int] = None, metrics_port: Optional[int] = None,
+                 host: str = "127.0.0.1", env: Optional[Mapping[str, str]] = None,
+                 log_verbose: int = 0, ready_timeout_s: float = 300.0,
+                 exit_timeout_s: int = 10, log_path=None, extra_args: Sequence[str] = ()):
+        self.model_repository = pathlib.Path(model_repository)
+        self.host = host
+        self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        self._bound = dict(self.ports)  # the ports in use once started
+        self.env = dict(env or {})
+        self.log_verbose = log_verbose
+        self.ready_timeout_s = ready_timeout_s
+        self.exit_timeout_s = exit_timeout_s
+        self.extra_args = list(extra_args)
+        self._own_log_dir = None if log_path else tempfile.mkdtemp(prefix="tritonserver-")
+        self.log_path = pathlib.Path(log_path or pathlib.Path(self._own_log_dir) / "server.log")
+        self.process: Optional[subprocess.Popen] = None
+
+    http_url = property(lambda self: f"http://{self.host}:{self._port('http')}")
+    grpc_url = property(lambda self: f"{self.host}:{self._port('grpc')}")
+    metrics_url = property(lambda self: f"http://{self.host}:{self._port('metrics')}/metrics")
+
+    def _port(self, kind: str) -> int:
+        return self._bound[kind]
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        prepare_backend()
+        auto = [k for k, v in self.ports.items() if v is None]
+        for attempt in range(3):  # a picked port can be taken before tritonserver binds it
+            self._bound = {k: v if v is not None else free_port(self.host) for k, v in self.ports.items()}
+            self._launch()
+            try:
+                self._wait_ready()
+                return
+            except ServerError:
+                tail = self.log_tail()
+                self.stop()
+                if not (auto and "already in use" in tail.lower()) or attempt == 2:
+                    raise
+
+    def _launch(self) -> None:
+        command = server_command(self.model_repository, self._bound["http"], self._bound["grpc"],
+                                 self._bound["metrics"], self.host, self.log_verbose,
+                                 self.exit_timeout_s, self.extra_args)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(command, env=server_env(overrides=self.env),
+                                        stdin=subprocess.DEVNULL, stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with status {self.process.returncode} "
+                                  f"before it was ready; log tail:\n{self.log_tail()}")
+            if is_ready(self.http_url):
+                return
+            time.sleep(0.2)
+        raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s; "
+                          f"log tail:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def metrics(self, timeout: float = 5.0) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=timeout) as reply:
+            return reply.read().decode()
+
+    def stop(self, timeout_s: Optional[float] = None) -> Optional[int]:
+        """SIGTERM, wait, then SIGKILL whatever remains of the process group."""
+        process, self.process = self.process, None
+        if process is None:
+            return None
+        if timeout_s is None:  # tritonserver gives up on unloading after exit_timeout_s
+            timeout_s = self.exit_timeout_s + 15.0
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+        try:  # the Python stubs are in the server's process group: none may outlive it
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        if self._own_log_dir:  # errors raised earlier already carry the log tail
+            shutil.rmtree(self._own_log_dir, ignore_errors=True)
+        return process.returncode
+
+
+# --------------------------------------------------------------- command line
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pagedbackend.serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY))
+    parser.add_argument("--host", default="127.0.0.1", help="address for all three endpoints")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--model", help='engine model: "default" or a model folder (PAGEDBACKEND_MODEL)')
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override an engine setting (PAGEDBACKEND_<FIELD>); repeatable")
+    parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="copy the backend stub and prepare the models, then exit")
+    return parser.parse_args(argv)
+
+
+def setting_overrides(args: argparse.Namespace) -> Dict[str, str]:
+    overrides = {}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep or name not in {f.name for f in fields(EngineConfig)}:
+            raise SystemExit(f"--set expects FIELD=VALUE with an EngineConfig field, got {item!r}")
+        overrides[ENV_PREFIX + name.upper()] = value
+    if args.model:
+        overrides[ENV_PREFIX + "MODEL"] = args.model
+    return overrides
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    overrides = setting_overrides(args)
+    try:
+        prepare_backend()
+        for path in prepare_models(args.model_repository, {**os.environ, **overrides}):
+            print(f"model weights: {path}", flush=True)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.prepare_only:
+        return 0
+    command = server_command(args.model_repository, args.http_port, args.grpc_port,
+                             args.metrics_port, args.host, args.log_verbose)
+    process = subprocess.Popen(command, env=server_env(overrides=overrides), start_new_session=True)
+
+    def forward(signum, _frame):
+        if process.poll() is None:
+            process.send_signal(signum)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+
+    http_url = f"http://{args.host}:{args.http_port}"
+    deadline = time.monotonic() + args.ready_timeout
+    while process.poll() is None and not is_ready(http_url):
+        if time.monotonic() > deadline:
+            print(f"tritonserver not ready after {args.ready_timeout:.0f} s; stopping it",
+                  file=sys.stderr)
+            forward(signal.SIGTERM, None)
+            break
+        time.sleep(0.5)
+    if process.poll() is None and is_ready(http_url):
+        print(f"ready: HTTP {http_url}  gRPC {args.host}:{args.grpc_port}  "
+              f"metrics http://{args.host}:{args.metrics_port}/metrics", flush=True)
+    status = process.wait()
+    return 128 - status if status < 0 else status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

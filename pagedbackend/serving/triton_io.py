@@ -1,0 +1,120 @@
+"""Triton request in, Triton response out, for ``model_repository/paged_llm``.
+
+Tensors follow the public vLLM Triton backend. Imported only inside Triton's
+Python backend stub (it needs ``triton_python_backend_utils``).
+"""
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pagedbackend.sampling_params import SamplingParams
+
+FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
+         "return_cumulative_logprob", "return_num_input_tokens", "return_num_output_tokens")
+# Request parameters that Triton itself defines; the rest are sampling parameters.
+TRITON_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout"}
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass
+class Job:
+    """One request in flight and what has been sent for it so far."""
+    request_id: str
+    prompt: str
+    flags: dict
+    sender: object
+    stream: object = None
+    last_token_time: Optional[float] = None   # engine clock, of the latest token sent
+    cancelled: bool = False
+    texts: dict = field(default_factory=dict)          # output index -> text so far
+    num_tokens: dict = field(default_factory=dict)     # output index -> tokens so far
+    reasons: dict = field(default_factory=dict)
+    logprobs: dict = field(default_factory=dict)
+
+
+def read_text(request, name: str) -> str:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise ValueError(f"input {name} is required")
+    value = tensor.as_numpy()
+    if value.dtype != np.object_ or value.size != 1:
+        raise ValueError(f"input {name} must be one BYTES element, got {value.dtype} of shape {list(value.shape)}")
+    value = value.reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def read_flag(request, name: str) -> Optional[bool]:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    value = tensor.as_numpy()
+    if value.dtype != np.bool_ or value.size != 1:
+        raise ValueError(f"input {name} must be one BOOL element, got {value.dtype} of shape {list(value.shape)}")
+    return bool(value.reshape(-1)[0])
+
+
+def read_flags(request) -> dict:
+    """The optional BOOL inputs, with the vLLM backend's echo rule: the prompt
+    is echoed unless streaming, and streaming cannot echo it."""
+    flags = {name: read_flag(request, name) for name in FLAGS}
+    if flags["exclude_input_in_output"] is None:
+        flags["exclude_input_in_output"] = bool(flags["stream"])
+    elif flags["stream"] and not flags["exclude_input_in_output"]:
+        raise ValueError("exclude_input_in_output=false is not allowed with stream=true")
+    return flags
+
+
+def read_sampling_params(request) -> SamplingParams:
+    """The sampling_parameters tensor (JSON), else the request's parameters (generate endpoint)."""
+    if pb_utils.get_input_tensor_by_name(request, "sampling_parameters") is not None:
+        return SamplingParams.from_json(read_text(request, "sampling_parameters"))
+    params = json.loads(request.parameters() or "{}")
+    return SamplingParams.from_dict({k: v for k, v in params.items()
+                                     if k not in TRITON_PARAMETERS and not k.startswith("triton_")})
+
+
+def send_error(sender, message: str, code) -> None:
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), FINAL)
+
+
+def accumulate(job: Job, out) -> int:
+    """Fold an engine delta into the job; returns the most new tokens of any output."""
+    new_tokens = 0
+    for o in out.outputs:
+        job.texts[o.index] = job.texts.get(o.index, "") + o.text
+        job.num_tokens[o.index] = job.num_tokens.get(o.index, 0) + len(o.token_ids)
+        job.reasons[o.index] = o.finish_reason or job.reasons.get(o.index)
+        job.logprobs[o.index] = o.cumulative_logprob
+        new_tokens = max(new_tokens, len(o.token_ids))
+    return new_tokens
+
+
+def build_response(job: Job, out, delta: bool):
+    """A response holding, per output index, its new text (``delta``) or all of
+    it (echoing the prompt unless excluded), plus the requested extra outputs."""
+    indices = sorted(o.index for o in out.outputs) if delta else sorted(job.texts)
+    if delta:
+        parts = {o.index: (o.text, len(o.token_ids)) for o in out.outputs}
+    else:
+        prefix = "" if job.flags["exclude_input_in_output"] else job.prompt
+        parts = {i: (prefix + job.texts[i], job.num_tokens[i]) for i in indices}
+    tensors = [pb_utils.Tensor("text_output", np.array(
+        [parts[i][0].encode("utf-8") for i in indices], dtype=np.object_))]
+    if job.flags["return_finish_reason"]:
+        tensors.append(pb_utils.Tensor("finish_reason", np.array(
+            [str(job.reasons.get(i)) for i in indices], dtype=np.object_)))
+    if job.flags["return_cumulative_logprob"]:
+        tensors.append(pb_utils.Tensor("cumulative_logprob", np.array(
+            [math.nan if job.logprobs.get(i) is None else job.logprobs[i] for i in indices],
+            dtype=np.float32)))
+    if job.flags["return_num_input_tokens"]:
+        tensors.append(pb_utils.Tensor("num_input_tokens", np.array(
+            [len(out.prompt_token_ids)], dtype=np.uint32)))
+    if job.flags["return_num_output_tokens"]:
+        tensors.append(pb_utils.Tensor("num_output_tokens", np.array(
+            [parts[i][1] for i in indices], dtype=np.uint32)))
+    return pb_utils.InferenceResponse(output_tensors=tensors)

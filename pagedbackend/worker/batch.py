@@ -1,0 +1,98 @@
+"""One step's flat batch: every sequence's new tokens back to back, with the
+attention metadata that every layer of the forward shares.
+
+Built once per step on the host, checked (token ids in the vocabulary, block
+ids in the pool, tables long enough) before any tensor reaches the device.
+"""
+import itertools
+from dataclasses import dataclass, replace
+from typing import List, Sequence
+
+import torch
+
+from pagedbackend.models.attention import AttentionMetadata
+
+
+@dataclass
+class SeqEntry:
+    """One sequence's share of a step.
+
+    ``token_ids``: tokens whose K/V are computed now; ``start_pos``: position of
+    ``token_ids[0]`` (tokens of this sequence already cached); ``block_table``:
+    physical blocks covering at least ``start_pos + len(token_ids)`` positions;
+    ``need_logits``: return the logits of the last token. The scheduler's
+    ``ScheduledSeq`` carries the same four fields.
+    """
+    token_ids: List[int]
+    start_pos: int
+    block_table: List[int]
+    need_logits: bool = True
+
+
+@dataclass
+class StepBatch:
+    """One step's flat batch; ``logits_rows``: rows whose logits are returned."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+
+    def to(self, device: torch.device) -> "StepBatch":
+        to = dict(device=device, non_blocking=True)
+        meta = self.meta
+        return StepBatch(self.input_ids.to(**to), self.positions.to(**to), replace(
+            meta, slot_mapping=meta.slot_mapping.to(**to), block_tables=meta.block_tables.to(**to),
+            cu_seqlens_q=meta.cu_seqlens_q.to(**to), seq_lens=meta.seq_lens.to(**to)),
+            self.logits_rows.to(**to))
+
+
+def build_step_batch(entries: Sequence[SeqEntry], block_size: int, max_model_len: int,
+                     vocab_size: int, num_blocks: int) -> StepBatch:
+    """The flat batch of ``entries`` as host tensors (attention plan not set)."""
+    if not entries:
+        raise ValueError("execute_model needs at least one entry")
+    bs = block_size
+    input_ids: List[int] = []
+    positions: List[int] = []
+    q_lens, seq_lens, tables = [], [], []
+    for i, entry in enumerate(entries):
+        n = len(entry.token_ids)
+        end = entry.start_pos + n
+        if n == 0 or entry.start_pos < 0:
+            raise ValueError(f"entry {i} needs at least one token and start_pos >= 0 "
+                             f"(got {n} tokens at start_pos {entry.start_pos})")
+        if end > max_model_len:
+            raise ValueError(f"entry {i} reaches {end} positions, beyond max_model_len {max_model_len}")
+        needed = -(-end // bs)
+        if len(entry.block_table) < needed:
+            raise ValueError(f"entry {i}: block table has {len(entry.block_table)} blocks, "
+                             f"{end} positions need {needed} (block_size {bs})")
+        input_ids.extend(entry.token_ids)
+        positions.extend(range(entry.start_pos, end))
+        q_lens.append(n)
+        seq_lens.append(end)
+        tables.append(entry.block_table[:needed])
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    ids = torch.tensor(input_ids, dtype=torch.long)
+    _check_ranges(ids, block_tables, vocab_size, num_blocks)
+
+    pos = torch.tensor(positions, dtype=torch.long)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(q_lens))
+    slots = block_tables[seq_of_token, pos // bs].long() * bs + pos % bs
+    cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    logits_rows = (cu_seqlens_q[1:] - 1)[torch.tensor([e.need_logits for e in entries])]
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
+                             cu_seqlens_q=cu_seqlens_q,
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+    return StepBatch(ids, pos, meta, logits_rows.long())
+
+
+def _check_ranges(ids: torch.Tensor, block_tables: torch.Tensor, vocab_size: int,
+                  num_blocks: int) -> None:
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        token = int(ids[bad.nonzero()[0, 0]])
+        raise ValueError(f"token id {token} is outside the vocabulary (size {vocab_size})")
+    if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks:
+        raise ValueError(f"block table refers to a block outside 0..{num_blocks - 1}")
