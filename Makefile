@@ -9,7 +9,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
 
-.PHONY: setup test serve loadtest bench clean
+.PHONY: setup test serve loadtest bench fuzz clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ test: setup
 serve: setup
 	$(PY) -m pagedbackend.serve --model-repository model_repository \
 	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+# Arbitrary request payloads against the engine (10,000 examples; not part of `make test`).
+fuzz: setup
+	PAGEDBACKEND_FUZZ_EXAMPLES=$${PAGEDBACKEND_FUZZ_EXAMPLES:-10000} $(PY) -m pytest -q tests/test_request_fuzz.py
 
 loadtest: setup
 	$(PY) -m loadtest.run_locust --out results/loadtest

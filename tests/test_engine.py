@@ -233,9 +233,14 @@ def test_logprobs_are_returned_for_each_token(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), num_kv_blocks=64)
     out = llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0].outputs[0]
     assert len(out.logprobs) == 5
+    tokenizer = llm.get_tokenizer()
     for tok, top in zip(out.token_ids, out.logprobs):
-        assert tok in top and max(top.values()) == top[tok]   # greedy picks the most likely
-    assert abs(sum(top[t] for t, top in zip(out.token_ids, out.logprobs)) - out.cumulative_logprob) < 1e-4
+        assert len(top) == 3 and tok in top                   # greedy picks one of the top 3
+        assert top[tok].rank == 1 and max(e.logprob for e in top.values()) == top[tok].logprob
+        assert sorted(e.rank for e in top.values()) == [1, 2, 3]
+        assert all(e.decoded_token == tokenizer.decode([t]) for t, e in top.items())
+    assert abs(sum(top[t].logprob for t, top in zip(out.token_ids, out.logprobs))
+               - out.cumulative_logprob) < 1e-4
 
 
 def test_abort_mid_generation_returns_every_block(tiny_model_dir):
@@ -260,7 +265,7 @@ def test_a_request_that_cannot_fit_is_rejected_while_others_finish(tiny_model_di
         llm.generate([list(range(100, 140))], SamplingParams(n=2, temperature=0.8, max_tokens=40))
     with pytest.raises(InvalidRequestError, match="maximum context length"):
         llm.generate([[5] * 500], SamplingParams(max_tokens=100))
-    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+    with pytest.raises(InvalidRequestError, match="not an integer in the vocabulary"):
         llm.generate([[5, 10 ** 6]], GREEDY)
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate([""], GREEDY)

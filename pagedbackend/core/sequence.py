@@ -43,7 +43,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0            # tokens whose K/V are in the cache
         self.cumulative_logprob = 0.0
-        self.logprobs: List[Dict[int, float]] = []
+        self.logprobs: List[Dict[int, object]] = []   # per output token, when asked: id -> Logprob
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[object] = None
         # Incremental detokenisation state (see detokenizer.py).
@@ -73,7 +73,7 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def append_token(self, token_id: int, logprob: float, top_logprobs: Optional[Dict[int, float]]) -> None:
+    def append_token(self, token_id: int, logprob: float, top_logprobs: Optional[Dict[int, object]]) -> None:
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if top_logprobs is not None:
@@ -111,6 +111,7 @@ class SequenceGroup:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.beam = None                        # BeamSearchState for beam search
         self.num_preemptions = 0
+        self.bad_words_ids: List[List[int]] = []   # token sequences never to complete
 
     @property
     def is_beam_search(self) -> bool:

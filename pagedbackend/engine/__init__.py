@@ -4,7 +4,7 @@ engine owns the tokenizer and turns tokens into text."""
 from .async_engine import AsyncLLMEngine, RequestStream
 from .llm import LLM
 from .llm_engine import LLMEngine
-from .outputs import CompletionOutput, EngineStats, RequestOutput
+from .outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 
-__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineStats", "LLM", "LLMEngine",
+__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineStats", "LLM", "LLMEngine", "Logprob",
            "RequestOutput", "RequestStream"]

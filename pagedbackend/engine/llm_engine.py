@@ -23,7 +23,7 @@ from ..models.default_model import resolve_model_path
 from ..sample import BeamSearchState, SampleRow, Sampler
 from ..sampling_params import InvalidRequestError, SamplingParams
 from .detokenizer import decode_new_text, find_stop_string
-from .outputs import CompletionOutput, EngineStats, RequestOutput
+from .outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from .tokenizer import eos_token_ids, load_tokenizer
 
 Prompt = Union[str, List[int]]
@@ -88,7 +88,11 @@ class LLMEngine:
         """Check a request against the model and the pool and build its group.
         Touches no engine state, so any thread may call it."""
         params = params or SamplingParams()
+        params.check_token_ids(self.vocab_size)
         text, token_ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None and len(token_ids) > params.truncate_prompt_tokens:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]   # vLLM keeps the last k
+            text = None if text is None else self.tokenizer.decode(token_ids)
         max_tokens = params.max_tokens
         room = self.max_model_len - len(token_ids)
         if max_tokens is None:
@@ -103,9 +107,21 @@ class LLMEngine:
         group = SequenceGroup(request_id, text, token_ids, params,
                               time.time() if arrival_time is None else arrival_time, max_tokens)
         self.scheduler.check_admissible(group)
+        group.bad_words_ids = self._bad_words_ids(params)
         if params.use_beam_search:
             group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)
         return group
+
+    def _bad_words_ids(self, params: SamplingParams) -> List[List[int]]:
+        """Token sequences of each bad word, alone and after a space (the two
+        ways a word is usually tokenised), as vLLM bans them."""
+        found = []
+        for word in params.bad_words or []:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:
@@ -127,7 +143,8 @@ class LLMEngine:
             raise InvalidRequestError("prompt is empty")
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(f"prompt token id {bad[0]!r} is not an integer in the vocabulary "
+                                      f"[0, {self.vocab_size})")
         return None, ids
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
@@ -213,7 +230,10 @@ class LLMEngine:
         if seq.num_output_tokens < params.min_tokens:
             suppress = sorted(self.eos_token_ids | set(params.stop_token_ids))
         key = (params.seed, index, seq.num_output_tokens) if params.seed is not None else None
-        return SampleRow(row, params, suppress, key)
+        if not params.has_logits_processing:
+            return SampleRow(row, params, suppress, key)
+        return SampleRow(row, params, suppress, key, seq.token_ids, seq.num_prompt_tokens,
+                         group.bad_words_ids)
 
     def _apply_samples(self, group: SequenceGroup, seq: Sequence, samples, update: StepUpdate) -> None:
         now = time.time()
@@ -230,7 +250,7 @@ class LLMEngine:
             group.seqs = list(new_seqs)
             group.forked = True
         for s, sample in zip(new_seqs, samples):
-            s.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
+            s.append_token(sample.token_id, sample.logprob, self._logprobs(sample))
             self.stats.generation_tokens += 1
             self._check_stop(group, s, sample.token_id)
             if s.finished:
@@ -239,6 +259,18 @@ class LLMEngine:
                 group.finished_seqs.append(s)
         if not group.seqs:
             self._finish_group(group, update)
+
+    def _logprobs(self, sample) -> Optional[Dict[int, Logprob]]:
+        """The sample's top log-probabilities as vLLM's Logprob entries, with
+        rank and text; None when the request did not ask for them."""
+        if sample.top_logprobs is None:
+            return None
+        entries = {}
+        for rank, (token, logprob) in enumerate(sample.top_logprobs.items(), start=1):
+            if token == sample.token_id:
+                rank = sample.rank
+            entries[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
+        return entries
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence, token_id: int) -> None:
         params = group.params
