@@ -7,6 +7,7 @@ STAMP  := $(VENV)/.installed
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 
 .PHONY: setup test serve loadtest bench fuzz clean
@@ -29,9 +30,16 @@ $(STAMP): pyproject.toml requirements.txt constraints.txt
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# tritonserver and the OpenAI-compatible API in front of it (OPENAI_PORT); Ctrl-C
+# or SIGTERM stops both, and either one exiting stops the other.
+serve: SHELL := /bin/bash
 serve: setup
-	$(PY) -m pagedbackend.serve --model-repository model_repository \
-	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	@$(PY) -m pagedbackend.serve --model-repository model_repository \
+	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) & triton=$$!; \
+	$(PY) -m pagedbackend.serving.openai_server --triton-url 127.0.0.1:$(GRPC_PORT) \
+	  --port $(OPENAI_PORT) & openai=$$!; \
+	trap 'kill $$triton $$openai 2>/dev/null' INT TERM; \
+	wait -n; kill $$triton $$openai 2>/dev/null; wait $$triton; status=$$?; wait; exit $$status
 
 # Arbitrary request payloads against the engine (10,000 examples; not part of `make test`).
 fuzz: setup
