@@ -1,7 +1,7 @@
 """The OpenAI-compatible API against a real tritonserver, with the official
 ``openai`` package as the client: completions and chat, streamed and not,
 n > 1, stop strings, refused requests, disconnects that free the KV blocks,
-and ``make serve`` starting and stopping both servers.
+a locust run, and ``make serve`` starting and stopping both servers.
 One tritonserver and one API server per module, on the tiny random model."""
 import asyncio
 import os
@@ -340,6 +340,24 @@ def test_a_client_that_hangs_up_cancels_its_request_and_frees_its_kv_blocks(trit
     assert metric(triton, "num_requests_running") == 0
     generated = metric(triton, "generation_tokens_total") - before
     assert 0 < generated < max_tokens   # cancelled, not run to the end
+
+
+# ---------------------------------------------------------------- locust
+
+@pytest.mark.timeout(300)
+def test_a_short_locust_run_through_the_openai_api_has_no_failures(triton, api, tmp_path, tiny_model_dir):
+    from loadtest.run_locust import run_locust
+
+    summary = run_locust(triton.http_url, triton.grpc_url, tmp_path, users=2, run_time="20s", max_requests=6,
+                         workload="alpaca", protocol="openai", openai_url=api.url, max_output_tokens=8,
+                         tokenizer=str(tiny_model_dir), timeout=240)
+
+    assert summary["failures"] == 0, (tmp_path / "locust.log").read_text()[-3000:]
+    assert summary["requests"] == 6
+    for name in ("ttft", "e2e"):
+        m = summary["metrics"][name]
+        assert m["count"] > 0 and 0 < m["p50_ms"] <= m["p99_ms"]
+    assert summary["output_tokens"] > 0
 
 
 # ---------------------------------------------------------------- make serve
