@@ -1,6 +1,7 @@
 """The OpenAI wire format without a server: request checks and their error
-objects, the sampling parameters sent to the model, and the mapping of the
-model's logprobs output (NVIDIA vllm_backend's format) to OpenAI's shapes."""
+objects, the sampling parameters sent to the model, the mapping of the
+model's logprobs output (NVIDIA vllm_backend's format) to OpenAI's shapes, and
+the reading of Triton's raw responses."""
 import json
 
 import pytest
@@ -168,3 +169,52 @@ def test_a_non_text_content_part_is_refused_naming_its_place():
 
     with pytest.raises(OpenAIError, match=r"messages\[0\]\.content\[0\].*'image_url'"):
         request.messages[0].for_template(0)
+
+
+# ---------------------------------------------------------------- Triton responses
+
+def triton_response(outputs: dict):
+    """A ModelInferResponse as tritonserver sends it: raw little-endian contents."""
+    import numpy as np
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+    response = service_pb2.ModelInferResponse(model_name="paged_llm")
+    for name, array in outputs.items():
+        tensor = response.outputs.add(name=name, datatype=np_to_triton_dtype(array.dtype))
+        tensor.shape.extend(array.shape)
+        raw = serialize_byte_tensor(array).item() if array.dtype == np.object_ else array.tobytes()
+        response.raw_output_contents.append(raw)
+    return response
+
+
+def test_a_triton_response_reads_as_per_output_text_tokens_reasons_and_logprobs():
+    import numpy as np
+    from tritonclient.grpc import InferResult
+
+    from pagedbackend.serving.openai_triton import read_update
+    response = triton_response({
+        "text_output": np.array(["héllo".encode(), b""], dtype=np.object_),
+        "finish_reason": np.array([b"None", b"length"], dtype=np.object_),
+        "num_input_tokens": np.array([7], dtype=np.uint32),
+        "num_output_tokens": np.array([2, 0], dtype=np.uint32),
+        "cumulative_logprob": np.array([-1.5, -3.25], dtype=np.float32),
+        "logprobs": np.array([TWO_TOKENS, b"null"], dtype=np.object_)})
+
+    update = read_update(response)
+
+    assert update.texts == ["héllo", ""] and update.reasons == [None, "length"]
+    assert update.num_tokens == [2, 0] and update.num_input_tokens == 7
+    assert update.logprobs == [json.loads(TWO_TOKENS), None]
+    library = InferResult(response)  # tritonclient's own decoding agrees
+    assert update.texts == [t.decode() for t in library.as_numpy("text_output")]
+    assert update.num_tokens == library.as_numpy("num_output_tokens").tolist()
+
+
+def test_a_response_with_only_text_has_no_counts_or_logprobs():
+    import numpy as np
+
+    from pagedbackend.serving.openai_triton import read_update
+    update = read_update(triton_response({"text_output": np.array([b"a", b"b", b"c"], dtype=np.object_)}))
+
+    assert update.texts == ["a", "b", "c"] and update.reasons == [None, None, None]
+    assert update.num_tokens == [0, 0, 0] and update.num_input_tokens is None and update.logprobs is None

@@ -5,6 +5,7 @@ once when the HTTP client goes away.
 """
 import asyncio
 import json
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,23 +37,38 @@ class Update:
     logprobs: Optional[List[Optional[list]]]
 
 
-def _strings(result, name: str) -> Optional[list]:
-    value = result.as_numpy(name)
-    if value is None:
-        return None
-    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in value.reshape(-1)]
+_NUMBERS = {"UINT32": "I", "INT32": "i", "UINT64": "Q", "INT64": "q", "FP32": "f"}
 
 
-def read_update(result) -> Update:
-    texts = _strings(result, "text_output") or []
-    reasons = _strings(result, "finish_reason") or [None] * len(texts)
-    counts = result.as_numpy("num_output_tokens")
-    prompt_tokens = result.as_numpy("num_input_tokens")
-    logprobs = result.as_numpy("logprobs")
+def _elements(datatype: str, raw: bytes) -> list:
+    """A tensor's elements from Triton's raw little-endian encoding (BYTES:
+    each element as a 4-byte length and its bytes)."""
+    if datatype == "BYTES":
+        out, at = [], 0
+        while at < len(raw):
+            (size,) = struct.unpack_from("<I", raw, at)
+            out.append(raw[at + 4:at + 4 + size])
+            at += 4 + size
+        return out
+    if datatype not in _NUMBERS:
+        raise ValueError(f"unexpected output datatype {datatype}")
+    return list(struct.unpack(f"<{len(raw) // struct.calcsize(_NUMBERS[datatype])}{_NUMBERS[datatype]}", raw))
+
+
+def read_update(response) -> Update:
+    """A ModelInferResponse as an Update, read straight from its raw outputs
+    (a few times faster than through numpy, and this runs once per token)."""
+    if len(response.raw_output_contents) != len(response.outputs):
+        raise ValueError("the response has no raw output contents")
+    outputs = {o.name: _elements(o.datatype, raw) for o, raw in zip(response.outputs, response.raw_output_contents)}
+    texts = [t.decode("utf-8", "replace") for t in outputs.get("text_output", [])]
+    reasons = [r.decode("utf-8", "replace") for r in outputs.get("finish_reason", [])] or [None] * len(texts)
+    prompt_tokens = outputs.get("num_input_tokens")
+    logprobs = outputs.get("logprobs")
     return Update(texts, [None if r in (None, "", "None") else r for r in reasons],
-                  [0] * len(texts) if counts is None else [int(c) for c in counts.reshape(-1)],
-                  None if prompt_tokens is None else int(prompt_tokens.reshape(-1)[0]),
-                  None if logprobs is None else [parse_logprobs(e) for e in logprobs.reshape(-1)])
+                  outputs.get("num_output_tokens", [0] * len(texts)),
+                  prompt_tokens[0] if prompt_tokens else None,
+                  None if logprobs is None else [parse_logprobs(e) for e in logprobs])
 
 
 def _input(name: str, value) -> "aioclient.InferInput":
@@ -61,6 +77,12 @@ def _input(name: str, value) -> "aioclient.InferInput":
     tensor = aioclient.InferInput(name, [1], "BYTES" if array.dtype == np.object_ else "BOOL")
     tensor.set_data_from_numpy(array)
     return tensor
+
+
+# The BOOL inputs every request sends, built once (tritonclient copies them into each request).
+FLAGS = [_input(name, True) for name in ("stream", "exclude_input_in_output", "return_finish_reason",
+                                         "return_num_input_tokens", "return_num_output_tokens")]
+RETURN_LOGPROBS = _input("return_logprobs", True)
 
 
 class TritonStream:
@@ -103,7 +125,7 @@ class TritonStream:
         final = result.get_response().parameters.get("triton_final_response")
         self.done = final is not None and final.bool_param
         try:
-            return read_update(result)
+            return read_update(result.get_response())
         except ValueError as exc:  # includes malformed logprobs JSON
             self.cancel()
             raise OpenAIError(500, f"model {self.model} sent a response that cannot be read: {exc}") from None
@@ -216,12 +238,9 @@ class Triton:
         return [name for name in names if is_text_model(await self.config(name))]
 
     def stream(self, model: str, prompt: str, params: dict, logprobs: bool) -> TritonStream:
-        inputs = [_input("text_input", prompt), _input("stream", True),
-                  _input("sampling_parameters", json.dumps(params)),
-                  _input("exclude_input_in_output", True), _input("return_finish_reason", True),
-                  _input("return_num_input_tokens", True), _input("return_num_output_tokens", True)]
+        inputs = [_input("text_input", prompt), _input("sampling_parameters", json.dumps(params)), *FLAGS]
         if logprobs:
-            inputs.append(_input("return_logprobs", True))
+            inputs.append(RETURN_LOGPROBS)
         request = {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
 
         async def one_request():
