@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedbackend.serving.launcher import free_port
@@ -225,6 +225,24 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
 
+class EventStream(Response):
+    """A ``text/event-stream`` response sent straight from an async iterator of
+    bytes. Unlike StreamingResponse it starts no task of its own to listen for
+    a disconnect: ``answer``'s watcher already does, and cancels the source."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, pieces: AsyncIterator[bytes]):
+        self.pieces, self.status_code, self.background = pieces, 200, None
+        self.init_headers({"Cache-Control": "no-cache"})  # no body, so no content-length
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for piece in self.pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 async def _watch_disconnect(receive, on_disconnect: Callable[[], None]) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -273,7 +291,7 @@ async def answer(request: Request, triton: Triton, model: str, prompts: List[str
                 yield SSE_DONE
             finally:
                 stop()
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventStream(events())
     try:
         async for prompt, update in _prepend(first, updates):
             for _ in run.fold(prompt, update):
