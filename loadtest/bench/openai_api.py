@@ -124,6 +124,15 @@ async def measure(grpc_url: str, api_url: str, prompts, chat_prompts, max_tokens
     return records
 
 
+def median_interval(values, seed: int = 0, resamples: int = 2000) -> list:
+    """A 95 % bootstrap interval of the median, in ms."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    data = np.asarray(values)
+    medians = np.median(rng.choice(data, size=(resamples, len(data))), axis=1)
+    return [1000 * float(np.percentile(medians, 2.5)), 1000 * float(np.percentile(medians, 97.5))]
+
+
 def summarise(records: dict) -> dict:
     paths = {path: {"ttft": _summary([r[0] for r in rows]), "latency": _summary([r[1] for r in rows])}
              for path, rows in records.items()}
@@ -131,8 +140,10 @@ def summarise(records: dict) -> dict:
     for path, base in BASELINE.items():
         diffs = [a[0] - b[0] for a, b in zip(records[path], records[base])]
         same = sum(a[2] == b[2] for a, b in zip(records[path], records[base])) / len(diffs)
-        added[path] = {"against": base, "added_ttft": _summary(diffs), "same_text": same}
-    return {"paths": paths, "added": added}
+        added[path] = {"against": base, "added_ttft": {**_summary(diffs), "median_95ci_ms": median_interval(diffs)},
+                       "same_text": same}
+    ttfts = {path: [round(1000 * r[0], 3) for r in rows] for path, rows in records.items()}
+    return {"paths": paths, "added": added, "ttft_ms_per_round": ttfts}
 
 
 def plot(result: dict, out_dir: str):
@@ -185,9 +196,10 @@ def main(argv=None):
         print(f"{path:17s} median TTFT {s['ttft']['median_ms']:6.2f} ms  "
               f"(p90 {s['ttft']['p90_ms']:6.2f})  median latency {s['latency']['median_ms']:7.2f} ms")
     for path, a in result["added"].items():
+        low, high = a["added_ttft"]["median_95ci_ms"]
         print(f"{path:17s} adds {a['added_ttft']['median_ms']:+.2f} ms median TTFT over {a['against']} "
-              f"(p10 {a['added_ttft']['p10_ms']:+.2f}, p90 {a['added_ttft']['p90_ms']:+.2f}); "
-              f"same text {100 * a['same_text']:.0f} %")
+              f"(95 % interval {low:+.2f} to {high:+.2f}; p10 {a['added_ttft']['p10_ms']:+.2f}, "
+              f"p90 {a['added_ttft']['p90_ms']:+.2f}); same text {100 * a['same_text']:.0f} %")
     print(f"the API server used {api_cpu_ms:.2f} ms of CPU per request ({args.max_tokens} tokens)")
     path = write_result(args.out, "openai_api", result)
     print(f"wrote {path} and {plot(result, args.out)}")

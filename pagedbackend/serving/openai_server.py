@@ -110,18 +110,21 @@ class _Answer:
         return sse(payload)
 
     async def chunks(self, run: Run, updates) -> AsyncIterator[bytes]:
+        """The events of each update, joined into one write (the first one
+        after the opening events)."""
         opened = False
         async for prompt, update in updates:
+            pieces = []
             if not opened:
                 run.count_prompt(prompt, update)
-                for piece in self.opening(run):
-                    yield piece
-                opened = True
+                pieces, opened = self.opening(run), True
             for choice, text, positions, finished in run.fold(prompt, update):
                 piece = self.delta(run, choice, text, positions, finished)
                 if piece is not None:
                     choice.sent = True
-                    yield piece
+                    pieces.append(piece)
+            if pieces:
+                yield b"".join(pieces)
         if self.usage_chunks:
             yield self.chunk(run, [], final_usage=True)
 
