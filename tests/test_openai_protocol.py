@@ -55,6 +55,20 @@ def test_chat_logprobs_give_token_bytes_and_exactly_the_top_tokens_by_rank():
     assert [t["token"] for t in content[1]["top_logprobs"]] == ["!", "."]
 
 
+def test_a_sampled_token_outside_the_top_is_found_by_its_rank_wherever_it_stands():
+    # the engine's own order: the top tokens by rank, then the sampled one
+    positions = [{"1502": {"logprob": -0.5, "rank": 1, "decoded_token": " there"},
+                  "2000": {"logprob": -1.25, "rank": 2, "decoded_token": " all"},
+                  "1917": {"logprob": -2.5, "rank": 3, "decoded_token": " world"}}]
+
+    content = chat_logprobs(positions, top=2)
+    mapped = completion_logprobs(positions, top=2)
+
+    assert content[0]["token"] == " world" and content[0]["logprob"] == -2.5
+    assert [t["token"] for t in content[0]["top_logprobs"]] == [" there", " all"]
+    assert mapped["tokens"] == [" world"] and mapped["token_logprobs"] == [-2.5]
+
+
 def test_chat_logprobs_with_no_top_tokens_still_give_each_sampled_token():
     positions = [{"7": {"logprob": -0.75, "rank": 4, "decoded_token": "é"}}]
 
@@ -95,6 +109,20 @@ def test_penalties_that_do_something_are_forwarded_to_the_model():
     assert params["max_tokens"] is None  # chat: up to the context length
 
 
+def test_logit_bias_and_vllms_token_controls_are_forwarded_as_given():
+    request = parse_request(CompletionRequest, body(
+        prompt="Hi", logit_bias={"50256": -100, "7": 2.5}, allowed_token_ids=[5, 6], bad_words=["no"],
+        truncate_prompt_tokens=8))
+
+    params = sampling_parameters(request, request.max_tokens, top_logprobs=None)
+
+    assert params["logit_bias"] == {"50256": -100.0, "7": 2.5}
+    assert params["allowed_token_ids"] == [5, 6] and params["bad_words"] == ["no"]
+    assert params["truncate_prompt_tokens"] == 8
+    no_bias = parse_request(CompletionRequest, body(prompt="Hi", logit_bias={}))
+    assert "logit_bias" not in sampling_parameters(no_bias, 16, None)
+
+
 def test_completions_default_to_16_tokens_as_openai_does():
     request = parse_request(CompletionRequest, body(prompt="Hi"))
 
@@ -113,7 +141,6 @@ def test_completions_default_to_16_tokens_as_openai_does():
     (CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1}, "echo", ["echo with logprobs"]),
     (CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
      ["stream is true"]),
-    (CompletionRequest, {"prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias", ["not supported"]),
     (ChatCompletionRequest, {"messages": []}, "messages", ["messages", "at least 1"]),
     (ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}, "messages", ["role"]),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
@@ -121,7 +148,7 @@ def test_completions_default_to_16_tokens_as_openai_does():
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "tools", ["tools are not supported"]),
 ], ids=["temperature", "top_p", "max_tokens-type", "unknown-field", "no-prompt", "too-many-logprobs",
-        "echo-logprobs", "stream_options-without-stream", "logit_bias", "no-messages", "bad-role",
+        "echo-logprobs", "stream_options-without-stream", "no-messages", "bad-role",
         "top_logprobs-alone", "tools"])
 def test_a_bad_request_is_a_400_naming_the_field(cls, fields, param, words):
     with pytest.raises(OpenAIError) as refused:

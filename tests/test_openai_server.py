@@ -276,6 +276,16 @@ def test_penalties_reach_the_model_which_applies_them_or_refuses_them_by_name(cl
 
 
 @pytest.mark.timeout(120)
+def test_logit_bias_reaches_the_model(client, tokenizer):
+    token = tokenizer.encode(" blue", add_special_tokens=False)[0]
+
+    reply = client.completions.create(model="paged_llm", prompt=PROMPT, max_tokens=3, temperature=0,
+                                      logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+
+    assert reply.choices[0].text == tokenizer.decode([token] * 3)
+
+
+@pytest.mark.timeout(120)
 def test_logprobs_are_refused_by_name_when_the_model_has_no_logprobs_output(triton, client):
     if "logprobs" in model_outputs(triton):
         pytest.skip("the model has a logprobs output; test_logprobs_end_to_end covers it")

@@ -66,6 +66,9 @@ class _GenerationRequest(_Strict):
     min_tokens: Optional[int] = None
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    allowed_token_ids: Optional[List[int]] = None
+    truncate_prompt_tokens: Optional[int] = None
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     early_stopping: Optional[bool] = None
@@ -76,8 +79,6 @@ class _GenerationRequest(_Strict):
         """Refusals that a field's type cannot say."""
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", "stream_options")
-        if self.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported", "logit_bias")
 
 
 class CompletionRequest(_GenerationRequest):
@@ -190,8 +191,9 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 # ---------------------------------------------------------------- to the model
 
 FORWARDED = ("temperature", "top_p", "seed", "top_k", "min_p", "min_tokens", "ignore_eos",
-             "stop_token_ids", "use_beam_search", "length_penalty", "early_stopping",
-             "skip_special_tokens", "include_stop_str_in_output", "best_of")
+             "stop_token_ids", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
+             "use_beam_search", "length_penalty", "early_stopping", "skip_special_tokens",
+             "include_stop_str_in_output", "best_of")
 # Sent only when they do something, so that clients which always send the
 # neutral value (0 or 1) work with a model that lacks the parameter.
 PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -207,6 +209,8 @@ def sampling_parameters(request: _GenerationRequest, max_tokens: Optional[int],
             params[name] = value
     if request.stop:
         params["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    if request.logit_bias:  # token id (a string key in JSON) -> bias; the model checks both
+        params["logit_bias"] = request.logit_bias
     for name, neutral in PENALTIES.items():
         value = getattr(request, name)
         if value is not None and value != neutral:
@@ -234,14 +238,17 @@ def parse_logprobs(element) -> Optional[list]:
 def _position(entries: dict, top: int) -> Tuple[Tuple[str, float], List[Tuple[str, float]]]:
     """The sampled token and the ``top`` most likely ones at one position.
 
-    vLLM (and so vllm_backend) writes the sampled token first, then the top
-    tokens by rank; the sampled token may be among those or not."""
+    A position holds the ``top`` most likely tokens and the sampled one, which
+    may be among them. When it is not, it is the one entry ranked below
+    ``top``, wherever it stands; when it is, it must be the first entry, as
+    vLLM (and so vllm_backend) writes it."""
     if not entries:
         raise ValueError("a logprobs position has no tokens")
     items = [(str(e["decoded_token"]), float(e["logprob"]), e.get("rank")) for e in entries.values()]
-    sampled = items[0][:2]
+    below = [item for item in items if item[2] is not None and item[2] > top]
+    sampled = below[0] if len(items) > top and len(below) == 1 else items[0]
     by_rank = sorted(items, key=lambda item: (item[2] if item[2] is not None else float("inf"), -item[1]))
-    return sampled, [item[:2] for item in by_rank[:top]]
+    return sampled[:2], [item[:2] for item in by_rank[:top]]
 
 
 def completion_logprobs(positions: List[dict], top: int, text_offset: int = 0) -> dict:

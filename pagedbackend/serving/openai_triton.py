@@ -60,7 +60,8 @@ def read_update(response) -> Update:
     (a few times faster than through numpy, and this runs once per token)."""
     if len(response.raw_output_contents) != len(response.outputs):
         raise ValueError("the response has no raw output contents")
-    outputs = {o.name: _elements(o.datatype, raw) for o, raw in zip(response.outputs, response.raw_output_contents)}
+    outputs = {o.name: _elements(o.datatype, raw)
+               for o, raw in zip(response.outputs, response.raw_output_contents)}
     texts = [t.decode("utf-8", "replace") for t in outputs.get("text_output", [])]
     reasons = [r.decode("utf-8", "replace") for r in outputs.get("finish_reason", [])] or [None] * len(texts)
     prompt_tokens = outputs.get("num_input_tokens")
