@@ -265,11 +265,12 @@ class LLMEngine:
         rank and text; None when the request did not ask for them."""
         if sample.top_logprobs is None:
             return None
-        entries = {}
+        # The sampled token first, then the top ones by rank, as vLLM lists them.
+        entries = {sample.token_id: Logprob(sample.logprob, sample.rank,
+                                            self.tokenizer.decode([sample.token_id]))}
         for rank, (token, logprob) in enumerate(sample.top_logprobs.items(), start=1):
-            if token == sample.token_id:
-                rank = sample.rank
-            entries[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
+            if token != sample.token_id:
+                entries[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
         return entries
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence, token_id: int) -> None:
