@@ -27,6 +27,7 @@ from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .tokenizer import eos_token_ids, load_tokenizer
 
 Prompt = Union[str, List[int]]
+PROMPT_CHARS_PER_TOKEN = 16   # default max_prompt_chars per token of max_model_len
 logger = logging.getLogger("pagedbackend")
 
 
@@ -45,6 +46,7 @@ class LLMEngine:
                                    cache_salt=str(model_path).encode())
         self.max_model_len = self._fit_max_model_len(runner.max_model_len)
         self.scheduler.max_model_len = self.max_model_len
+        self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
@@ -118,6 +120,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
+            if len(prompt) > self.max_prompt_chars:
+                raise InvalidRequestError(
+                    f"prompt has {len(prompt)} characters; the limit is {self.max_prompt_chars} "
+                    f"(engine setting max_prompt_chars)")
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise InvalidRequestError("prompt is empty after tokenisation")
@@ -125,6 +131,9 @@ class LLMEngine:
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty")
+        if len(ids) > self.max_model_len:   # refused before the ids are checked one by one
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the maximum context length "
+                                      f"is {self.max_model_len}")
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
