@@ -8,8 +8,9 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
+SOAK_MINUTES ?= 10
 
-.PHONY: setup test serve loadtest bench clean
+.PHONY: setup test serve loadtest soak bench clean
 
 setup: $(STAMP)
 
@@ -35,6 +36,11 @@ serve: setup
 
 loadtest: setup
 	$(PY) -m loadtest.run_locust --out results/loadtest
+
+# Not part of `make test`: a bounded run (SOAK_MINUTES) against the shipped config,
+# with cancellations and bad requests; non-zero exit on any failure or leak.
+soak: setup
+	$(PY) -m loadtest.soak --minutes $(SOAK_MINUTES) --out results/soak
 
 bench: setup
 	$(PY) -m loadtest.bench all --out results/bench
