@@ -152,6 +152,40 @@ def test_sigterm_to_the_launcher_with_streams_in_flight_ends_them_and_exits_clea
 
 
 @pytest.mark.timeout(400)
+def test_sigterm_ends_within_15_s_even_while_a_client_holds_a_grpc_stream_open(tmp_path, tiny_repo):
+    """tritonserver 2.51 neither unloads nor exits while a client keeps a gRPC
+    stream open, even one whose requests are all answered; the launcher ends it."""
+    import tritonclient.grpc as grpcclient
+    from client.streaming import _grpc_inputs
+    launcher = Launcher(tiny_repo, tmp_path / "serve.log")
+    answers = []
+    client = None
+    try:
+        launcher.wait_ready()
+        group = group_members(launcher.server_pid())
+        client = grpcclient.InferenceServerClient(launcher.grpc_url)
+        client.start_stream(callback=lambda result, error: answers.append(error))
+        client.async_stream_infer("paged_llm", _grpc_inputs(grpcclient, "Story", LONG, True, None))
+        assert wait_until(lambda: answers, 60.0)
+
+        start = time.monotonic()
+        launcher.process.send_signal(signal.SIGTERM)
+        code = launcher.process.wait(timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        if client is not None:
+            client.stop_stream()
+            client.close()
+        if launcher.process.poll() is None:
+            launcher.kill_everything()
+
+    assert seconds < 15 and code != 0
+    assert "killing it" in launcher.text()
+    assert any(error is not None and "shutting down" in str(error) for error in answers)
+    assert not [pid for pid in group if alive(pid)]
+
+
+@pytest.mark.timeout(400)
 def test_sigkill_of_the_launcher_takes_tritonserver_and_its_stub_with_it(tmp_path, tiny_repo):
     launcher = Launcher(tiny_repo, tmp_path / "serve.log")
     try:
