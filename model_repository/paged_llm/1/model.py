@@ -87,7 +87,11 @@ class TritonPythonModel:
             except Exception as exc:
                 send_error(sender, f"could not start the request: {exc!r}", pb_utils.TritonError.INTERNAL)
             else:
-                asyncio.run_coroutine_threadsafe(self._respond(job), self.loop)
+                respond = self._respond(job)
+                try:
+                    asyncio.run_coroutine_threadsafe(respond, self.loop)
+                except RuntimeError:  # the loop is closed (draining): the drain answers the job
+                    respond.close()
 
     def _submit(self, request, sender) -> Job:
         if self.closing:
