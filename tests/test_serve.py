@@ -159,6 +159,7 @@ def test_shipped_config_parses_into_an_engine_config():
     assert config.model == "default" and config.max_num_seqs == 64 and config.num_kv_blocks > 0
 
 
+@pytest.mark.slow
 def test_the_shipped_config_serves_one_whole_context_without_capping_it(caplog):
     from pagedbackend import SamplingParams
     from pagedbackend.engine import LLMEngine
