@@ -109,13 +109,18 @@ def soak(server, limits: dict, out: pathlib.Path, minutes: float, users: int, se
            "--max-num-seqs", str(limits["max_num_seqs"]), "--max-model-len", str(limits["max_model_len"]),
            "--max-prompt-chars", str(limits["max_prompt_chars"]), "--only-summary", "--loglevel", "WARNING"]
     started = time.perf_counter()
+    series = [(0.0, rss_start)]   # (seconds, stub RSS in MB), one a minute
     with open(out / "locust.log", "w") as log:
         locust = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                   cwd=pathlib.Path(__file__).resolve().parents[1])
         while locust.poll() is None:
-            rss_max = max(rss_max, rss_mb(stub))
+            rss = rss_mb(stub)
+            rss_max = max(rss_max, rss)
+            if time.perf_counter() - started >= 60 * len(series):
+                series.append((round(time.perf_counter() - started), round(rss, 1)))
             time.sleep(2)
     seconds = time.perf_counter() - started
+    (out / "stub_rss.csv").write_text("seconds,rss_mb\n" + "".join(f"{t},{m}\n" for t, m in series))
     idle = wait_idle(server)
     leaked = metric(server, "kv_blocks_used")
     idle_check_failures = metric(server, "idle_leak_checks_failed_total")
@@ -130,11 +135,12 @@ def soak(server, limits: dict, out: pathlib.Path, minutes: float, users: int, se
         f.seek(log_start)
         log_text = f.read().decode(errors="replace")
     return summarise_soak(out, seconds, locust.returncode, rss_start, rss_max, rss_end, idle, leaked,
-                          idle_check_failures, serving, [m for m in CRASH_MARKS if m in log_text], minutes, users)
+                          idle_check_failures, serving, [m for m in CRASH_MARKS if m in log_text], minutes, users,
+                          series)
 
 
 def summarise_soak(out, seconds, locust_code, rss_start, rss_max, rss_end, idle, leaked,
-                   idle_check_failures, serving, crash_marks, minutes, users) -> dict:
+                   idle_check_failures, serving, crash_marks, minutes, users, series=()) -> dict:
     import csv
     base = summarise(out / "locust_stats.csv", seconds)
     kinds = {}
@@ -154,7 +160,8 @@ def summarise_soak(out, seconds, locust_code, rss_start, rss_max, rss_end, idle,
         "requests": sum(kinds.values()), "by_kind": kinds, "unexpected_failures": base["failures"],
         "failure_examples": failures[:20], "ttft_p50_ms": ttft.get("p50_ms"), "ttft_p99_ms": ttft.get("p99_ms"),
         "stub_rss_mb": {"start": round(rss_start, 1), "max": round(rss_max, 1), "end": round(rss_end, 1),
-                        "growth": round(rss_end - rss_start, 1)},
+                        "growth": round(rss_end - rss_start, 1),
+                        "halfway": series[len(series) // 2][1] if series else None},
         "idle_after_run": idle, "leaked_blocks": leaked, "idle_check_failures": idle_check_failures,
         "serving_after_run": serving, "crash_marks_in_server_log": crash_marks, "locust_exit_code": locust_code,
     }
@@ -188,8 +195,8 @@ def main(argv=None) -> int:
     for line in s["failure_examples"]:
         print(f"  {line}")
     print(f"TTFT p50 {s['ttft_p50_ms']} ms, p99 {s['ttft_p99_ms']} ms")
-    print(f"stub RSS {rss['start']} MB at start, {rss['max']} MB max, {rss['end']} MB at end "
-          f"(growth {rss['growth']:+.1f} MB)")
+    print(f"stub RSS {rss['start']} MB at start, {rss['halfway']} MB halfway, {rss['max']} MB max, "
+          f"{rss['end']} MB at end (growth {rss['growth']:+.1f} MB; per minute in stub_rss.csv)")
     print(f"leaked blocks {s['leaked_blocks']:g}, idle check failures {s['idle_check_failures']:g}, "
           f"idle after run {s['idle_after_run']}, serving after run {s['serving_after_run']}, "
           f"crash marks in server log {s['crash_marks_in_server_log'] or 'none'}")

@@ -176,11 +176,12 @@ def start_server_process(command, env, **popen_kwargs) -> subprocess.Popen:
     the main thread, death with this process (PR_SET_PDEATHSIG fires when the
     thread that forked it ends)."""
     parent, die_with_parent = os.getpid(), threading.current_thread() is threading.main_thread()
+    prctl = ctypes.CDLL(None).prctl   # looked up here: no dynamic loading between fork and exec
 
     def in_child():
         _raise_stack_limit(SERVER_STACK_BYTES)
         if die_with_parent:
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
+            prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
             if os.getppid() != parent:   # the parent died before prctl
                 os._exit(1)
     return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=in_child, **popen_kwargs)
