@@ -109,7 +109,7 @@ def soak(server, limits: dict, out: pathlib.Path, minutes: float, users: int, se
            "--max-num-seqs", str(limits["max_num_seqs"]), "--max-model-len", str(limits["max_model_len"]),
            "--max-prompt-chars", str(limits["max_prompt_chars"]), "--only-summary", "--loglevel", "WARNING"]
     started = time.perf_counter()
-    series = [(0.0, rss_start)]   # (seconds, stub RSS in MB), one a minute
+    series = [(0, round(rss_start, 1))]   # (seconds, stub RSS in MB), one a minute
     with open(out / "locust.log", "w") as log:
         locust = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                   cwd=pathlib.Path(__file__).resolve().parents[1])
