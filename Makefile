@@ -9,8 +9,9 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
+SOAK_MINUTES ?= 10
 
-.PHONY: setup test serve loadtest bench fuzz clean
+.PHONY: setup test serve loadtest soak bench fuzz clean
 
 setup: $(STAMP)
 
@@ -47,6 +48,11 @@ fuzz: setup
 
 loadtest: setup
 	$(PY) -m loadtest.run_locust --out results/loadtest
+
+# Not part of `make test`: a bounded run (SOAK_MINUTES) against the shipped config,
+# with cancellations and bad requests; non-zero exit on any failure or leak.
+soak: setup
+	$(PY) -m loadtest.soak --minutes $(SOAK_MINUTES) --out results/soak
 
 bench: setup
 	$(PY) -m loadtest.bench all --out results/bench

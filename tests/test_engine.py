@@ -344,7 +344,7 @@ def test_engine_settings_are_checked():
 def test_an_engine_failure_reaches_every_open_stream_and_refuses_new_requests(tiny_model_dir):
     """A device fault cannot be caused on purpose here, so the runner's forward is
     replaced by one that raises (the only stand-in in this file)."""
-    from pagedbackend import AsyncLLMEngine
+    from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
     engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
     try:
         def broken(entries):
@@ -353,7 +353,7 @@ def test_an_engine_failure_reaches_every_open_stream_and_refuses_new_requests(ti
         stream = engine.add_request("f", "Hello", GREEDY)
         final = list(stream)[-1]
         assert final.finished and "device lost" in final.error
-        with pytest.raises(RuntimeError, match="engine has failed"):
+        with pytest.raises(EngineDeadError, match="engine has failed"):
             engine.add_request("g", "Hello", GREEDY)
         assert not engine.is_alive()
     finally:

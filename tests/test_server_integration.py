@@ -185,7 +185,7 @@ def text(value: str) -> np.ndarray:
     ([("text_input", "BYTES", text("Hi")), ("stream", "BYTES", text("yes"))], ["stream", "BOOL"]),
     ([("text_input", "BYTES", text("Hi")), ("sampling_parameters", "BYTES", text("{max_tokens: 3"))],
      ["sampling_parameters is not valid JSON"]),
-    ([("text_input", "BYTES", np.array([b"\xff\xfe"], dtype=np.object_))], ["utf-8"]),
+    ([("text_input", "BYTES", np.array([b"\xff\xfe"], dtype=np.object_))], ["text_input", "UTF-8"]),
     ([("text_input", "BYTES", text("Hi")), ("stream", "BOOL", np.array([True])),
       ("exclude_input_in_output", "BOOL", np.array([False]))], ["exclude_input_in_output"]),
 ], ids=["dtype", "shape", "flag-dtype", "bad-json", "bad-utf8", "stream-with-prompt-echo"])

@@ -67,6 +67,8 @@ class EngineStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     rejected_requests: int = 0
+    failed_requests: int = 0         # ended by an exception while handling them alone
+    idle_leak_checks_failed: int = 0  # times the engine went idle with blocks or sequences left
 
     @property
     def prefix_cache_hit_rate(self) -> float:
