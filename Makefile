@@ -35,7 +35,8 @@ test: setup
 # or SIGTERM stops both, and either one exiting stops the other.
 serve: SHELL := /bin/bash
 serve: setup
-	@$(PY) -m pagedbackend.serve --model-repository model_repository \
+	@export PAGEDBACKEND_ADMIN_KEY=$${PAGEDBACKEND_ADMIN_KEY:-$$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}; \
+	$(PY) -m pagedbackend.serve --model-repository model_repository \
 	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) & triton=$$!; \
 	$(PY) -m pagedbackend.serving.openai_server --triton-url 127.0.0.1:$(GRPC_PORT) \
 	  --port $(OPENAI_PORT) & openai=$$!; \

@@ -14,10 +14,9 @@ from pagedbackend.engine import AsyncLLMEngine, EngineDeadError, LLMEngine
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def poisoned(**fields) -> SamplingParams:
-    """Parameters that passed validation and were changed afterwards, so that
-    sampling itself raises for this request (validation would refuse them)."""
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+def poison(params: SamplingParams, **fields) -> SamplingParams:
+    """Change parameters that already passed validation (and the engine's
+    submission checks), so that sampling itself raises for this request."""
     for name, value in fields.items():
         setattr(params, name, value)
     return params
@@ -48,13 +47,15 @@ def alone(engine):
 
 
 @pytest.mark.parametrize("fault", [
-    poisoned(logprobs=1_000_000),                          # topk beyond the vocabulary
-    poisoned(min_tokens=1, stop_token_ids=[1_000_000_000]),  # suppression indexes past it
+    dict(logprobs=1_000_000),                          # topk beyond the vocabulary
+    dict(min_tokens=1, stop_token_ids=[1_000_000_000]),  # suppression indexes past it
 ], ids=["logprobs-beyond-vocabulary", "stop-token-beyond-vocabulary"])
 def test_a_request_whose_sampling_raises_fails_alone(engine, alone, fault):
     failed_before = engine.stats.failed_requests
     engine.add_request("ok-0", "The sky is", GREEDY)
-    engine.add_request("bad", "Hello there", fault)
+    bad = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("bad", "Hello there", bad)
+    poison(bad, **fault)
     engine.add_request("ok-1", "Once upon a time", GREEDY)
 
     finals = run_to_end(engine)
@@ -110,7 +111,8 @@ def test_the_online_engine_survives_a_failing_request_and_checks_itself_when_idl
     engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64),
                             on_failure=failures.append)
     try:
-        bad = list(engine.add_request("bad", "Hello", poisoned(logprobs=1_000_000)))
+        bad = list(engine.add_request("bad", "Hello", poison(SamplingParams(temperature=0.0, max_tokens=12),
+                                                             logprobs=1_000_000)))
         good = list(engine.add_request("good", "Hello", GREEDY))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (engine.stats().num_used_blocks or engine.stats().num_running):

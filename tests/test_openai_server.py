@@ -44,7 +44,9 @@ def triton(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def api(triton, tiny_model_dir):
-    with OpenAIServer(triton.grpc_url, tokenizer=tiny_model_dir) as running:
+    # With tritonserver's admin key, /v1/models reads the repository's index.
+    with OpenAIServer(triton.grpc_url, tokenizer=tiny_model_dir,
+                      extra_args=["--triton-admin-key", triton.admin_key]) as running:
         yield running
 
 

@@ -43,6 +43,10 @@ NO_GPU_FLAGS = ("--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
 # to clients (load, unload, index) is restricted to requests carrying a key.
 MODEL_CONTROL_FLAGS = ("--model-control-mode=explicit", "--load-model=*")
 ADMIN_HEADER = "pagedbackend-admin-key"
+# tritonserver expects the restricted gRPC protocol's key header with this prefix.
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
+# The key, shared with the OpenAI-compatible server that lists the repository's models.
+ADMIN_KEY_ENV = "PAGEDBACKEND_ADMIN_KEY"
 # tritonserver 2.51's HTTP front end (libevhtp) parses a form-urlencoded body
 # into two stack buffers of its size: a body over half the thread stack kills
 # the server before any handler runs (docs/robustness.md). Threads get
@@ -276,6 +280,7 @@ class TritonServer:
         self.ready_timeout_s = ready_timeout_s
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = list(extra_args)
+        self.admin_key = secrets.token_hex(16)   # opens the model repository API (GRPC_ADMIN_HEADER)
         self._own_log_dir = None if log_path else tempfile.mkdtemp(prefix="tritonserver-")
         self.log_path = pathlib.Path(log_path or pathlib.Path(self._own_log_dir) / "server.log")
         self.process: Optional[subprocess.Popen] = None
@@ -312,7 +317,7 @@ class TritonServer:
     def _launch(self) -> None:
         command = server_command(self.model_repository, self._bound["http"], self._bound["grpc"],
                                  self._bound["metrics"], self.host, self.log_verbose,
-                                 self.exit_timeout_s, self.extra_args)
+                                 self.exit_timeout_s, self.extra_args, admin_key=self.admin_key)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.process = start_server_process(command, server_env(overrides=self.env),
@@ -372,9 +377,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--exit-timeout", type=int, default=EXIT_TIMEOUT_S,
                         help="seconds tritonserver waits after SIGTERM for HTTP connections and requests")
-    parser.add_argument("--admin-key", default=None,
+    parser.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV),
                         help=f"value of the {ADMIN_HEADER} header that the model repository API "
-                             "(load, unload, index) requires; random if not given")
+                             f"(load, unload, index) requires (${ADMIN_KEY_ENV}); random if not given")
     parser.add_argument("--prepare-only", action="store_true",
                         help="copy the backend stub and prepare the models, then exit")
     return parser.parse_args(argv)

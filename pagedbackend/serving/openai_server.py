@@ -12,6 +12,7 @@ once. Request schemas, errors and logprobs mapping: ``openai_protocol``.
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedbackend.serving.launcher import free_port
+from pagedbackend.serving.launcher import ADMIN_KEY_ENV, free_port
 from pagedbackend.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError,
                                                   chat_logprobs, completion_logprobs, parse_request,
                                                   sampling_parameters)
@@ -314,6 +315,7 @@ class Settings:
     model_name: str = DEFAULT_MODEL_NAME       # used when a request names no model
     tokenizer: str = "default"                 # folder of the served model's tokenizer
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    admin_key: Optional[str] = None            # opens Triton's model index for /v1/models
 
 
 def load_tokenizer(path: str):
@@ -337,7 +339,7 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest) -> str:
 
 
 def create_app(settings: Settings, tokenizer=None) -> FastAPI:
-    triton = Triton(settings.triton_url)
+    triton = Triton(settings.triton_url, settings.admin_key)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer)
     started = int(time.time())
 
@@ -382,7 +384,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": started,
-                                            "owned_by": "pagedbackend"} for name in await triton.text_models()]}
+                                            "owned_by": "pagedbackend"} for name in await triton.text_models([settings.model_name])]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -484,6 +486,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              '("default": the engine\'s default model)')
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get 413")
+    parser.add_argument("--triton-admin-key", default=os.environ.get(ADMIN_KEY_ENV),
+                        help="the key of tritonserver's model repository API (python -m pagedbackend.serve "
+                             f"--admin-key, ${ADMIN_KEY_ENV}): /v1/models then lists every ready text model, "
+                             "not only --model-name")
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return parser.parse_args(argv)
 
@@ -491,7 +497,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     import uvicorn
     args = parse_args(argv)
-    settings = Settings(args.triton_url, args.model_name, args.tokenizer, args.max_body_bytes)
+    settings = Settings(args.triton_url, args.model_name, args.tokenizer, args.max_body_bytes,
+                        args.triton_admin_key)
     try:
         app = create_app(settings)
     except (OSError, ValueError) as exc:

@@ -16,6 +16,7 @@ import numpy as np
 import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
+from pagedbackend.serving.launcher import GRPC_ADMIN_HEADER
 from pagedbackend.serving.openai_protocol import OpenAIError, parse_logprobs
 
 # Messages the model sends when it, not the request, failed (model.py).
@@ -183,8 +184,11 @@ class Generation:
 class Triton:
     """The gRPC client of the tritonserver (one channel, shared by all requests)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, admin_key: Optional[str] = None):
         self.url = url
+        # tritonserver started by pagedbackend.serve serves its model repository
+        # API (the list of models) only to requests carrying this key.
+        self.admin_key = admin_key
         self.client: Optional[aioclient.InferenceServerClient] = None
         self._configs = {}   # model name -> (time read, config)
 
@@ -229,14 +233,28 @@ class Triton:
             self._configs[model] = (time.monotonic(), config)
         return config
 
-    async def text_models(self) -> List[str]:
-        """Ready models that take ``text_input`` and give ``text_output``."""
-        try:
-            index = await self.client.get_model_repository_index(as_json=True, client_timeout=10.0)
-        except InferenceServerException as exc:
-            raise OpenAIError(503, f"Triton at {self.url} did not answer: {exc.message()}") from None
-        names = sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
-        return [name for name in names if is_text_model(await self.config(name))]
+    async def text_models(self, known: List[str]) -> List[str]:
+        """Ready models that take ``text_input`` and give ``text_output``: every
+        such model of the repository when the admin key opens its index, else
+        those of ``known`` that are ready."""
+        names = list(known)
+        if self.admin_key:
+            try:
+                index = await self.client.get_model_repository_index(
+                    headers={GRPC_ADMIN_HEADER: self.admin_key}, as_json=True, client_timeout=10.0)
+                names = sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
+            except InferenceServerException as exc:
+                raise OpenAIError(503, f"Triton at {self.url} did not answer: {exc.message()}") from None
+        ready = []
+        for name in names:
+            try:
+                if not await self.client.is_model_ready(name, client_timeout=10.0):
+                    continue
+            except InferenceServerException as exc:
+                raise OpenAIError(503, f"Triton at {self.url} did not answer: {exc.message()}") from None
+            if is_text_model(await self.config(name)):
+                ready.append(name)
+        return ready
 
     def stream(self, model: str, prompt: str, params: dict, logprobs: bool) -> TritonStream:
         inputs = [_input("text_input", prompt), _input("sampling_parameters", json.dumps(params)), *FLAGS]
