@@ -38,8 +38,21 @@ def split(params: dict):
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory, tiny_model_dir):
     repo = make_model_repository(tmp_path_factory.mktemp("repo"), {"model": tiny_model_dir, **SETTINGS})
+    without_logprobs(make_model_repository(repo, {"model": tiny_model_dir, **SETTINGS}, name="older_llm")
+                     / "older_llm" / "config.pbtxt")
     with TritonServer(repo, ready_timeout_s=240) as running:
         yield running
+
+
+def without_logprobs(config_file):
+    """A model as older repositories declare it: no return_logprobs input, no logprobs output."""
+    from google.protobuf import text_format
+    from pagedbackend.serving.launcher import read_model_config
+    config = read_model_config(config_file.read_text())
+    for field, name in ((config.input, "return_logprobs"), (config.output, "logprobs")):
+        index = next(i for i, tensor in enumerate(field) if tensor.name == name)
+        del field[index]
+    config_file.write_text(text_format.MessageToString(config))
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +75,10 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
 
 
-def model_outputs(triton: TritonServer) -> set:
+def model_outputs(triton: TritonServer, model: str = "paged_llm") -> set:
     import tritonclient.grpc as grpcclient
     with grpcclient.InferenceServerClient(triton.grpc_url) as c:
-        return {o.name for o in c.get_model_config("paged_llm").config.output}
+        return {o.name for o in c.get_model_config(model).config.output}
 
 
 def metric(triton: TritonServer, name: str) -> float:
@@ -205,10 +218,10 @@ def test_max_completion_tokens_bounds_a_chat_reply(client):
 # ---------------------------------------------------------------- models, health, errors
 
 @pytest.mark.timeout(60)
-def test_models_lists_the_ready_triton_model_and_health_is_ok(api, client):
+def test_models_lists_the_ready_triton_models_and_health_is_ok(api, client):
     models = client.models.list()
 
-    assert [m.id for m in models.data] == ["paged_llm"]
+    assert [m.id for m in models.data] == ["older_llm", "paged_llm"]  # every ready model
     assert httpx.get(f"{api.url}/health").json() == {"status": "ok"}
 
 
@@ -289,20 +302,21 @@ def test_logit_bias_reaches_the_model(client, tokenizer):
 
 @pytest.mark.timeout(120)
 def test_logprobs_are_refused_by_name_when_the_model_has_no_logprobs_output(triton, client):
-    if "logprobs" in model_outputs(triton):
-        pytest.skip("the model has a logprobs output; test_logprobs_end_to_end covers it")
+    assert "logprobs" not in model_outputs(triton, "older_llm")
+    plain = client.chat.completions.create(model="older_llm", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=2)
 
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model="paged_llm", messages=[{"role": "user", "content": "Hi"}],
+        client.chat.completions.create(model="older_llm", messages=[{"role": "user", "content": "Hi"}],
                                        logprobs=True, top_logprobs=2)
 
-    assert "logprobs are not supported by model paged_llm" in refused.value.message
+    assert plain.choices[0].message.content is not None
+    assert "logprobs are not supported by model older_llm" in refused.value.message
 
 
 @pytest.mark.timeout(120)
 def test_logprobs_end_to_end(triton, client):
-    if "logprobs" not in model_outputs(triton):
-        pytest.skip("the model has no logprobs output yet (return_logprobs / logprobs are issue 13)")
+    assert "logprobs" in model_outputs(triton)
     kwargs, extra = split({**GREEDY, "max_tokens": 6})
 
     completion = client.completions.create(model="paged_llm", prompt=PROMPT, logprobs=2, extra_body=extra,

@@ -78,6 +78,17 @@ def processes_mentioning(text: str) -> list:
     return found
 
 
+def status_of(url: str):
+    """The HTTP status of a GET, or None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
 def echo(server: TritonServer, text: str) -> str:
     body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [text]}]}
     request = urllib.request.Request(f"{server.http_url}/v2/models/echo/infer",
@@ -126,6 +137,23 @@ def test_server_command_lets_models_unload_themselves_but_keeps_the_repository_a
     assert "--grpc-restricted-protocol=model-repository:pagedbackend-admin-key=k3y" in command
     assert "--exit-timeout-secs=5" in command
     assert not [flag for flag in other if flag.endswith("=k3y")]  # a random key otherwise
+
+
+def test_tritonserver_options_after_a_double_dash_pass_through_and_replace_ours():
+    from pagedbackend.serving.launcher import parse_args
+    args = parse_args(["--http-port", "18000", "--", "--load-model=paged_llm", "--log-info=false",
+                       "--exit-timeout-secs", "9"])
+    command = server_command("model_repository", args.http_port, 18001, 18002,
+                             extra=args.tritonserver_args)
+    polling = server_command("model_repository", 18000, 18001, 18002,
+                             extra=["--model-control-mode=poll", "--repository-poll-secs=5"])
+
+    assert args.http_port == 18000
+    assert args.tritonserver_args == ["--load-model=paged_llm", "--log-info=false", "--exit-timeout-secs", "9"]
+    assert "--load-model=paged_llm" in command and "--load-model=*" not in command
+    assert command[-4:] == args.tritonserver_args and "--exit-timeout-secs=5" not in command
+    assert "--model-control-mode=poll" in polling and "--model-control-mode=explicit" not in polling
+    assert not [flag for flag in polling if flag.startswith("--load-model")]  # poll mode takes none
 
 
 def test_engine_config_reads_typed_parameters_and_environment_overrides():
@@ -261,10 +289,12 @@ def test_a_model_that_fails_to_load_is_reported_with_the_server_log(tmp_path):
 @pytest.mark.timeout(120)
 def test_serve_cli_prints_the_urls_and_exits_cleanly_on_sigterm(tmp_path):
     repo = write_echo_repository(tmp_path / "repo")
+    make_model_repository(repo, {"model": str(tmp_path / "absent")}, name="broken")
     from pagedbackend.serving.launcher import free_port
     ports = [str(free_port()) for _ in range(3)]
     command = [sys.executable, "-m", "pagedbackend.serve", "--model-repository", str(repo),
-               "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
+               "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
+               "--", "--allow-metrics=false"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:
@@ -275,6 +305,8 @@ def test_serve_cli_prints_the_urls_and_exits_cleanly_on_sigterm(tmp_path):
                 break
             lines.append(line)
         ready = [l for l in lines if l.startswith("ready:")]
+        echo_ready = status_of(f"http://127.0.0.1:{ports[0]}/v2/models/echo/ready")
+        metrics = status_of(f"http://127.0.0.1:{ports[2]}/metrics")
 
         process.send_signal(signal.SIGTERM)
         status = process.wait(timeout=60)
@@ -284,6 +316,11 @@ def test_serve_cli_prints_the_urls_and_exits_cleanly_on_sigterm(tmp_path):
             process.wait(timeout=10)
 
     assert ready and f"http://127.0.0.1:{ports[0]}" in ready[0] and f"127.0.0.1:{ports[1]}" in ready[0]
+    # A model whose weights are missing is skipped with a warning; the rest serves.
+    assert any("warning: model broken:" in l and "absent does not exist" in l for l in lines), lines
+    assert any("warning: model broken is not ready" in l for l in lines), lines
+    assert echo_ready == 200
+    assert metrics is None   # --allow-metrics=false was passed through: no metrics endpoint
     assert status == 0
     assert processes_mentioning(str(repo)) == []
 

@@ -228,13 +228,18 @@ def test_when_tritonserver_is_killed_no_stub_watcher_or_worker_stays_behind(tmp_
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("unload", [True, False], ids=["unload", "stay-loaded"])
-def test_a_failed_engine_ends_open_streams_and_the_model_stops_serving(tmp_path, tiny_model_dir, unload):
+@pytest.mark.parametrize("switches, unload", [
+    ({"UNLOAD_ON_ENGINE_FAILURE": True}, True),
+    ({"UNLOAD_ON_ENGINE_FAILURE": False}, False),
+    # vllm_backend's name for the switch wins over ours.
+    ({"UNLOAD_ON_ENGINE_FAILURE": True, "ENABLE_VLLM_HEALTH_CHECK": False}, False),
+], ids=["unload", "stay-loaded", "vllm-health-check-off"])
+def test_a_failed_engine_ends_open_streams_and_the_model_stops_serving(tmp_path, tiny_model_dir, switches,
+                                                                       unload):
     from transformers import AutoTokenizer
     poison = "A lost device"
     # The forward pass carries a test-only fault: it raises (as a lost device would) for this prompt.
-    repo = make_faulty_repository(tmp_path / "repo", {"model": tiny_model_dir, **SETTINGS,
-                                                      "UNLOAD_ON_ENGINE_FAILURE": unload},
+    repo = make_faulty_repository(tmp_path / "repo", {"model": tiny_model_dir, **SETTINGS, **switches},
                                   "forward", AutoTokenizer.from_pretrained(tiny_model_dir).encode(poison))
     with TritonServer(repo, ready_timeout_s=240) as server:
         stream = grpc_stream("Story", LONG, url=server.grpc_url, timeout=120)

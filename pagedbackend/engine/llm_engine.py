@@ -461,7 +461,7 @@ class LLMEngine:
         new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
         seq.num_sent_chars = end
         seq.num_sent_tokens = seq.num_output_tokens
-        top = seq.logprobs[-len(new_ids):] if (params.logprobs is not None and new_ids) else None
+        top = None if params.logprobs is None else (seq.logprobs[-len(new_ids):] if new_ids else [])
         return CompletionOutput(seq.index if index is None else index, new_text, new_ids,
                                 seq.cumulative_logprob, top, seq.finish_reason, seq.stop_reason,
                                 seq.num_output_tokens)

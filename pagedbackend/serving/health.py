@@ -8,6 +8,8 @@ Unloading from inside a model needs tritonserver's
 ``--model-control-mode=explicit`` (``python -m pagedbackend.serve`` sets it,
 with ``--load-model=*``). With the parameter false, the model stays loaded and
 refuses every request with UNAVAILABLE until the server is restarted.
+vllm_backend's ``ENABLE_VLLM_HEALTH_CHECK``, when present, sets the same switch
+(true: unload; false: stay loaded), so its users' configs keep their meaning.
 """
 import threading
 from typing import Optional
@@ -17,12 +19,15 @@ import triton_python_backend_utils as pb_utils
 from pagedbackend.serving.triton_io import model_flag
 
 PARAMETER = "UNLOAD_ON_ENGINE_FAILURE"
+VLLM_PARAMETER = "ENABLE_VLLM_HEALTH_CHECK"
 
 
 class EngineFailurePolicy:
     def __init__(self, model_name: str, parameters: dict):
         self.model_name = model_name
         self.unload = model_flag(parameters, PARAMETER, True)
+        if VLLM_PARAMETER in parameters:   # vllm_backend's name for the same switch wins
+            self.unload = model_flag(parameters, VLLM_PARAMETER, self.unload)
         self.unloader: Optional[threading.Thread] = None
 
     def refusal(self, engine_error: Optional[BaseException]) -> Optional[str]:

@@ -41,7 +41,10 @@ NO_GPU_FLAGS = ("--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
 # Explicit model control lets a model unload itself when its engine fails
 # (pagedbackend/serving/health.py); the model repository API that this opens
 # to clients (load, unload, index) is restricted to requests carrying a key.
-MODEL_CONTROL_FLAGS = ("--model-control-mode=explicit", "--load-model=*")
+MODEL_CONTROL_FLAGS = ("--model-control-mode=explicit", "--load-model=*",
+                       # A model that fails to load is reported (in the log and as
+                       # not ready); the others serve: /v2/models/NAME/ready tells which.
+                       "--exit-on-error=false", "--strict-readiness=false")
 ADMIN_HEADER = "pagedbackend-admin-key"
 # tritonserver expects the restricted gRPC protocol's key header with this prefix.
 GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
@@ -75,11 +78,12 @@ def read_parameters(config_text: str) -> Dict[str, str]:
 
 def make_model_repository(dest, settings: Mapping[str, Any] = (),
                           source=DEFAULT_MODEL_REPOSITORY,
-                          model_name: str = DEFAULT_MODEL_NAME) -> pathlib.Path:
-    """Copy ``source/model_name`` into ``dest`` with some parameters replaced or added."""
+                          model_name: str = DEFAULT_MODEL_NAME, name: Optional[str] = None) -> pathlib.Path:
+    """Copy ``source/model_name`` into ``dest`` (as ``name``, default the same)
+    with some parameters replaced or added."""
     from google.protobuf import text_format
     dest = pathlib.Path(dest)
-    target = dest / model_name
+    target = dest / (name or model_name)
     shutil.copytree(pathlib.Path(source) / model_name, target,
                     ignore=shutil.ignore_patterns("__pycache__"))
     config_file = target / "config.pbtxt"
@@ -171,7 +175,17 @@ def server_command(model_repository, http_port: int, grpc_port: int, metrics_por
                f"--log-verbose={log_verbose}"]
     if exit_timeout_s is not None:
         command.append(f"--exit-timeout-secs={exit_timeout_s}")
-    return command + list(extra)
+    # Options given in ``extra`` replace ours of the same name (tritonserver
+    # would add up repeated --load-model options, or take either value).
+    given = {option.split("=", 1)[0] for option in extra if option.startswith("--")}
+    extra = list(extra)
+    for i, option in enumerate(extra):
+        name, _, value = option.partition("=")
+        if name == "--model-control-mode" and not value and i + 1 < len(extra):
+            value = extra[i + 1]
+        if name == "--model-control-mode" and value != "explicit":
+            given.add("--load-model")   # only explicit mode takes --load-model
+    return [option for option in command if option.split("=", 1)[0] not in given] + extra
 
 
 def start_server_process(command, env, **popen_kwargs) -> subprocess.Popen:
@@ -222,9 +236,13 @@ def _signal_group(pgid: int, signum: int) -> None:
         pass
 
 
-def prepare_models(model_repository, environ: Mapping[str, str] = os.environ) -> list:
+def prepare_models(model_repository, environ: Mapping[str, str] = os.environ,
+                   failures: Optional[list] = None) -> list:
     """Resolve (and for "default", build once) each repository model's weights folder,
-    so a slow first preparation happens here rather than inside the model load."""
+    so a slow first preparation happens here rather than inside the model load.
+    A model that cannot be prepared is reported in ``failures`` as (name, error)
+    and skipped, as tritonserver skips a model it cannot load; without
+    ``failures`` the first error is raised."""
     try:
         from pagedbackend.models.default_model import resolve_model_path
     except ImportError:
@@ -232,9 +250,14 @@ def prepare_models(model_repository, environ: Mapping[str, str] = os.environ) ->
     override = environ.get(ENV_PREFIX + "MODEL")
     paths = []
     for config_file in sorted(pathlib.Path(model_repository).glob("*/config.pbtxt")):
-        params = read_parameters(config_file.read_text())
-        if "model" in params or override:
-            paths.append(resolve_model_path(override or params["model"]))
+        try:
+            params = read_parameters(config_file.read_text())
+            if "model" in params or override:
+                paths.append(resolve_model_path(override or params["model"]))
+        except Exception as exc:
+            if failures is None:
+                raise
+            failures.append((config_file.parent.name, exc))
     return paths
 
 
@@ -250,6 +273,19 @@ def is_ready(http_url: str, timeout: float = 1.0) -> bool:
             return reply.status == 200
     except OSError:
         return False
+
+
+def is_model_ready(http_url: str, model: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{http_url}/v2/models/{model}/ready", timeout=timeout) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def repository_models(model_repository) -> list:
+    """Names of the repository's model folders (those with a config.pbtxt)."""
+    return sorted(path.parent.name for path in pathlib.Path(model_repository).glob("*/config.pbtxt"))
 
 
 class ServerError(RuntimeError):
@@ -270,8 +306,11 @@ class TritonServer:
                  grpc_port: Optional[int] = None, metrics_port: Optional[int] = None,
                  host: str = "127.0.0.1", env: Optional[Mapping[str, str]] = None,
                  log_verbose: int = 0, ready_timeout_s: float = 300.0,
-                 exit_timeout_s: int = EXIT_TIMEOUT_S, log_path=None, extra_args: Sequence[str] = ()):
+                 exit_timeout_s: int = EXIT_TIMEOUT_S, log_path=None, extra_args: Sequence[str] = (),
+                 required_models: Optional[Sequence[str]] = None):
         self.model_repository = pathlib.Path(model_repository)
+        # Models that must load for start() to succeed; None: every one in the repository.
+        self.required_models = required_models
         self.host = host
         self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
         self._bound = dict(self.ports)  # the ports in use once started
@@ -331,6 +370,12 @@ class TritonServer:
                 raise ServerError(f"tritonserver exited with status {self.process.returncode} "
                                   f"before it was ready; log tail:\n{self.log_tail()}")
             if is_ready(self.http_url):
+                required = repository_models(self.model_repository) if self.required_models is None \
+                    else list(self.required_models)
+                failed = [name for name in required if not is_model_ready(self.http_url, name)]
+                if failed:
+                    raise ServerError(f"model(s) {', '.join(failed)} did not load; "
+                                      f"log tail:\n{self.log_tail()}")
                 return
             time.sleep(0.2)
         raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s; "
@@ -364,7 +409,13 @@ class TritonServer:
 # --------------------------------------------------------------- command line
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pagedbackend.serve", description=__doc__.split("\n")[0])
+    """Our options, then ``--`` and any tritonserver options, which are passed
+    through (and replace ours of the same name)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    argv, passed = argv[:split], argv[split + 1:]
+    parser = argparse.ArgumentParser(prog="python -m pagedbackend.serve [OPTIONS] [-- TRITONSERVER OPTIONS]",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY))
     parser.add_argument("--host", default="127.0.0.1", help="address for all three endpoints")
     parser.add_argument("--http-port", type=int, default=8000)
@@ -382,7 +433,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"(load, unload, index) requires (${ADMIN_KEY_ENV}); random if not given")
     parser.add_argument("--prepare-only", action="store_true",
                         help="copy the backend stub and prepare the models, then exit")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.tritonserver_args = passed
+    return args
 
 
 def setting_overrides(args: argparse.Namespace) -> Dict[str, str]:
@@ -400,17 +453,22 @@ def setting_overrides(args: argparse.Namespace) -> Dict[str, str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     overrides = setting_overrides(args)
+    failures = []
     try:
         prepare_backend()
-        for path in prepare_models(args.model_repository, {**os.environ, **overrides}):
+        for path in prepare_models(args.model_repository, {**os.environ, **overrides}, failures):
             print(f"model weights: {path}", flush=True)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    for name, exc in failures:
+        print(f"{'error' if args.prepare_only else 'warning'}: model {name}: {exc}"
+              f"{'' if args.prepare_only else '; tritonserver will load the others'}", file=sys.stderr)
     if args.prepare_only:
-        return 0
+        return 1 if failures else 0
     command = server_command(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
-                             args.host, args.log_verbose, args.exit_timeout, admin_key=args.admin_key)
+                             args.host, args.log_verbose, args.exit_timeout, args.tritonserver_args,
+                             admin_key=args.admin_key)
     process = start_server_process(command, server_env(overrides=overrides))
     stop_requested = []   # monotonic times of SIGTERM / SIGINT
 
@@ -431,6 +489,10 @@ def main(argv=None) -> int:
             break
         time.sleep(0.5)
     if process.poll() is None and not stop_requested and is_ready(http_url):
+        for name in repository_models(args.model_repository):
+            if not is_model_ready(http_url, name):
+                print(f"warning: model {name} is not ready (did not load, or not asked to; "
+                      "see the server log)", file=sys.stderr, flush=True)
         print(f"ready: HTTP {http_url}  gRPC {args.host}:{args.grpc_port}  "
               f"metrics http://{args.host}:{args.metrics_port}/metrics", flush=True)
     while process.poll() is None:

@@ -1,79 +1,149 @@
-"""pagedbackend metric families on Triton's ``/metrics``, from ``model.py``.
+"""Metric families on Triton's ``/metrics``, from ``model.py``, under our own
+names (``pagedbackend:``) and vLLM's (``vllm:``, as NVIDIA's vllm_backend and
+vLLM's own server export them), so dashboards built for either work.
 
+Model parameters (config.pbtxt): ``REPORT_CUSTOM_METRICS`` (default true;
+false exports nothing) and ``METRIC_NAMES``: ``both`` (default),
+``pagedbackend`` or ``vllm``. Every metric is labelled by model and version.
+Latency histograms are observed from the engine's request metrics (one clock).
 Imported only inside Triton's Python backend stub.
 """
+from typing import Dict, List, Tuple
+
 import triton_python_backend_utils as pb_utils
+
+NAMESPACES = ("pagedbackend", "vllm")
+GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+
+
+def _one_two_five(limit: int) -> List[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return buckets
+            buckets.append(step * scale)
+        scale *= 10
+
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 30, 60]
+TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5]
+REQUEST_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920]
+
+# (namespace, name) -> (kind, EngineStats field or observation key, help, buckets)
+FAMILIES: Dict[Tuple[str, str], tuple] = {
+    ("pagedbackend", "kv_cache_usage_ratio"): (GAUGE, "kv_usage", "Used KV blocks / total KV blocks (1 = full).", None),
+    ("pagedbackend", "kv_blocks_used"): (GAUGE, "num_used_blocks", "KV blocks in use.", None),
+    ("pagedbackend", "kv_blocks_total"): (GAUGE, "num_total_blocks", "KV blocks in the device pool.", None),
+    ("pagedbackend", "num_requests_running"): (GAUGE, "num_running", "Requests being decoded.", None),
+    ("pagedbackend", "num_requests_waiting"): (GAUGE, "num_waiting", "Requests queued for admission.", None),
+    ("pagedbackend", "num_requests_swapped"): (GAUGE, "num_swapped", "Requests swapped out to host memory.", None),
+    ("pagedbackend", "kv_positions_stored"): (GAUGE, "stored_positions", "Token positions held in used KV blocks.", None),
+    ("pagedbackend", "kv_slots_allocated"): (GAUGE, "allocated_slots", "Slots in used KV blocks (blocks x block size).", None),
+    ("pagedbackend", "kv_blocks_shared"): (GAUGE, "num_shared_blocks", "KV blocks referenced by more than one sequence.", None),
+    ("pagedbackend", "kv_blocks_cached_free"): (GAUGE, "num_cached_free_blocks",
+                                                "Free KV blocks still holding a reusable prefix.", None),
+    ("pagedbackend", "prompt_tokens_total"): (COUNTER, "prompt_tokens", "Prompt tokens admitted.", None),
+    ("pagedbackend", "generation_tokens_total"): (COUNTER, "generation_tokens", "Tokens generated.", None),
+    ("pagedbackend", "num_preemptions_total"): (COUNTER, "num_preemptions", "Sequence groups preempted.", None),
+    ("pagedbackend", "prefix_cache_hits_total"): (COUNTER, "prefix_cache_hits",
+                                                  "Prompt tokens found in the prefix cache.", None),
+    ("pagedbackend", "prefix_cache_queries_total"): (COUNTER, "prefix_cache_queries",
+                                                     "Prompt tokens looked up in the prefix cache.", None),
+    ("pagedbackend", "request_failures_total"): (COUNTER, "failed_requests",
+                                                 "Requests ended by an error while handling them alone.", None),
+    ("pagedbackend", "idle_leak_checks_failed_total"): (
+        COUNTER, "idle_leak_checks_failed", "Times the engine went idle with KV blocks or sequences left behind.", None),
+    ("pagedbackend", "time_to_first_token_seconds"): (HISTOGRAM, "ttft", "Time from arrival to the first token.",
+                                                      TTFT_BUCKETS),
+    ("pagedbackend", "time_per_output_token_seconds"): (HISTOGRAM, "tpot", "Time per output token after the first.",
+                                                        TPOT_BUCKETS),
+    ("pagedbackend", "e2e_request_latency_seconds"): (HISTOGRAM, "e2e", "Time from arrival to the final response.",
+                                                      REQUEST_BUCKETS),
+    # vLLM's names and types.
+    ("vllm", "prompt_tokens_total"): (COUNTER, "prompt_tokens", "Prompt tokens admitted (vLLM name).", None),
+    ("vllm", "generation_tokens_total"): (COUNTER, "generation_tokens", "Tokens generated (vLLM name).", None),
+    ("vllm", "num_preemptions_total"): (COUNTER, "num_preemptions", "Sequence groups preempted (vLLM name).", None),
+    ("vllm", "num_requests_running"): (GAUGE, "num_running", "Requests being decoded (vLLM name).", None),
+    ("vllm", "num_requests_waiting"): (GAUGE, "num_waiting", "Requests queued for admission (vLLM name).", None),
+    ("vllm", "kv_cache_usage_perc"): (GAUGE, "kv_usage", "Used / total KV blocks, 1 = full (vLLM name).", None),
+    ("vllm", "gpu_cache_usage_perc"): (GAUGE, "kv_usage", "Used / total KV blocks, 1 = full (older vLLM name).", None),
+    ("vllm", "time_to_first_token_seconds"): (HISTOGRAM, "ttft", "Time from arrival to the first token (vLLM name).",
+                                              TTFT_BUCKETS),
+    ("vllm", "time_per_output_token_seconds"): (HISTOGRAM, "tpot", "Time per output token after the first (vLLM name).",
+                                                TPOT_BUCKETS),
+    ("vllm", "e2e_request_latency_seconds"): (HISTOGRAM, "e2e", "Time from arrival to the final response (vLLM name).",
+                                              REQUEST_BUCKETS),
+    ("vllm", "request_queue_time_seconds"): (HISTOGRAM, "queue", "Time from arrival to first scheduling.",
+                                             REQUEST_BUCKETS),
+    ("vllm", "request_inference_time_seconds"): (HISTOGRAM, "inference",
+                                                 "Time from first scheduling to the end.", REQUEST_BUCKETS),
+    ("vllm", "request_prefill_time_seconds"): (HISTOGRAM, "prefill",
+                                               "Time from first scheduling to the first token.", REQUEST_BUCKETS),
+    ("vllm", "request_decode_time_seconds"): (HISTOGRAM, "decode", "Time from the first token to the end.",
+                                              REQUEST_BUCKETS),
+    ("vllm", "request_prompt_tokens"): (HISTOGRAM, "prompt_len", "Prompt length of each finished request.", "tokens"),
+    ("vllm", "request_generation_tokens"): (HISTOGRAM, "output_len", "Tokens generated for each finished request, all outputs.",
+                                            "tokens"),
+    ("vllm", "request_params_n"): (HISTOGRAM, "n", "The n sampling parameter of each finished request.", [1, 2, 5, 10, 20]),
+}
+
+
+def metric_settings(parameters: dict) -> Tuple[bool, Tuple[str, ...]]:
+    """(report at all, namespaces) from the model's config.pbtxt parameters."""
+    from pagedbackend.serving.triton_io import model_flag
+    report = model_flag(parameters, "REPORT_CUSTOM_METRICS", True)
+    names = parameters.get("METRIC_NAMES", {})
+    names = (names.get("string_value", "") if isinstance(names, dict) else str(names)).strip().lower() or "both"
+    if names not in ("both", *NAMESPACES):
+        raise ValueError(f"parameter METRIC_NAMES must be both, pagedbackend or vllm; got {names!r}")
+    return report, NAMESPACES if names == "both" else (names,)
 
 
 class Metrics:
-    """pagedbackend:* metric families on Triton's /metrics, labelled by model and version.
+    """The families of the chosen namespaces, fed from engine statistics
+    (gauges, counters) and from each request's timeline (histograms)."""
 
-    Latency histograms are observed from the engine's request metrics (one clock)."""
-
-    GAUGES = {  # name -> (EngineStats field, help)
-        "kv_cache_usage_ratio": ("kv_usage", "Used KV blocks / total KV blocks (1 = full)."),
-        "kv_blocks_used": ("num_used_blocks", "KV blocks in use."),
-        "kv_blocks_total": ("num_total_blocks", "KV blocks in the device pool."),
-        "num_requests_running": ("num_running", "Requests being decoded."),
-        "num_requests_waiting": ("num_waiting", "Requests queued for admission."),
-        "num_requests_swapped": ("num_swapped", "Requests swapped out to host memory."),
-        "kv_positions_stored": ("stored_positions", "Token positions held in used KV blocks."),
-        "kv_slots_allocated": ("allocated_slots", "Slots in used KV blocks (blocks x block size)."),
-        "kv_blocks_shared": ("num_shared_blocks", "KV blocks referenced by more than one sequence."),
-        "kv_blocks_cached_free": ("num_cached_free_blocks", "Free KV blocks still holding a reusable prefix."),
-    }
-    COUNTERS = {
-        "prompt_tokens_total": ("prompt_tokens", "Prompt tokens admitted."),
-        "generation_tokens_total": ("generation_tokens", "Tokens generated."),
-        "num_preemptions_total": ("num_preemptions", "Sequence groups preempted."),
-        "prefix_cache_hits_total": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-        "prefix_cache_queries_total": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-        "request_failures_total": ("failed_requests", "Requests ended by an error while handling them alone."),
-        "idle_leak_checks_failed_total": ("idle_leak_checks_failed",
-                                          "Times the engine went idle with KV blocks or sequences left behind."),
-    }
-    HISTOGRAMS = {
-        "time_to_first_token_seconds": ("Time from arrival to the first token.",
-                                        [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]),
-        "time_per_output_token_seconds": ("Time per output token after the first.",
-                                          [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5]),
-        "e2e_request_latency_seconds": ("Time from arrival to the final response.",
-                                        [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600]),
-    }
-
-    def __init__(self, labels: dict):
+    def __init__(self, labels: dict, namespaces=NAMESPACES, max_model_len: int = 8192):
         self.families = []  # each family must outlive its metrics
-        self.gauges, self.counters, self.histograms, self.last = {}, {}, {}, {}
+        self.gauges, self.counters, self.histograms = [], [], {}
+        self.last: Dict[str, float] = {}
         try:
-            for name, (attr, text) in self.GAUGES.items():
-                self.gauges[attr] = self._family(name, text, pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
-            for name, (attr, text) in self.COUNTERS.items():
-                self.counters[attr] = self._family(name, text, pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
-                self.last[attr] = 0
-            for name, (text, buckets) in self.HISTOGRAMS.items():
-                family = self._family(name, text, pb_utils.MetricFamily.HISTOGRAM)
-                self.histograms[name] = family.Metric(labels=labels, buckets=buckets)
+            for (space, name), (kind, key, text, buckets) in FAMILIES.items():
+                if space not in namespaces:
+                    continue
+                family = pb_utils.MetricFamily(name=f"{space}:{name}", description=text, kind={
+                    GAUGE: pb_utils.MetricFamily.GAUGE, COUNTER: pb_utils.MetricFamily.COUNTER,
+                    HISTOGRAM: pb_utils.MetricFamily.HISTOGRAM}[kind])
+                self.families.append(family)
+                if kind == HISTOGRAM:
+                    buckets = _one_two_five(max_model_len) if buckets == "tokens" else buckets
+                    self.histograms.setdefault(key, []).append(family.Metric(labels=labels, buckets=buckets))
+                else:
+                    (self.gauges if kind == GAUGE else self.counters).append((key, family.Metric(labels=labels)))
+                    self.last[key] = 0
         except pb_utils.TritonModelException as exc:  # metrics switched off in the server
             pb_utils.Logger.log_warn(f"paged_llm: no custom metrics: {exc}")
-            self.gauges, self.counters, self.histograms = {}, {}, {}
-
-    def _family(self, name, text, kind):
-        family = pb_utils.MetricFamily(name=f"pagedbackend:{name}", description=text, kind=kind)
-        self.families.append(family)
-        return family
+            self.gauges, self.counters, self.histograms = [], [], {}
 
     def update(self, stats):
-        for attr, gauge in self.gauges.items():
-            gauge.set(float(getattr(stats, attr)))
-        for attr, counter in self.counters.items():
-            value = getattr(stats, attr)
-            if value > self.last[attr]:
-                counter.increment(float(value - self.last[attr]))
-                self.last[attr] = value
+        for key, gauge in self.gauges:
+            gauge.set(float(getattr(stats, key)))
+        increments = {}
+        for key, _ in self.counters:
+            value = getattr(stats, key)
+            if value > self.last[key]:
+                increments[key] = value - self.last[key]
+        for key, counter in self.counters:
+            if key in increments:
+                counter.increment(float(increments[key]))
+        for key, amount in increments.items():
+            self.last[key] += amount
 
-    def observe(self, name: str, value: float):
-        if name in self.histograms:
-            self.histograms[name].observe(value)
+    def observe(self, key: str, value: float):
+        for histogram in self.histograms.get(key, ()):
+            histogram.observe(value)
 
     def observe_tokens(self, metrics, previous_token_time, new_tokens: int) -> None:
         """TTFT for a request's first tokens, else time per output token since
@@ -81,11 +151,22 @@ class Metrics:
         if metrics is None or metrics.last_token_time is None or not new_tokens:
             return
         if previous_token_time is None:
-            self.observe("time_to_first_token_seconds", metrics.first_token_time - metrics.arrival_time)
+            self.observe("ttft", metrics.first_token_time - metrics.arrival_time)
         else:
-            self.observe("time_per_output_token_seconds",
-                         (metrics.last_token_time - previous_token_time) / new_tokens)
+            self.observe("tpot", (metrics.last_token_time - previous_token_time) / new_tokens)
 
-    def observe_finished(self, metrics) -> None:
-        if metrics is not None and metrics.finished_time is not None:
-            self.observe("e2e_request_latency_seconds", metrics.finished_time - metrics.arrival_time)
+    def observe_finished(self, metrics, prompt_len: int = 0, output_len: int = 0, n: int = 1) -> None:
+        """A finished request: its latencies, phases and sizes."""
+        if metrics is None or metrics.finished_time is None:
+            return
+        self.observe("e2e", metrics.finished_time - metrics.arrival_time)
+        scheduled, first = metrics.first_scheduled_time, metrics.first_token_time
+        if scheduled is not None:
+            self.observe("queue", scheduled - metrics.arrival_time)
+            self.observe("inference", metrics.finished_time - scheduled)
+            if first is not None:
+                self.observe("prefill", first - scheduled)
+                self.observe("decode", metrics.finished_time - first)
+        self.observe("prompt_len", prompt_len)
+        self.observe("output_len", output_len)
+        self.observe("n", n)

@@ -14,8 +14,8 @@ import triton_python_backend_utils as pb_utils
 from pagedbackend.config import coerce
 from pagedbackend.sampling_params import SamplingParams
 
-FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
-         "return_cumulative_logprob", "return_num_input_tokens", "return_num_output_tokens")
+FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
+         "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")
 # Request parameters that Triton itself defines; the rest are sampling parameters.
 TRITON_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout"}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -34,10 +34,14 @@ class Job:
     last_token_time: Optional[float] = None   # engine clock, of the latest token sent
     cancelled: bool = False                   # by the client
     abort_reason: Optional[str] = None         # set when the server ends it (shutting down)
+    triton_id: str = ""                       # the client's request id, if it gave one
+    n: int = 1                                # outputs asked for
+    logprobs_requested: bool = False          # sampling parameter logprobs set
     texts: dict = field(default_factory=dict)          # output index -> text so far
     num_tokens: dict = field(default_factory=dict)     # output index -> tokens so far
     reasons: dict = field(default_factory=dict)
-    logprobs: dict = field(default_factory=dict)
+    logprobs: dict = field(default_factory=dict)       # output index -> cumulative logprob
+    token_logprobs: dict = field(default_factory=dict)  # output index -> per-token entries, or None
 
 
 def read_text(request, name: str, max_bytes: Optional[int] = None, limit: str = "") -> str:
@@ -121,17 +125,34 @@ def accumulate(job: Job, out) -> int:
         job.num_tokens[o.index] = job.num_tokens.get(o.index, 0) + len(o.token_ids)
         job.reasons[o.index] = o.finish_reason or job.reasons.get(o.index)
         job.logprobs[o.index] = o.cumulative_logprob
+        if job.flags["return_logprobs"]:
+            if o.logprobs is None:
+                job.token_logprobs[o.index] = None
+            else:
+                job.token_logprobs.setdefault(o.index, []).extend(o.logprobs)
         new_tokens = max(new_tokens, len(o.token_ids))
     return new_tokens
+
+
+def logprobs_json(entries) -> bytes:
+    """Per token, ``{token_id: {"logprob", "rank", "decoded_token"}}`` (the
+    sampled token first), as vllm_backend's ``logprobs`` output; ``null`` when
+    the request asked for no log-probabilities (sampling parameter ``logprobs``)."""
+    if entries is None:
+        return b"null"
+    return json.dumps([{str(token): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token}
+                        for token, e in step.items()} for step in entries]).encode("utf-8")
 
 
 def build_response(job: Job, out, delta: bool):
     """A response holding, per output index, its new text (``delta``) or all of
     it (echoing the prompt unless excluded), plus the requested extra outputs."""
-    indices = sorted(o.index for o in out.outputs) if delta else sorted(job.texts)
-    if delta:
-        parts = {o.index: (o.text, len(o.token_ids)) for o in out.outputs}
+    changed = {o.index: o for o in out.outputs}
+    if delta:  # every output, in index order (vllm_backend's layout); unchanged ones are empty
+        indices = list(range(max(job.n, max(changed, default=-1) + 1)))
+        parts = {i: (changed[i].text, len(changed[i].token_ids)) if i in changed else ("", 0) for i in indices}
     else:
+        indices = sorted(job.texts)
         prefix = "" if job.flags["exclude_input_in_output"] else job.prompt
         parts = {i: (prefix + job.texts[i], job.num_tokens[i]) for i in indices}
     tensors = [pb_utils.Tensor("text_output", np.array(
@@ -143,6 +164,14 @@ def build_response(job: Job, out, delta: bool):
         tensors.append(pb_utils.Tensor("cumulative_logprob", np.array(
             [math.nan if job.logprobs.get(i) is None else job.logprobs[i] for i in indices],
             dtype=np.float32)))
+    if job.flags["return_logprobs"]:
+        if delta:
+            none = [] if job.logprobs_requested else None
+            steps = {i: changed[i].logprobs if i in changed else none for i in indices}
+        else:
+            steps = {i: job.token_logprobs.get(i) for i in indices}
+        tensors.append(pb_utils.Tensor("logprobs", np.array(
+            [logprobs_json(steps.get(i)) for i in indices], dtype=np.object_)))
     if job.flags["return_num_input_tokens"]:
         tensors.append(pb_utils.Tensor("num_input_tokens", np.array(
             [len(out.prompt_token_ids)], dtype=np.uint32)))

@@ -25,7 +25,7 @@ from pagedbackend.config import engine_config
 from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
 from pagedbackend.serving.health import EngineFailurePolicy
 from pagedbackend.serving.lifecycle import on_sigterm, watch_server
-from pagedbackend.serving.metrics import Metrics
+from pagedbackend.serving.metrics import Metrics, metric_settings
 from pagedbackend.serving.triton_io import (FINAL, Job, accumulate, build_response, read_flags, read_prompt,
                                             read_sampling_params, send_error)
 
@@ -44,7 +44,9 @@ class TritonPythonModel:
         parameters = model_config.get("parameters", {})
         self.failure = EngineFailurePolicy(args["model_name"], parameters)
         self.engine = AsyncLLMEngine(engine_config(parameters), on_failure=self.failure.engine_failed)
-        self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]})
+        report, namespaces = metric_settings(parameters)
+        self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
+                               namespaces if report else (), self.engine.engine.max_model_len)
         self.jobs, self.lock = {}, threading.Lock()
         self.closing = None            # why new requests are refused, once draining
         self.drain_lock, self.drained = threading.Lock(), False
@@ -97,8 +99,10 @@ class TritonPythonModel:
         if self.closing:
             raise EngineDeadError(self.closing)
         prompt = read_prompt(request, self.engine.engine.max_prompt_chars)
-        job = Job(uuid.uuid4().hex, prompt, read_flags(request), sender)
-        job.stream = self.engine.add_request(job.request_id, prompt, read_sampling_params(request))
+        job = Job(uuid.uuid4().hex, prompt, read_flags(request), sender, triton_id=request.request_id())
+        params = read_sampling_params(request)
+        job.n, job.logprobs_requested = params.n, params.logprobs is not None
+        job.stream = self.engine.add_request(job.request_id, prompt, params)
         with self.lock:
             self.jobs[job.request_id] = job
             job.abort_reason = self.closing  # a drain that began meanwhile ends it too
@@ -135,8 +139,9 @@ class TritonPythonModel:
                 self._forget(job)
                 job.sender.send(build_response(job, out, delta=False), FINAL)
             final_sent = True
-            if not self.closing:
-                self.metrics.observe_finished(out.metrics if out is not None else None)
+            if not self.closing and out is not None:
+                self.metrics.observe_finished(out.metrics, len(out.prompt_token_ids),
+                                              sum(job.num_tokens.values()), job.n)
         except Exception as exc:
             self.engine.abort(job.request_id)
             self._forget(job)
@@ -166,6 +171,8 @@ class TritonPythonModel:
             for job in jobs:
                 if not job.cancelled and job.sender.is_cancelled():
                     job.cancelled = True
+                    pb_utils.Logger.log_info(f"paged_llm: request {job.triton_id or job.request_id} "
+                                             f"(engine id {job.request_id}) was cancelled by the client")
                     self.engine.abort(job.request_id)
             if count % STATS_EVERY_TICKS == 0:
                 try:
