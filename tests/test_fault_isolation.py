@@ -3,6 +3,7 @@ error, its blocks go back, every other request finishes as if alone and the
 engine goes on serving. Only a fault of the engine itself (the forward pass)
 stops it, and then it says so. Whenever the engine goes idle it checks that
 nothing was left behind."""
+import threading
 import time
 
 import pytest
@@ -131,11 +132,16 @@ def test_a_failing_forward_pass_ends_every_stream_and_calls_on_failure_once(tiny
     engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64),
                             on_failure=failures.append)
     try:
-        # A device fault cannot be caused on purpose here: the forward is replaced by one that raises.
+        # A device fault cannot be caused on purpose here: the forward is replaced by one that
+        # raises, once all three requests are in (the loop may start a step after the first).
+        all_added = threading.Event()
+
         def broken(entries):
+            all_added.wait(30)
             raise RuntimeError("device lost")
         engine.engine.runner.execute_model = broken
         streams = [engine.add_request(f"r{i}", "Hello", GREEDY) for i in range(3)]
+        all_added.set()
 
         finals = [list(s)[-1] for s in streams]
 
