@@ -33,8 +33,9 @@ class EngineConfig:
     swap_space_blocks: int = 0
     # Weights, activations and KV cache dtype: float32, float16 or bfloat16.
     dtype: str = "float32"
-    # "triton" (Triton-lang kernels), "torch" (reference twins) or "auto"
-    # (triton on CUDA, torch on CPU).
+    # "triton" (Triton-lang kernels), "torch" (reference twins), "sdpa" (one
+    # gather per step, then scaled_dot_product_attention: the CPU serving path)
+    # or "auto" (triton on CUDA, sdpa on CPU).
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     # "cpu", "cuda" or "auto" (cuda when available).
@@ -58,7 +59,7 @@ class EngineConfig:
         choice("preemption_mode", ("recompute", "swap"))
         choice("kv_reservation", ("paged", "max", "pow2", "oracle"))
         choice("dtype", ("float32", "float16", "bfloat16"))
-        choice("attention_backend", ("auto", "triton", "torch"))
+        choice("attention_backend", ("auto", "triton", "torch", "sdpa"))
         choice("device", ("auto", "cpu", "cuda"))
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:

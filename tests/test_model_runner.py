@@ -98,9 +98,10 @@ def tiny_reference(tiny_model_dir, tiny_untied_model_dir):
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("variant", ["tied", "untied"])
-def test_greedy_generation_matches_transformers_tiny(tiny_reference, variant, block_size):
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_greedy_generation_matches_transformers_tiny(tiny_reference, variant, block_size, backend):
     folder, prompts, expected = tiny_reference[variant]
-    runner = make_runner(folder, block_size=block_size, num_kv_blocks=96)
+    runner = make_runner(folder, block_size=block_size, num_kv_blocks=96, attention_backend=backend)
     assert greedy_paged(runner, prompts) == expected
     assert len({tuple(o) for o in expected}) == len(expected)  # outputs differ: a real check
 
@@ -134,10 +135,12 @@ def default_reference(default_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_greedy_generation_matches_transformers_default_model(default_reference, block_size):
+@pytest.mark.parametrize("block_size,backend", [(16, "sdpa"), (32, "torch")])
+def test_greedy_generation_matches_transformers_default_model(default_reference, block_size, backend):
+    # The CPU serving path and the reference twin.
     prompts, expected = default_reference
-    runner = make_runner("default", block_size=block_size, num_kv_blocks=256 // block_size * 8)
+    runner = make_runner("default", block_size=block_size, num_kv_blocks=256 // block_size * 8,
+                         attention_backend=backend)
     assert max(map(len, prompts)) == 300 and min(map(len, prompts)) == 1
     assert greedy_paged(runner, prompts) == expected
 

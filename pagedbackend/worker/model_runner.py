@@ -17,6 +17,7 @@ from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_memory import KVModel
 from pagedbackend.kernels import get_attention_ops
 from pagedbackend.models import MODEL_CLASSES, LlamaArgs
+from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models.linear import Reduce
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
@@ -42,10 +43,10 @@ class ModelRunner:
         self.vocab_size = args.vocab_size
         self.max_model_len = _max_model_len(config.max_model_len, args.max_position_embeddings)
 
-        self.attention_ops = ops = get_attention_ops(config.attention_backend, self.device)
+        self.attention_ops = get_attention_ops(config.attention_backend, self.device)
         model_class = MODEL_CLASSES[hf_config["model_type"]]
         with torch.device(self.device):
-            self.model = model_class(args, ops, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
+            self.model = model_class(args, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
         self.model.eval()
         self.num_heads = self.model.layers[0].self_attn.num_heads
@@ -94,8 +95,8 @@ class ModelRunner:
         if batch.meta.plan is None:   # a worker rank's batch arrives without one
             self.plan(batch)
         batch = batch.to(self.device)
-        with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        with torch.inference_mode(), step_context(self.kv_caches, batch.meta, self.attention_ops):
+            hidden = self.model(batch.input_ids, batch.positions)
             if not compute_logits:
                 return None
             logits = self.model.compute_logits(hidden[batch.logits_rows])
@@ -112,8 +113,10 @@ class ModelRunner:
     def plan(self, batch: StepBatch) -> None:
         """Lay out the step for the attention kernels, once for every layer."""
         meta = batch.meta
-        meta.plan = self.attention_ops.plan(meta.cu_seqlens_q, meta.seq_lens, self.num_heads,
-                                            self.model.num_kv_heads, self.device)
+        meta.plan = self.attention_ops.plan(
+            meta.cu_seqlens_q, meta.seq_lens, block_tables=meta.block_tables,
+            slot_mapping=meta.slot_mapping, block_size=self.block_size, num_heads=self.num_heads,
+            num_kv_heads=self.model.num_kv_heads, device=self.device)
 
     # ---- block moves ----------------------------------------------------
 
