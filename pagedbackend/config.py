@@ -38,6 +38,10 @@ class EngineConfig:
     # or "auto" (triton on CUDA, sdpa on CPU).
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    # Compile the model step with torch.compile (inductor: C++/OpenMP on CPU,
+    # Triton on CUDA), warmed up at load. Runs eager, with one log line, when
+    # no compiler is available or it fails here, and under tensor parallelism.
+    compile: bool = True
     # "cpu", "cuda" or "auto" (cuda when available).
     device: str = "auto"
     # "paged" grows each sequence a block at a time. "max", "pow2" and "oracle"

@@ -20,7 +20,7 @@ Request = workloads.Request
 def make_engine(model_dir, **kw):
     from pagedbackend import LLMEngine
     settings = dict(model=str(model_dir), block_size=16, num_kv_blocks=256, max_model_len=512,
-                    enable_prefix_caching=False)
+                    enable_prefix_caching=False, compile=False)
     settings.update(kw)
     return LLMEngine(EngineConfig(**settings))
 
