@@ -5,6 +5,7 @@ import torch
 
 from pagedbackend import InvalidRequestError, LLM, SamplingParams
 from pagedbackend.config import EngineConfig
+from pagedbackend.engine.llm import merge_delta
 from pagedbackend.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -229,6 +230,25 @@ def test_stop_token_ids_min_tokens_and_max_tokens(tiny_model_dir):
     later = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=first + 2,
                                                    stop_token_ids=[ids[first]]))
     assert len(later[0].outputs[0].token_ids) >= first + 2
+
+
+def test_cumulative_logprob_is_computed_only_for_requests_that_ask(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=64))
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    plain = engine.add_request("plain", "Hi", params)
+    asked = engine.add_request("asked", "Hi", params, cumulative_logprob=True)
+    merged = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            merge_delta(merged, delta)
+    outputs = {request_id: out.outputs[0] for request_id, out in merged.items()}
+    with_logprobs = LLM(model=str(tiny_model_dir), compile=False, num_kv_blocks=64).generate(
+        ["Hi"], SamplingParams(temperature=0.0, max_tokens=6, logprobs=0))[0].outputs[0]
+
+    assert outputs["plain"].cumulative_logprob is None and not plain.wants_logprob
+    assert outputs["asked"].token_ids == outputs["plain"].token_ids == with_logprobs.token_ids
+    expected = sum(top[t] for t, top in zip(with_logprobs.token_ids, with_logprobs.logprobs))
+    assert expected < 0 and abs(outputs["asked"].cumulative_logprob - expected) < 1e-4
 
 
 def test_logprobs_are_returned_for_each_token(tiny_model_dir):

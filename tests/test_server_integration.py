@@ -72,6 +72,22 @@ def test_grpc_and_http_streams_give_the_offline_greedy_text(server, offline, pro
 
 
 @pytest.mark.timeout(120)
+def test_cumulative_logprob_comes_only_when_asked_and_equals_the_offline_one(server, offline):
+    from pagedbackend import SamplingParams
+    group = offline.engine.add_request("logprob", PROMPTS[0], SamplingParams(**GREEDY),
+                                       cumulative_logprob=True)
+    while offline.engine.has_unfinished_requests():
+        offline.engine.step()
+    expected = group.finished_seqs[0].cumulative_logprob
+
+    asked = generate(PROMPTS[0], GREEDY, url=server.grpc_url, cumulative_logprob=True, timeout=60)
+    not_asked = generate(PROMPTS[0], GREEDY, url=server.http_url, protocol="http", timeout=60)
+
+    assert expected < 0 and asked.cumulative_logprobs[0] == pytest.approx(expected, abs=1e-3)
+    assert not_asked.cumulative_logprobs == [None]
+
+
+@pytest.mark.timeout(120)
 def test_without_streaming_one_response_holds_the_prompt_and_the_whole_text(server):
     streamed = generate(PROMPTS[1], GREEDY, url=server.grpc_url, timeout=60)
 

@@ -2,7 +2,9 @@
 
 Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and
 min-p, then draw with the exponential race (argmax of p / E, E ~ Exp(1)), which
-equals a categorical draw. A row with a seed draws its noise from a generator
+equals a categorical draw. The chosen token's log-probability (a log-softmax
+over the whole vocabulary) is computed only for rows that ask for it
+(``SampleRow.logprob``, or top log-probabilities in the request). A row with a seed draws its noise from a generator
 keyed by (seed, output index, position), so its result does not depend on the
 batch it lands in, nor on preemption.
 """
@@ -20,12 +22,13 @@ class SampleRow:
     params: SamplingParams
     suppress: Sequence[int] = ()       # token ids forbidden now (EOS before min_tokens)
     seed_key: Optional[Tuple[int, int, int]] = None  # (seed, output index, position)
+    logprob: bool = False              # return the chosen token's log-probability
 
 
 @dataclass
 class Sample:
     token_id: int
-    logprob: float                     # under the model's distribution
+    logprob: Optional[float] = None    # under the model's distribution, when asked
     top_logprobs: Optional[Dict[int, float]] = None
 
 
@@ -70,11 +73,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
     """One token per row. ``logits`` is float32 ``[num_rows_in_batch, vocab]``;
     it is modified in place by suppression."""
     apply_suppression(logits, rows)
-    # Greedy picks for every row at once (no copy of the logits), and the model's
-    # log-probabilities (log_softmax is the fastest normaliser on CPU).
+    # Greedy picks for every row at once (no copy of the logits).
     row_idx = torch.tensor([r.row for r in rows], device=logits.device)
     token_ids = logits.argmax(dim=-1)[row_idx]
-    logprobs = torch.log_softmax(logits, dim=-1)
     random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random:
         idx = torch.tensor([rows[i].row for i in random], device=logits.device)
@@ -84,17 +85,23 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
             key = rows[i].seed_key
             noise[j].exponential_(generator=_seeded_generator(key, logits.device) if key else generator)
         token_ids[random] = (probs / noise).argmax(dim=-1)
-    chosen = logprobs[row_idx, token_ids].tolist()
-    samples = [Sample(int(t), lp) for t, lp in zip(token_ids.tolist(), chosen)]
-    for i, r in enumerate(rows):
-        k = r.params.logprobs
-        if k is not None:
-            top = {}
-            if k > 0:
-                values, ids = logprobs[r.row].topk(k)
-                top = dict(zip(ids.tolist(), values.tolist()))
-            top[samples[i].token_id] = samples[i].logprob
-            samples[i].top_logprobs = top
+    samples = [Sample(t) for t in token_ids.tolist()]
+    asked = [i for i, r in enumerate(rows) if r.logprob or r.params.logprobs is not None]
+    if asked:
+        # The model's log-probabilities, for the asking rows only (log_softmax
+        # is the fastest normaliser on CPU).
+        logprobs = torch.log_softmax(logits[row_idx[asked]], dim=-1)
+        chosen = logprobs.gather(1, token_ids[asked].unsqueeze(1)).squeeze(1).tolist()
+        for j, i in enumerate(asked):
+            samples[i].logprob = chosen[j]
+            k = rows[i].params.logprobs
+            if k is not None:
+                top = {}
+                if k > 0:
+                    values, ids = logprobs[j].topk(k)
+                    top = dict(zip(ids.tolist(), values.tolist()))
+                top[samples[i].token_id] = chosen[j]
+                samples[i].top_logprobs = top
     return samples
 
 

@@ -61,7 +61,9 @@ class TritonPythonModel:
     def _submit(self, request, sender) -> Job:
         prompt = read_text(request, "text_input")
         job = Job(uuid.uuid4().hex, prompt, read_flags(request), sender)
-        job.stream = self.engine.add_request(job.request_id, prompt, read_sampling_params(request))
+        # cumulative_logprob is computed only for requests that ask for it.
+        job.stream = self.engine.add_request(job.request_id, prompt, read_sampling_params(request),
+                                             cumulative_logprob=bool(job.flags["return_cumulative_logprob"]))
         with self.jobs_lock:
             self.jobs[job.request_id] = job
         return job
