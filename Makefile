@@ -7,9 +7,11 @@ STAMP  := $(VENV)/.installed
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
+SOAK_MINUTES ?= 10
 
-.PHONY: setup test serve loadtest bench clean
+.PHONY: setup test serve loadtest soak bench fuzz clean
 
 setup: $(STAMP)
 
@@ -29,12 +31,29 @@ $(STAMP): pyproject.toml requirements.txt constraints.txt
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# tritonserver and the OpenAI-compatible API in front of it (OPENAI_PORT); Ctrl-C
+# or SIGTERM stops both, and either one exiting stops the other.
+serve: SHELL := /bin/bash
 serve: setup
+	@export PAGEDBACKEND_ADMIN_KEY=$${PAGEDBACKEND_ADMIN_KEY:-$$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}; \
 	$(PY) -m pagedbackend.serve --model-repository model_repository \
-	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) & triton=$$!; \
+	$(PY) -m pagedbackend.serving.openai_server --triton-url 127.0.0.1:$(GRPC_PORT) \
+	  --port $(OPENAI_PORT) & openai=$$!; \
+	trap 'kill $$triton $$openai 2>/dev/null' INT TERM; \
+	wait -n; kill $$triton $$openai 2>/dev/null; wait $$triton; status=$$?; wait; exit $$status
+
+# Arbitrary request payloads against the engine (10,000 examples; not part of `make test`).
+fuzz: setup
+	PAGEDBACKEND_FUZZ_EXAMPLES=$${PAGEDBACKEND_FUZZ_EXAMPLES:-10000} $(PY) -m pytest -q tests/test_request_fuzz.py
 
 loadtest: setup
 	$(PY) -m loadtest.run_locust --out results/loadtest
+
+# Not part of `make test`: a bounded run (SOAK_MINUTES) against the shipped config,
+# with cancellations and bad requests; non-zero exit on any failure or leak.
+soak: setup
+	$(PY) -m loadtest.soak --minutes $(SOAK_MINUTES) --out results/soak
 
 bench: setup
 	$(PY) -m loadtest.bench all --out results/bench

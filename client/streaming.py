@@ -1,4 +1,5 @@
-"""Streaming clients for the paged_llm model: gRPC (sync and asyncio) and HTTP generate_stream.
+"""Streaming clients for the paged_llm model: gRPC (sync and asyncio), HTTP
+generate_stream, and the OpenAI-compatible API in front of the server.
 
 Each yields ``Delta`` objects as responses arrive; ``collect`` / ``acollect`` fold
 them into a ``Result`` (texts, finish reasons, time to first token, per-token
@@ -20,6 +21,7 @@ import numpy as np
 DEFAULT_MODEL = "paged_llm"
 DEFAULT_GRPC_URL = "127.0.0.1:8001"
 DEFAULT_HTTP_URL = "http://127.0.0.1:8000"
+DEFAULT_OPENAI_URL = "http://127.0.0.1:9000"
 OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "num_input_tokens", "num_output_tokens")
 
 
@@ -303,11 +305,60 @@ def http_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAUL
         raise ServerError("the event stream ended before every output finished")
 
 
+def openai_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAULT_OPENAI_URL,
+                  model: str = DEFAULT_MODEL, chat: bool = False, timeout: float = 300.0) -> Iterator[Delta]:
+    """One streamed request to the OpenAI-compatible API (``pagedbackend.serving.openai_server``):
+    ``/v1/completions``, or ``/v1/chat/completions`` with ``prompt`` as the user's message.
+
+    ``params`` keep vLLM's names (the API takes the ones OpenAI lacks as extra
+    fields). Each chunk's token count is the growth of the running usage that
+    ``stream_options.continuous_usage_stats`` adds to every chunk.
+    """
+    body = {"model": model, "stream": True, **(params or {}),
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if chat:
+        body["messages"], path = [{"role": "user", "content": prompt}], "/v1/chat/completions"
+    else:
+        body["prompt"], path = prompt, "/v1/completions"
+    base = url if "://" in url else f"http://{url}"
+    request = urllib.request.Request(f"{base.rstrip('/')}{path}", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    expected, finished, tokens_seen = _expected_outputs(params), set(), 0
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            for raw in reply:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise ServerError(event["error"].get("message", str(event["error"])))
+                usage = event.get("usage") or {}
+                new_tokens = usage.get("completion_tokens", tokens_seen) - tokens_seen
+                tokens_seen += new_tokens
+                at = time.perf_counter() - start
+                for choice in event.get("choices", []):
+                    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    reason = choice.get("finish_reason")
+                    if reason is not None:
+                        finished.add(choice["index"])
+                    if text or new_tokens or reason:
+                        yield Delta(text, choice["index"], at, reason, new_tokens, usage.get("prompt_tokens"))
+    except urllib.error.HTTPError as exc:
+        raise ServerError(_http_error(exc)) from None
+    if len(finished) < expected:
+        raise ServerError("the event stream ended before every output finished")
+
+
 def generate(prompt: str, params: Optional[dict] = None, protocol: str = "grpc", **kwargs) -> Result:
     """Run one request to completion and return its Result."""
-    streams = {"grpc": grpc_stream, "http": http_stream}
+    streams = {"grpc": grpc_stream, "http": http_stream, "openai": openai_stream}
     if protocol not in streams:
-        raise ValueError(f"protocol must be grpc or http, got {protocol!r}")
+        raise ValueError(f"protocol must be grpc, http or openai, got {protocol!r}")
     return collect(streams[protocol](prompt, params, **kwargs))
 
 
@@ -328,7 +379,8 @@ def _http_error(exc: "urllib.error.HTTPError") -> str:
         if line.startswith("data:"):
             line = line[len("data:"):]
         try:
-            detail = json.loads(line).get("error", detail)
+            error = json.loads(line).get("error", detail)
+            detail = error.get("message", error) if isinstance(error, dict) else error  # OpenAI's error object
             break
         except (ValueError, AttributeError):
             continue

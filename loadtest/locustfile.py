@@ -1,7 +1,9 @@
 """Locust users that stream completions from the paged_llm model.
 
 ``GrpcStreamUser`` streams over tritonclient gRPC, ``HttpStreamUser`` over the
-HTTP ``generate_stream`` endpoint (server-sent events). Besides the request
+HTTP ``generate_stream`` endpoint (server-sent events), ``OpenAIStreamUser``
+through the OpenAI-compatible API (``--openai-url``; ``/v1/completions``, or
+``/v1/chat/completions`` with ``--openai-chat``). Besides the request
 itself, each completion reports custom metrics as locust requests of type
 ``metric``: ``ttft`` (time to first token), ``tpot`` (time per output token
 after the first), ``itl`` (every inter-token gap), ``e2e`` (end-to-end latency,
@@ -16,6 +18,8 @@ locust's ``--run-time``. Only loopback addresses are used.
 
     locust -f loadtest/locustfile.py GrpcStreamUser --headless -u 4 -r 4 -t 30s \
         --host http://127.0.0.1:8000 --grpc-url 127.0.0.1:8001 --workload alpaca
+    locust -f loadtest/locustfile.py OpenAIStreamUser --headless -u 4 -r 4 -t 30s \
+        --host http://127.0.0.1:8000 --openai-url http://127.0.0.1:9000
 """
 import itertools
 import threading
@@ -30,7 +34,7 @@ import numpy as np  # noqa: E402
 from gevent.pool import Pool  # noqa: E402
 from locust import User, constant, events, task  # noqa: E402
 
-from client.streaming import ServerError, collect, grpc_stream, http_stream  # noqa: E402
+from client.streaming import ServerError, collect, grpc_stream, http_stream, openai_stream  # noqa: E402
 from loadtest import workloads  # noqa: E402
 
 ALGORITHMS = {
@@ -53,6 +57,9 @@ def _options(parser):
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="cap on each prompt length")
     parser.add_argument("--tokenizer", default="", help="tokenizer folder (default: the default model)")
     parser.add_argument("--grpc-url", default="127.0.0.1:8001")
+    parser.add_argument("--openai-url", default="http://127.0.0.1:9000", help="OpenAI-compatible API")
+    parser.add_argument("--openai-chat", action="store_true",
+                        help="OpenAIStreamUser: /v1/chat/completions (the prompt as the user's message)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -118,6 +125,8 @@ class _StreamingUser(User):
         opts = self.environment.parsed_options
         if self.protocol == "grpc":
             return grpc_stream(prompt, params, url=opts.grpc_url, exclude_input=True)
+        if self.protocol == "openai":
+            return openai_stream(prompt, params, url=opts.openai_url, chat=opts.openai_chat)
         return http_stream(prompt, params, url=self.host, exclude_input=True)
 
     def _request(self, prompt, params):
@@ -153,3 +162,7 @@ class GrpcStreamUser(_StreamingUser):
 
 class HttpStreamUser(_StreamingUser):
     protocol = "http"
+
+
+class OpenAIStreamUser(_StreamingUser):
+    protocol = "openai"

@@ -2,7 +2,10 @@
 
     python -m loadtest.run_locust --out results/loadtest [--model default] \
         [--users 4] [--run-time 30s] [--max-requests 40] [--workload alpaca] \
-        [--protocol grpc|http|both] [--arrival closed|poisson --rate 2]
+        [--protocol grpc|http|both|openai] [--arrival closed|poisson --rate 2]
+
+``--protocol openai`` also starts the OpenAI-compatible API in front of the
+server and sends the requests through it.
 
 Writes ``summary.json`` and ``summary.csv`` (p50/p90/p99 of time to first
 token, time per output token, inter-token latency and end-to-end latency,
@@ -10,6 +13,7 @@ request and token throughput, failures) plus locust's own CSV files. Exits
 non-zero if any request failed.
 """
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -26,12 +30,13 @@ METRICS = ("ttft", "tpot", "itl", "e2e")
 def run_locust(http_url: str, grpc_url: str, out_dir, users: int = 4, run_time: str = "30s",
                max_requests: int = 40, workload: str = "alpaca", protocol: str = "grpc",
                arrival: str = "closed", rate: float = 1.0, algorithm: str = "greedy",
-               max_output_tokens: int = 32, tokenizer: str = "", timeout: float = 900) -> dict:
+               max_output_tokens: int = 32, tokenizer: str = "", timeout: float = 900,
+               openai_url: str = "") -> dict:
     """Run locust headless against a running server and summarise its CSV output."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     classes = {"grpc": ["GrpcStreamUser"], "http": ["HttpStreamUser"],
-               "both": ["GrpcStreamUser", "HttpStreamUser"]}[protocol]
+               "both": ["GrpcStreamUser", "HttpStreamUser"], "openai": ["OpenAIStreamUser"]}[protocol]
     users = max(users, len(classes))
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *classes, "--headless",
            "-u", str(users), "-r", str(users), "--run-time", run_time, "--stop-timeout", "120",
@@ -41,6 +46,8 @@ def run_locust(http_url: str, grpc_url: str, out_dir, users: int = 4, run_time: 
            "--only-summary", "--loglevel", "WARNING"]
     if tokenizer:
         cmd += ["--tokenizer", tokenizer]
+    if openai_url:
+        cmd += ["--openai-url", openai_url]
     env = {**os.environ, "PYTHONPATH": str(LOCUSTFILE.parent.parent)}
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-output-tokens", type=int, default=32)
     ap.add_argument("--workload", default="alpaca")
     ap.add_argument("--algorithm", default="greedy")
-    ap.add_argument("--protocol", default="both", choices=["grpc", "http", "both"])
+    ap.add_argument("--protocol", default="both", choices=["grpc", "http", "both", "openai"])
     ap.add_argument("--arrival", default="closed", choices=["closed", "poisson"])
     ap.add_argument("--rate", type=float, default=1.0)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -105,17 +112,21 @@ def main(argv=None) -> int:
 
     from loadtest.bench.common import bench_model
     from pagedbackend.serving.launcher import TritonServer, make_model_repository
+    from pagedbackend.serving.openai_server import OpenAIServer
     settings = dict(s.split("=", 1) for s in args.set)
     settings["model"] = bench_model(args.model)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         repo = make_model_repository(pathlib.Path(tmp) / "repo", settings)
-        with TritonServer(repo) as server:
-            print(f"server ready: {server.http_url} / {server.grpc_url}; running locust ...", flush=True)
-            summary = run_locust(server.http_url, server.grpc_url, args.out, users=args.users,
-                                 run_time=args.run_time, max_requests=args.max_requests,
-                                 workload=args.workload, protocol=args.protocol, arrival=args.arrival,
-                                 rate=args.rate, algorithm=args.algorithm,
-                                 max_output_tokens=args.max_output_tokens)
+        server = stack.enter_context(TritonServer(repo))
+        openai_url = ""
+        if args.protocol == "openai":
+            openai_url = stack.enter_context(OpenAIServer(server.grpc_url, tokenizer=settings["model"])).url
+        print(f"server ready: {server.http_url} / {server.grpc_url} {openai_url}; running locust ...", flush=True)
+        summary = run_locust(server.http_url, server.grpc_url, args.out, users=args.users,
+                             run_time=args.run_time, max_requests=args.max_requests,
+                             workload=args.workload, protocol=args.protocol, arrival=args.arrival,
+                             rate=args.rate, algorithm=args.algorithm,
+                             max_output_tokens=args.max_output_tokens, openai_url=openai_url)
     for name, m in summary["metrics"].items():
         print(f"{name:5s} n={m['count']:5d}  p50 {m['p50_ms']:8.1f} ms  p90 {m['p90_ms']:8.1f} ms  "
               f"p99 {m['p99_ms']:8.1f} ms")

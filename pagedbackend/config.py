@@ -25,6 +25,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # Longest sequence (prompt + output); None means the model's context length.
     max_model_len: Optional[int] = None
+    # Longest text prompt in characters, refused before it is tokenised
+    # (tokenising takes ~2 s per million characters on one CPU core). None: 16
+    # characters per token of max_model_len, more than any prompt that fits.
+    max_prompt_chars: Optional[int] = None
     # Reuse KV blocks of shared prompt prefixes across requests.
     enable_prefix_caching: bool = True
     # What happens to a preempted group: "recompute" or "swap".
@@ -70,6 +74,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         if self.swap_space_blocks < 0:
             raise ValueError(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")
 

@@ -1,5 +1,14 @@
-"""Sampling parameters, with vLLM's field names and defaults."""
+"""Sampling parameters, with vLLM's field names, defaults and ranges.
+
+Every field is checked when the object is built, so a request that reaches
+the engine cannot fail on its parameters: a wrong type, a value out of range
+or a non-finite number raises ``InvalidRequestError`` naming the parameter
+and what it accepts. What depends on the model (token ids inside the
+vocabulary, the words of ``bad_words``) is checked by the engine at submission
+(``LLMEngine.make_group``), still before the request is queued.
+"""
 import json
+import math
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Union
@@ -7,6 +16,31 @@ from typing import Any, Dict, List, Optional, Union
 from .config import coerce
 
 _EPS = 1e-5
+# The most top log-probabilities one token may ask for (vLLM's default limit).
+MAX_LOGPROBS = 20
+# OpenAI's range for a logit bias.
+MAX_LOGIT_BIAS = 100.0
+
+# vLLM parameters that pagedbackend does not implement; a request that sets one
+# is refused with the reason. Those marked with a default are accepted when
+# they carry vLLM's default value (so clients that always send them still work).
+UNSUPPORTED = {
+    "lora_name": "LoRA adapters are not supported",
+    "lora_request": "LoRA adapters are not supported",
+    "prompt_logprobs": "prompt log-probabilities are not supported",
+    "logits_processors": "custom logits processors are not supported",
+    "guided_decoding": "guided (structured) decoding is not supported",
+    "structured_outputs": "structured outputs are not supported",
+    "guided_json": "guided (structured) decoding is not supported",
+    "guided_regex": "guided (structured) decoding is not supported",
+    "guided_choice": "guided (structured) decoding is not supported",
+    "guided_grammar": "guided (structured) decoding is not supported",
+    "response_format": "structured outputs are not supported",
+    "logprob_token_ids": "log-probabilities of chosen token ids are not supported",
+    "extra_args": "extra_args are not supported",
+}
+ACCEPTED_AT_DEFAULT = {"detokenize": True, "spaces_between_special_tokens": True,
+                       "output_kind": None, "prompt_logprobs": None, "lora_name": None}
 
 
 class InvalidRequestError(ValueError):
@@ -17,6 +51,9 @@ class InvalidRequestError(ValueError):
 class SamplingParams:
     n: int = 1                         # outputs returned
     best_of: Optional[int] = None      # candidates generated (>= n); beam width for beam search
+    presence_penalty: float = 0.0      # [-2, 2]: subtracted once from every token already generated
+    frequency_penalty: float = 0.0     # [-2, 2]: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0    # > 0: as HF, over prompt and output (logit / p if > 0, else * p)
     temperature: float = 1.0           # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1                    # -1 or 0: all tokens
@@ -26,9 +63,13 @@ class SamplingParams:
     min_tokens: int = 0                # EOS and stop tokens are suppressed before this many
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None   # words never generated (their last token is banned after their prefix)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: Optional[int] = None     # top log-probabilities returned per generated token
+    logprobs: Optional[int] = None     # top log-probabilities returned per generated token (<= MAX_LOGPROBS)
+    logit_bias: Optional[Dict[int, float]] = None   # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: Optional[List[int]] = None   # only these tokens may be generated
+    truncate_prompt_tokens: Optional[int] = None    # keep only the last k prompt tokens
     use_beam_search: bool = False
     length_penalty: float = 1.0        # beam score = logprob sum / length ** length_penalty
     early_stopping: bool = False       # beam search: stop once best_of hypotheses are finished
@@ -38,48 +79,82 @@ class SamplingParams:
     def __post_init__(self):
         if self.best_of is None:
             self.best_of = self.n
-        self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == 0:
+        if isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop_list = list(self.stop)
+        elif self.stop is not None:
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
+        self.allowed_token_ids = (None if self.allowed_token_ids is None
+                                  else _int_list("allowed_token_ids", self.allowed_token_ids))
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise InvalidRequestError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+        if self.top_k == 0 and not isinstance(self.top_k, bool):
             self.top_k = -1
         self._validate()
 
     def _validate(self):
         def bad(msg):
             raise InvalidRequestError(msg)
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.best_of, int) or self.best_of < self.n:
+
+        def integer(name, low, value=None, optional=False):
+            value = getattr(self, name) if value is None else value
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                bad(f"{name} must be an integer >= {low}, got {value!r}")
+
+        def number(name, low=-math.inf, high=math.inf, low_open=False, high_open=False):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}")
+            if (value < low or (low_open and value == low)) or (value > high or (high_open and value == high)):
+                lo, hi = ("(" if low_open else "[") + f"{low:g}", f"{high:g}" + (")" if high_open else "]")
+                bad(f"{name} must be in {lo}, {hi}, got {value!r}")
+
+        integer("n", 1)
+        integer("best_of", 1)
+        if self.best_of < self.n:
             bad(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        number("temperature", 0.0)
+        number("top_p", 0.0, 1.0, low_open=True)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             bad(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        number("min_p", 0.0, 1.0)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, low_open=True)
+        number("length_penalty")
+        integer("max_tokens", 1, optional=True)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            bad(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        integer("truncate_prompt_tokens", 1, optional=True)
         if any(not isinstance(s, str) or not s for s in self.stop_list):
             bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids must not be empty")
+        for name in ("ignore_eos", "include_stop_str_in_output", "use_beam_search", "early_stopping",
+                     "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.use_beam_search:
-            if self.best_of < 2 and self.n < 2:
-                pass  # width 1 beam search is greedy search; allowed
             if self.temperature > _EPS:
                 bad("beam search needs temperature 0")
             if self.top_p < 1.0 or self.top_k != -1 or self.min_p > 0:
                 bad("beam search does not combine with top_p, top_k or min_p")
+            if self.has_logits_processing:
+                bad("beam search does not combine with penalties, logit_bias, allowed_token_ids or bad_words")
         elif self.is_greedy and self.best_of > 1:
             bad(f"best_of > 1 ({self.best_of}) needs temperature > 0 or use_beam_search")
 
@@ -91,20 +166,50 @@ class SamplingParams:
     def beam_width(self) -> int:
         return self.best_of
 
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def has_logits_processing(self) -> bool:
+        """Anything that changes the logits before selection besides temperature and the filters."""
+        return bool(self.has_penalties or self.logit_bias or self.allowed_token_ids is not None
+                    or self.bad_words)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Every token id the parameters name lies inside the model's vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("logit_bias", list(self.logit_bias or {}))):
+            outside = [t for t in ids if not 0 <= t < vocab_size]
+            if outside:
+                raise InvalidRequestError(f"{name}: token id {outside[0]} is outside the vocabulary "
+                                          f"[0, {vocab_size})")
+
     @classmethod
     def from_dict(cls, params: Dict[str, Any]) -> "SamplingParams":
         """Build from JSON-like values (as sent to a server); numbers given as
         strings are accepted, unknown names are refused."""
         if not isinstance(params, dict):
             raise InvalidRequestError(f"sampling parameters must be a JSON object, got {type(params).__name__}")
-        known = {f.name: f for f in fields(cls) if f.init}
-        hints = typing.get_type_hints(cls)
-        unknown = sorted(set(params) - set(known))
+        params = dict(params)
+        for name, default in ACCEPTED_AT_DEFAULT.items():
+            if name in params and params[name] == default:
+                del params[name]
+        unsupported = sorted(set(params) & set(UNSUPPORTED))
+        if unsupported:
+            raise InvalidRequestError(f"sampling parameter {unsupported[0]}: {UNSUPPORTED[unsupported[0]]}")
+        fixed = sorted(set(params) & set(ACCEPTED_AT_DEFAULT))
+        if fixed:
+            raise InvalidRequestError(f"sampling parameter {fixed[0]} is only supported at its default "
+                                      f"({json.dumps(ACCEPTED_AT_DEFAULT[fixed[0]])})")
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(params) - known)
         if unknown:
-            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        kwargs = {}
-        for name, value in params.items():
-            kwargs[name] = coerce(f"sampling parameter {name}", hints[name], value, InvalidRequestError)
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}")
+        hints = typing.get_type_hints(cls)
+        kwargs = {name: coerce(f"sampling parameter {name}", hints[name], value, InvalidRequestError)
+                  for name, value in params.items()}
         try:
             return cls(**kwargs)
         except TypeError as exc:  # e.g. comparing a list with an int
@@ -114,6 +219,37 @@ class SamplingParams:
     def from_json(cls, text: str) -> "SamplingParams":
         try:
             params = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise InvalidRequestError(f"sampling_parameters is not valid JSON: {exc}") from None
         return cls.from_dict(params)
+
+
+def _int_list(name: str, value) -> List[int]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+        raise InvalidRequestError(f"{name} must be a list of non-negative integers, got {value!r}")
+    return list(value)
+
+
+def _logit_bias(value) -> Optional[Dict[int, float]]:
+    """Token id -> bias; JSON object keys arrive as strings."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"logit_bias must be an object of token id -> bias, got {value!r}")
+    bias = {}
+    for key, amount in value.items():
+        try:
+            token = int(key) if not isinstance(key, bool) else None
+        except (TypeError, ValueError):
+            token = None
+        if token is None or token < 0 or (isinstance(key, float) and not key.is_integer()):
+            raise InvalidRequestError(f"logit_bias: {key!r} is not a token id")
+        if (isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount)
+                or abs(amount) > MAX_LOGIT_BIAS):
+            raise InvalidRequestError(f"logit_bias: the bias of token {token} must be a number in "
+                                      f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {amount!r}")
+        bias[token] = float(amount)
+    return bias

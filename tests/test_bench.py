@@ -212,6 +212,22 @@ def test_server_driver_records_first_token_and_tokens_per_request():
     assert summary["output_tokens"] == 6 and summary["median_ttft_s"] > 0.02
 
 
+def test_openai_api_benchmark_pairs_each_api_request_with_the_grpc_one_of_its_round():
+    from loadtest.bench import openai_api
+    grpc = [(0.010, 0.1, "a"), (0.050, 0.2, "b"), (0.020, 0.1, "c")]
+    api = [(0.012, 0.1, "a"), (0.053, 0.2, "b"), (0.024, 0.1, "x")]   # +2, +3, +4 ms; one text differs
+    records = {path: list(grpc) for path in openai_api.PATHS}
+    records["completions"] = api
+
+    summary = openai_api.summarise(records)
+
+    added = summary["added"]["completions"]
+    assert added["against"] == "grpc" and abs(added["added_ttft"]["median_ms"] - 3.0) < 1e-9
+    assert added["same_text"] == 2 / 3
+    assert summary["paths"]["grpc"]["ttft"]["median_ms"] == 20.0
+    assert summary["added"]["chat"]["added_ttft"]["median_ms"] == 0.0
+
+
 def test_results_record_the_command_that_made_them(tmp_path, monkeypatch):
     from loadtest.bench.common import write_result
     monkeypatch.setattr("sys.argv", ["python -m loadtest.bench", "memory", "--quick"])

@@ -247,7 +247,7 @@ def test_cumulative_logprob_is_computed_only_for_requests_that_ask(tiny_model_di
 
     assert outputs["plain"].cumulative_logprob is None and not plain.wants_logprob
     assert outputs["asked"].token_ids == outputs["plain"].token_ids == with_logprobs.token_ids
-    expected = sum(top[t] for t, top in zip(with_logprobs.token_ids, with_logprobs.logprobs))
+    expected = sum(top[t].logprob for t, top in zip(with_logprobs.token_ids, with_logprobs.logprobs))
     assert expected < 0 and abs(outputs["asked"].cumulative_logprob - expected) < 1e-4
 
 
@@ -255,9 +255,14 @@ def test_logprobs_are_returned_for_each_token(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), compile=False, num_kv_blocks=64)
     out = llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0].outputs[0]
     assert len(out.logprobs) == 5
+    tokenizer = llm.get_tokenizer()
     for tok, top in zip(out.token_ids, out.logprobs):
-        assert tok in top and max(top.values()) == top[tok]   # greedy picks the most likely
-    assert abs(sum(top[t] for t, top in zip(out.token_ids, out.logprobs)) - out.cumulative_logprob) < 1e-4
+        assert len(top) == 3 and next(iter(top)) == tok       # the sampled token first, as vLLM
+        assert top[tok].rank == 1 and max(e.logprob for e in top.values()) == top[tok].logprob
+        assert sorted(e.rank for e in top.values()) == [1, 2, 3]
+        assert all(e.decoded_token == tokenizer.decode([t]) for t, e in top.items())
+    assert abs(sum(top[t].logprob for t, top in zip(out.token_ids, out.logprobs))
+               - out.cumulative_logprob) < 1e-4
 
 
 def test_abort_mid_generation_returns_every_block(tiny_model_dir):
@@ -282,7 +287,7 @@ def test_a_request_that_cannot_fit_is_rejected_while_others_finish(tiny_model_di
         llm.generate([list(range(100, 140))], SamplingParams(n=2, temperature=0.8, max_tokens=40))
     with pytest.raises(InvalidRequestError, match="maximum context length"):
         llm.generate([[5] * 500], SamplingParams(max_tokens=100))
-    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+    with pytest.raises(InvalidRequestError, match="not an integer in the vocabulary"):
         llm.generate([[5, 10 ** 6]], GREEDY)
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate([""], GREEDY)
@@ -361,7 +366,7 @@ def test_engine_settings_are_checked():
 def test_an_engine_failure_reaches_every_open_stream_and_refuses_new_requests(tiny_model_dir):
     """A device fault cannot be caused on purpose here, so the runner's forward is
     replaced by one that raises (the only stand-in in this file)."""
-    from pagedbackend import AsyncLLMEngine
+    from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
     engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=64))
     try:
         def broken(entries):
@@ -370,7 +375,7 @@ def test_an_engine_failure_reaches_every_open_stream_and_refuses_new_requests(ti
         stream = engine.add_request("f", "Hello", GREEDY)
         final = list(stream)[-1]
         assert final.finished and "device lost" in final.error
-        with pytest.raises(RuntimeError, match="engine has failed"):
+        with pytest.raises(EngineDeadError, match="engine has failed"):
             engine.add_request("g", "Hello", GREEDY)
         assert not engine.is_alive()
     finally:

@@ -34,3 +34,16 @@ def test_short_locust_run_over_grpc_and_http_has_no_failures(server, tmp_path, t
     saved = json.loads((pathlib.Path(tmp_path) / "summary.json").read_text())
     assert saved["metrics"].keys() == summary["metrics"].keys()
     assert (pathlib.Path(tmp_path) / "summary.csv").read_text().startswith("metric,count,p50_ms")
+
+
+def test_a_short_soak_with_cancellations_and_bad_requests_finds_nothing_wrong(server, tmp_path, tiny_model_dir):
+    from loadtest.soak import soak
+    limits = {"max_num_seqs": 16, "max_model_len": 512, "max_prompt_chars": 16 * 512}
+
+    summary = soak(server, limits, tmp_path, minutes=0.4, users=4, max_output_tokens=12)
+
+    assert summary["ok"], (summary, (tmp_path / "locust.log").read_text()[-3000:])
+    assert summary["unexpected_failures"] == 0 and summary["leaked_blocks"] == 0
+    assert summary["by_kind"].get("ok", 0) > 0 and summary["requests"] == sum(summary["by_kind"].values())
+    assert summary["ttft_p50_ms"] <= summary["ttft_p99_ms"]
+    assert summary["stub_rss_mb"]["start"] > 0 and summary["stub_rss_mb"]["end"] > 0

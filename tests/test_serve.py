@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -116,6 +117,17 @@ def test_server_command_binds_every_endpoint_to_loopback_with_the_cpu_flags():
     assert f"--model-repository={(pathlib.Path('model_repository')).resolve()}" in command
 
 
+def test_server_command_lets_models_unload_themselves_but_keeps_the_repository_api_behind_a_key():
+    command = server_command("model_repository", 18000, 18001, 18002, admin_key="k3y")
+    other = server_command("model_repository", 18000, 18001, 18002)
+
+    assert "--model-control-mode=explicit" in command and "--load-model=*" in command
+    assert "--http-restricted-api=model-repository:pagedbackend-admin-key=k3y" in command
+    assert "--grpc-restricted-protocol=model-repository:pagedbackend-admin-key=k3y" in command
+    assert "--exit-timeout-secs=5" in command
+    assert not [flag for flag in other if flag.endswith("=k3y")]  # a random key otherwise
+
+
 def test_engine_config_reads_typed_parameters_and_environment_overrides():
     parameters = {"model": {"string_value": "/models/x"}, "num_kv_blocks": {"string_value": "64"},
                   "enable_prefix_caching": {"string_value": "false"}, "watermark": "0.05",
@@ -146,6 +158,22 @@ def test_shipped_config_parses_into_an_engine_config():
 
     assert config.model == "default" and config.max_num_seqs == 64 and config.num_kv_blocks > 0
     assert config.compile is True
+
+
+@pytest.mark.slow
+def test_the_shipped_config_serves_one_whole_context_without_capping_it(caplog):
+    from pagedbackend import SamplingParams
+    from pagedbackend.engine import LLMEngine
+    text = (REPO / "model_repository" / "paged_llm" / "config.pbtxt").read_text()
+    config = engine_config({**read_parameters(text), "device": "cpu"}, {})
+
+    with caplog.at_level("WARNING", logger="pagedbackend"):
+        engine = LLMEngine(config)
+    group = engine.make_group("r", "Tell me everything.", SamplingParams(max_tokens=None))
+
+    assert engine.max_model_len == 8192 and not caplog.records   # SmolLM2's context, no cap
+    assert len(group.prompt_token_ids) + group.max_tokens == 8192
+    assert engine.max_prompt_chars == 16 * 8192
 
 
 def test_make_model_repository_replaces_and_adds_parameters(tmp_path):
@@ -192,6 +220,30 @@ def test_server_starts_on_free_loopback_ports_and_stops_without_orphans(tmp_path
     loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::ffff:127.0.0.1
     assert all(addresses and addresses <= loopback for addresses in bound)
     assert group_members(group) == [] and processes_mentioning(str(repo)) == []
+
+
+def stack_limit(pid: int) -> str:
+    line = next(l for l in pathlib.Path(f"/proc/{pid}/limits").read_text().splitlines()
+                if l.startswith("Max stack size"))
+    return line.split()[3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_server_runs_with_1_gib_stacks_and_its_repository_api_needs_the_key(tmp_path):
+    repo = write_echo_repository(tmp_path / "repo")
+
+    with TritonServer(repo, ready_timeout_s=60) as server:
+        limit = stack_limit(server.process.pid)
+        unload = urllib.request.Request(f"{server.http_url}/v2/repository/models/echo/unload",
+                                        data=b"{}", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(unload, timeout=10)
+        answer = echo(server, "still here")
+
+    assert limit == str(1 << 30)   # libevhtp's form-body crash needs bodies over half of it
+    assert refused.value.code == 403 and "pagedbackend-admin-key" in refused.value.read().decode()
+    assert answer == "echo:still here"
 
 
 @pytest.mark.slow

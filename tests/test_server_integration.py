@@ -141,14 +141,20 @@ def test_a_cancelled_stream_frees_its_blocks_and_later_requests_are_unaffected(s
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("prompt, params, message", [
-    ("Hello", {"temperature": -0.5}, "temperature must be >= 0"),
+    ("Hello", {"temperature": -0.5}, "temperature must be in [0, inf]"),
+    ("Hello", {"max_tokens": 4, "logprobs": 1000000}, "logprobs must be an integer in [0, 20]"),
+    ("Hello", {"max_tokens": 4, "min_tokens": 1, "stop_token_ids": [1000000000]},
+     "stop_token_ids: token id 1000000000 is outside the vocabulary"),
+    ("Hello", {"temperature": "NaN"}, "temperature must be a finite number"),
+    ("Hello", {"stop": 5}, "stop must be a string or a list of strings"),
     ("Hello", {"top_p": 0}, "top_p"),
     ("Hello", {"max_tokens": "lots"}, "max_tokens"),
     ("Hello", {"bogus_knob": 1}, "unknown sampling parameter(s): bogus_knob"),
     ("", {"max_tokens": 4}, "prompt is empty"),
     ("word " * 600, {"max_tokens": 4}, "exceeds the maximum context length"),
     ("Hello", {"max_tokens": 400, "n": 4, "best_of": 4, "temperature": 1.0}, "KV blocks"),
-], ids=["negative-temperature", "zero-top_p", "non-numeric", "unknown-parameter", "empty-prompt",
+], ids=["negative-temperature", "huge-logprobs", "stop-token-outside-vocabulary", "nan-temperature",
+        "stop-not-a-string", "zero-top_p", "non-numeric", "unknown-parameter", "empty-prompt",
         "over-long-prompt", "beyond-kv-pool"])
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_a_bad_request_gets_an_error_naming_the_problem(server, protocol, prompt, params, message):
@@ -195,7 +201,7 @@ def text(value: str) -> np.ndarray:
     ([("text_input", "BYTES", text("Hi")), ("stream", "BYTES", text("yes"))], ["stream", "BOOL"]),
     ([("text_input", "BYTES", text("Hi")), ("sampling_parameters", "BYTES", text("{max_tokens: 3"))],
      ["sampling_parameters is not valid JSON"]),
-    ([("text_input", "BYTES", np.array([b"\xff\xfe"], dtype=np.object_))], ["utf-8"]),
+    ([("text_input", "BYTES", np.array([b"\xff\xfe"], dtype=np.object_))], ["text_input", "UTF-8"]),
     ([("text_input", "BYTES", text("Hi")), ("stream", "BOOL", np.array([True])),
       ("exclude_input_in_output", "BOOL", np.array([False]))], ["exclude_input_in_output"]),
 ], ids=["dtype", "shape", "flag-dtype", "bad-json", "bad-utf8", "stream-with-prompt-echo"])

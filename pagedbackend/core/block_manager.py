@@ -118,6 +118,11 @@ class BlockManager:
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
+    @property
+    def num_seqs(self) -> int:
+        """Sequences holding a block table (on the device or swapped out)."""
+        return len(self._seqs)
+
     def is_swapped(self, seq_id: int) -> bool:
         return not self._get(seq_id).on_device
 

@@ -167,6 +167,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def idle_leaks(self) -> List[str]:
+        """With no request in any queue, every block must be back in the pools
+        (free, or free but still cached) and no sequence may hold a table;
+        returns what is not so."""
+        bm, leaks = self.bm, []
+        queued = len(self.waiting) + len(self.running) + len(self.swapped)
+        if queued:
+            leaks.append(f"{queued} group(s) still queued")
+        if bm.num_used_blocks:
+            leaks.append(f"{bm.num_used_blocks} KV block(s) still in use")
+        if bm.num_free_swap_blocks != bm.num_swap_blocks:
+            leaks.append(f"{bm.num_swap_blocks - bm.num_free_swap_blocks} host block(s) still in use")
+        if bm.num_seqs:
+            leaks.append(f"{bm.num_seqs} sequence(s) still hold a block table")
+        return leaks
+
     # ------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -43,7 +43,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0            # tokens whose K/V are in the cache
         self.cumulative_logprob = 0.0
-        self.logprobs: List[Dict[int, float]] = []
+        self.logprobs: List[Dict[int, object]] = []   # per output token, when asked: id -> Logprob
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[object] = None
         # Incremental detokenisation state (see detokenizer.py).
@@ -74,7 +74,7 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     def append_token(self, token_id: int, logprob: Optional[float],
-                     top_logprobs: Optional[Dict[int, float]]) -> None:
+                     top_logprobs: Optional[Dict[int, object]]) -> None:
         """Add a generated token; ``logprob`` is None when nobody asked for it."""
         self.token_ids.append(token_id)
         if logprob is not None:
@@ -118,6 +118,7 @@ class SequenceGroup:
         # cumulative_logprob asked for (the Triton input return_cumulative_logprob).
         self.wants_logprob = params.logprobs is not None or params.best_of > params.n
         self.num_preemptions = 0
+        self.bad_words_ids: List[List[int]] = []   # token sequences never to complete
 
     @property
     def is_beam_search(self) -> bool:

@@ -1,10 +1,11 @@
 """The engine: ``LLMEngine`` (one step at a time), ``AsyncLLMEngine`` (its
 step loop in a thread, streams per request) and the offline ``LLM``. The
 engine owns the tokenizer and turns tokens into text."""
-from .async_engine import AsyncLLMEngine, RequestStream
+from .async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from .llm import LLM
 from .llm_engine import LLMEngine
-from .outputs import CompletionOutput, EngineStats, RequestOutput
+from .outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 
-__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineStats", "LLM", "LLMEngine",
+__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineDeadError", "EngineStats", "LLM", "LLMEngine",
+           "Logprob",
            "RequestOutput", "RequestStream"]

@@ -2,9 +2,10 @@
 in from any thread and their output deltas stream back through ``RequestStream``.
 """
 import asyncio
+import logging
 import queue
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..config import EngineConfig
 from .llm_engine import LLMEngine, Prompt
@@ -13,6 +14,11 @@ from ..sampling_params import InvalidRequestError, SamplingParams
 from ..core.sequence import SequenceGroup
 
 _END = object()
+logger = logging.getLogger("pagedbackend")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has failed (or was shut down) and takes no more requests."""
 
 
 class RequestStream:
@@ -67,9 +73,16 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None):
+    """``on_failure(exc)`` is called (from the engine thread) once, if the
+    engine itself fails: the forward pass, a device error, a dead
+    tensor-parallel worker. A failure while handling one request ends that
+    request alone and the loop goes on."""
+
+    def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None,
+                 on_failure: Optional[Callable[[BaseException], None]] = None):
         self.config = config
         self.engine = engine or LLMEngine(config)
+        self.on_failure = on_failure
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()
         self._new: List[Tuple[SequenceGroup, RequestStream]] = []
@@ -88,9 +101,9 @@ class AsyncLLMEngine:
         """Queue a request; its stream yields output deltas. ``cumulative_logprob``:
         compute it even when the parameters do not need it (``LLMEngine.make_group``)."""
         if self.error is not None:
-            raise RuntimeError(f"the engine has failed: {self.error!r}")
+            raise EngineDeadError(f"the engine has failed: {self.error!r}")
         if self._stopping:
-            raise RuntimeError("the engine is shut down")
+            raise EngineDeadError("the engine is shut down")
         group = self.engine.make_group(request_id, prompt, params,  # validates, may raise
                                        cumulative_logprob=cumulative_logprob)
         stream = RequestStream(request_id)
@@ -129,30 +142,53 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------ loop
     def _run(self) -> None:
         engine = self.engine
+        busy = False
         while not self._stopping:
             try:
                 self._take_requests()
                 if not engine.has_unfinished_requests():
+                    if busy:  # just went idle: nothing may be left behind
+                        busy = False
+                        engine.check_idle()
+                        self._stats = engine.get_stats()
                     self._wakeup.wait(0.05)
                     self._wakeup.clear()
                     continue
+                busy = True
                 outputs = engine.step()
                 self._deliver(outputs)
                 self._stats = engine.get_stats()
-            except Exception as exc:  # reported to every request, never swallowed
-                self.error = exc
-                self._fail_all(exc)
+            except Exception as exc:  # the engine itself failed
+                self._die(exc)
                 return
+
+    def _die(self, exc: BaseException) -> None:
+        logger.error("the engine failed; every open request is ended: %r", exc, exc_info=exc)
+        self.error = exc
+        self._fail_all(exc)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(exc)
+            except Exception:
+                logger.exception("on_failure callback raised")
 
     def _take_requests(self) -> None:
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
-        for group, _ in new:
-            self.engine.add_group(group)
         finals = []
+        for group, _ in new:
+            try:
+                self.engine.add_group(group)
+            except Exception as exc:  # this request alone
+                logger.error("request %s could not be queued: %r", group.request_id, exc, exc_info=exc)
+                finals.append(self._final(group.request_id, "abort", f"could not be queued: {exc!r}"))
         for request_id in aborts:
-            out = self.engine.abort_request(request_id)
+            try:
+                out = self.engine.abort_request(request_id)
+            except Exception as exc:  # this request alone
+                logger.error("request %s could not be aborted: %r", request_id, exc, exc_info=exc)
+                out = self._final(request_id, "abort", f"could not be aborted: {exc!r}")
             if out is not None:
                 finals.append(out)
         if finals:
@@ -175,7 +211,7 @@ class AsyncLLMEngine:
             streams = list(self._streams.values())
             self._streams.clear()
         for stream in streams:
-            stream.put(self._final(stream.request_id, "abort", f"engine failure: {exc!r}"))
+            stream.put(self._final(stream.request_id, "abort", f"the engine failed: {exc!r}"))
 
     @staticmethod
     def _final(request_id: str, reason: str, error: str) -> RequestOutput:

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence as Seq, Union
+from typing import Dict, List, Optional, Sequence as Seq, Tuple, Union
 
 import torch
 
@@ -23,10 +23,11 @@ from ..models.default_model import resolve_model_path
 from ..sample import BeamSearchState, SampleRow, Sampler
 from ..sampling_params import InvalidRequestError, SamplingParams
 from .detokenizer import decode_new_text, find_stop_string
-from .outputs import CompletionOutput, EngineStats, RequestOutput
+from .outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from .tokenizer import eos_token_ids, load_tokenizer
 
 Prompt = Union[str, List[int]]
+PROMPT_CHARS_PER_TOKEN = 16   # default max_prompt_chars per token of max_model_len
 logger = logging.getLogger("pagedbackend")
 
 
@@ -45,6 +46,7 @@ class LLMEngine:
                                    cache_salt=str(model_path).encode())
         self.max_model_len = self._fit_max_model_len(runner.max_model_len)
         self.scheduler.max_model_len = self.max_model_len
+        self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
@@ -93,7 +95,11 @@ class LLMEngine:
         ``cumulative_logprob`` when the parameters need it (logprobs, best_of
         > n, beam search) or ``cumulative_logprob`` is true; otherwise None."""
         params = params or SamplingParams()
+        params.check_token_ids(self.vocab_size)
         text, token_ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None and len(token_ids) > params.truncate_prompt_tokens:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]   # vLLM keeps the last k
+            text = None if text is None else self.tokenizer.decode(token_ids)
         max_tokens = params.max_tokens
         room = self.max_model_len - len(token_ids)
         if max_tokens is None:
@@ -109,9 +115,21 @@ class LLMEngine:
                               time.time() if arrival_time is None else arrival_time, max_tokens)
         self.scheduler.check_admissible(group)
         group.wants_logprob |= cumulative_logprob
+        group.bad_words_ids = self._bad_words_ids(params)
         if params.use_beam_search:
             group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)
         return group
+
+    def _bad_words_ids(self, params: SamplingParams) -> List[List[int]]:
+        """Token sequences of each bad word, alone and after a space (the two
+        ways a word is usually tokenised), as vLLM bans them."""
+        found = []
+        for word in params.bad_words or []:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:
@@ -124,6 +142,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
+            if len(prompt) > self.max_prompt_chars:
+                raise InvalidRequestError(
+                    f"prompt has {len(prompt)} characters; the limit is {self.max_prompt_chars} "
+                    f"(engine setting max_prompt_chars)")
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise InvalidRequestError("prompt is empty after tokenisation")
@@ -131,9 +153,13 @@ class LLMEngine:
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty")
+        if len(ids) > self.max_model_len:   # refused before the ids are checked one by one
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the maximum context length "
+                                      f"is {self.max_model_len}")
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(f"prompt token id {bad[0]!r} is not an integer in the vocabulary "
+                                      f"[0, {self.vocab_size})")
         return None, ids
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
@@ -152,6 +178,18 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    def check_idle(self) -> List[str]:
+        """Call when no request is left: every KV block must be free (or free and
+        cached) and nothing tracked. A violation is logged and counted
+        (``EngineStats.idle_leak_checks_failed``); returns the violations."""
+        leaks = self.scheduler.idle_leaks()
+        if self.groups:
+            leaks.append(f"{len(self.groups)} request(s) still tracked")
+        if leaks:
+            self.stats.idle_leak_checks_failed += 1
+            logger.error("engine idle but not clean: %s", "; ".join(leaks))
+        return leaks
 
     # ------------------------------------------------------------ the step
     def step(self) -> List[RequestOutput]:
@@ -175,21 +213,27 @@ class LLMEngine:
 
         sample_start = time.perf_counter()
         update = StepUpdate()
+        failed: Dict[str, Tuple[SequenceGroup, str]] = {}
         with torch.inference_mode():
-            touched = self._sample_and_update(logits, [i for i in sched.scheduled if i.need_logits], update)
+            touched = self._sample_and_update(logits, [i for i in sched.scheduled if i.need_logits],
+                                              update, failed)
         self.scheduler.update_from_output(sched, update)
         self.last_sample_seconds = time.perf_counter() - sample_start
         for group in touched:
-            outputs.append(self._output(group, finished=group.is_finished))
+            if group.request_id not in failed:
+                self._isolated(group, failed, "building its output",
+                               lambda: outputs.append(self._output(group, finished=group.is_finished)))
+        outputs.extend(self._fail_group(group, message) for group, message in failed.values())
         self.stats.num_steps += 1
         self.stats.last_step_tokens = sched.num_batched_tokens
         self.last_step_seconds = time.perf_counter() - start
         return [o for o in outputs if o is not None]
 
     def _sample_and_update(self, logits: torch.Tensor, completing: Seq[ScheduledSeq],
-                           update: StepUpdate) -> List[SequenceGroup]:
-        rows: List[SampleRow] = []
-        owners = []   # (group, seq, number of rows)
+                           update: StepUpdate, failed: Dict) -> List[SequenceGroup]:
+        """Sample every completing sequence and apply the tokens. A group whose
+        share raises is recorded in ``failed`` and left out; the others go on."""
+        owners = []   # (group, seq, its sample rows)
         beams = defaultdict(list)
         for row, item in enumerate(completing):
             group, seq = item.group, item.seq
@@ -197,21 +241,62 @@ class LLMEngine:
                 beams[group].append((seq, row))
                 continue
             copies = group.params.best_of if not group.forked else 1
-            for i in range(copies):
-                rows.append(self._sample_row(group, seq, row, seq.index + i))
-            owners.append((group, seq, copies))
+            owners.append((group, seq, [self._sample_row(group, seq, row, seq.index + i)
+                                        for i in range(copies)]))
         touched: Dict[str, SequenceGroup] = {}
-        if rows:
-            samples = self.sampler(logits, rows)
-            k = 0
-            for group, seq, copies in owners:
-                self._apply_samples(group, seq, samples[k:k + copies], update)
-                k += copies
+        for (group, seq, _), samples in zip(owners, self._sample_owners(logits, owners, failed)):
+            if group.request_id in failed:
+                continue
+            if self._isolated(group, failed, "applying its tokens",
+                              lambda: self._apply_samples(group, seq, samples, update), update):
                 touched[group.request_id] = group
         for group, seq_rows in beams.items():
-            if self._beam_step(group, seq_rows, logits, update):
-                touched[group.request_id] = group
-        return list(touched.values())
+            done = []
+            if self._isolated(group, failed, "a beam search step",
+                              lambda: done.append(self._beam_step(group, seq_rows, logits, update)), update):
+                if done[0]:
+                    touched[group.request_id] = group
+        return [g for g in touched.values() if g.request_id not in failed]
+
+    def _sample_owners(self, logits: torch.Tensor, owners, failed: Dict) -> List[list]:
+        """Samples per owner: the whole batch at once; should that raise, each
+        owner alone, so that only the owners whose rows raise fail."""
+        rows = [r for _, _, owner_rows in owners for r in owner_rows]
+        if not rows:
+            return []
+        try:
+            samples = self.sampler(logits, rows)
+        except Exception:
+            per_owner = []
+            for group, _, owner_rows in owners:
+                result = []
+                self._isolated(group, failed, "sampling",
+                               lambda: result.extend(self.sampler(logits, owner_rows)))
+                per_owner.append(result)
+            return per_owner
+        per_owner, k = [], 0
+        for _, _, owner_rows in owners:
+            per_owner.append(samples[k:k + len(owner_rows)])
+            k += len(owner_rows)
+        return per_owner
+
+    def _isolated(self, group: SequenceGroup, failed: Dict, what: str, work,
+                  update: Optional[StepUpdate] = None) -> bool:
+        """Run one request's share of a step. If it raises, the request alone
+        fails: it is recorded in ``failed`` (with the reason, also logged) and
+        whatever it added to ``update`` that would hand it blocks is withdrawn."""
+        marks = (len(update.forks), len(update.finished)) if update is not None else None
+        try:
+            work()
+            return True
+        except Exception as exc:
+            if update is not None:
+                del update.forks[marks[0]:]
+                del update.finished[marks[1]:]
+            message = f"request {group.request_id} failed while {what}: {type(exc).__name__}: {exc}"
+            logger.error("%s", message, exc_info=True)
+            failed.setdefault(group.request_id, (group, message))
+            return False
 
     def _sample_row(self, group: SequenceGroup, seq: Sequence, row: int, index: int) -> SampleRow:
         params = group.params
@@ -219,7 +304,10 @@ class LLMEngine:
         if seq.num_output_tokens < params.min_tokens:
             suppress = sorted(self.eos_token_ids | set(params.stop_token_ids))
         key = (params.seed, index, seq.num_output_tokens) if params.seed is not None else None
-        return SampleRow(row, params, suppress, key, group.wants_logprob)
+        if not params.has_logits_processing:
+            return SampleRow(row, params, suppress, key, group.wants_logprob)
+        return SampleRow(row, params, suppress, key, group.wants_logprob, seq.token_ids,
+                         seq.num_prompt_tokens, group.bad_words_ids)
 
     def _apply_samples(self, group: SequenceGroup, seq: Sequence, samples, update: StepUpdate) -> None:
         now = time.time()
@@ -236,7 +324,7 @@ class LLMEngine:
             group.seqs = list(new_seqs)
             group.forked = True
         for s, sample in zip(new_seqs, samples):
-            s.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
+            s.append_token(sample.token_id, sample.logprob, self._logprobs(sample))
             self.stats.generation_tokens += 1
             self._check_stop(group, s, sample.token_id)
             if s.finished:
@@ -245,6 +333,19 @@ class LLMEngine:
                 group.finished_seqs.append(s)
         if not group.seqs:
             self._finish_group(group, update)
+
+    def _logprobs(self, sample) -> Optional[Dict[int, Logprob]]:
+        """The sample's top log-probabilities as vLLM's Logprob entries, with
+        rank and text; None when the request did not ask for them."""
+        if sample.top_logprobs is None:
+            return None
+        # The sampled token first, then the top ones by rank, as vLLM lists them.
+        entries = {sample.token_id: Logprob(sample.logprob, sample.rank,
+                                            self.tokenizer.decode([sample.token_id]))}
+        for rank, (token, logprob) in enumerate(sample.top_logprobs.items(), start=1):
+            if token != sample.token_id:
+                entries[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
+        return entries
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence, token_id: int) -> None:
         params = group.params
@@ -317,6 +418,17 @@ class LLMEngine:
         update.finished.append(group)
         self.groups.pop(group.request_id, None)
         self.stats.finished_requests += 1
+
+    def _fail_group(self, group: SequenceGroup, message: str) -> RequestOutput:
+        """End a request whose handling raised: every block it holds goes back,
+        and its final output carries the error (finish reason ``abort``)."""
+        self.groups.pop(group.request_id, None)
+        self.scheduler.remove(group)
+        group.metrics.finished_time = time.time()
+        self.stats.failed_requests += 1
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                             [CompletionOutput(0, "", [], finish_reason="abort")], True,
+                             dataclasses.replace(group.metrics), error=message)
 
     def _reject(self, group: SequenceGroup, message: str) -> RequestOutput:
         self.groups.pop(group.request_id, None)

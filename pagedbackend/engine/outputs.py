@@ -6,12 +6,21 @@ from ..core.sequence import RequestMetrics
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability (processed logits, before temperature), its
+    rank in the distribution (1 = most likely) and its text, as vLLM reports them."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclass
 class CompletionOutput:
     index: int                       # which of the request's n outputs
     text: str                        # offline: the whole text; streamed: new text since the last delta
     token_ids: List[int]             # likewise: all tokens, or the new ones
     cumulative_logprob: Optional[float] = None
-    logprobs: Optional[List[Dict[int, float]]] = None   # per token: top ids -> logprob
+    logprobs: Optional[List[Dict[int, Logprob]]] = None   # per token: chosen and top ids -> Logprob
     finish_reason: Optional[str] = None  # None while running; "stop", "length" or "abort"
     stop_reason: Optional[object] = None  # the stop string or token id that ended it
     num_tokens: int = 0              # tokens generated so far in total
@@ -58,6 +67,8 @@ class EngineStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     rejected_requests: int = 0
+    failed_requests: int = 0         # ended by an exception while handling them alone
+    idle_leak_checks_failed: int = 0  # times the engine went idle with blocks or sequences left
 
     @property
     def prefix_cache_hit_rate(self) -> float:

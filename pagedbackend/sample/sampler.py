@@ -1,10 +1,16 @@
 """Token selection for a batch of sequences with different sampling parameters.
 
+First the logits of each row are processed as its parameters ask: the
+repetition penalty (as Hugging Face: over prompt and output, a positive logit
+divided by it, a negative one multiplied), presence and frequency penalties
+(as vLLM and OpenAI: over the generated tokens), logit bias, allowed tokens,
+bad words, and the EOS / stop tokens held back before ``min_tokens``.
 Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and
 min-p, then draw with the exponential race (argmax of p / E, E ~ Exp(1)), which
-equals a categorical draw. The chosen token's log-probability (a log-softmax
-over the whole vocabulary) is computed only for rows that ask for it
-(``SampleRow.logprob``, or top log-probabilities in the request). A row with a seed draws its noise from a generator
+equals a categorical draw. Log-probabilities are taken from the processed
+logits, before temperature, and only for rows that ask for them
+(``SampleRow.logprob``, or top log-probabilities in the request): each costs a
+log-softmax over the whole vocabulary. A row with a seed draws its noise from a generator
 keyed by (seed, output index, position), so its result does not depend on the
 batch it lands in, nor on preemption.
 """
@@ -23,13 +29,18 @@ class SampleRow:
     suppress: Sequence[int] = ()       # token ids forbidden now (EOS before min_tokens)
     seed_key: Optional[Tuple[int, int, int]] = None  # (seed, output index, position)
     logprob: bool = False              # return the chosen token's log-probability
+    # For penalties and bad words (set when the parameters ask for them):
+    token_ids: Sequence[int] = ()      # the sequence so far, prompt then output
+    num_prompt_tokens: int = 0
+    bad_words_ids: Sequence[Sequence[int]] = ()
 
 
 @dataclass
 class Sample:
     token_id: int
-    logprob: Optional[float] = None    # under the model's distribution, when asked
-    top_logprobs: Optional[Dict[int, float]] = None
+    logprob: Optional[float] = None    # under the processed distribution, before temperature; when asked
+    top_logprobs: Optional[Dict[int, float]] = None   # when asked: the top ids and the chosen one
+    rank: Optional[int] = None         # when asked: 1 + tokens more likely than the chosen one
 
 
 def _seeded_generator(key: Tuple[int, int, int], device: torch.device) -> torch.Generator:
@@ -40,8 +51,35 @@ def _seeded_generator(key: Tuple[int, int, int], device: torch.device) -> torch.
 
 def apply_suppression(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
     for r in rows:
+        if r.params.has_logits_processing:
+            _process_row(logits[r.row], r)
         if r.suppress:
             logits[r.row, list(r.suppress)] = float("-inf")
+
+
+def _process_row(logits: torch.Tensor, r: SampleRow) -> None:
+    """Penalties, bias, allowed tokens and bad words for one row, in place."""
+    p, device = r.params, logits.device
+    output = list(r.token_ids[r.num_prompt_tokens:])
+    if p.repetition_penalty != 1.0 and r.token_ids:
+        seen = torch.tensor(sorted(set(r.token_ids)), device=device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                   values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and output:
+        ids, counts = torch.tensor(output, device=device).unique(return_counts=True)
+        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=device)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[torch.tensor(p.allowed_token_ids, device=device)] = True
+        logits.masked_fill_(~keep, float("-inf"))
+    for word in r.bad_words_ids:
+        prefix = list(word[:-1])
+        if not prefix or output[-len(prefix):] == prefix:
+            logits[word[-1]] = float("-inf")
 
 
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -88,8 +126,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
     samples = [Sample(t) for t in token_ids.tolist()]
     asked = [i for i, r in enumerate(rows) if r.logprob or r.params.logprobs is not None]
     if asked:
-        # The model's log-probabilities, for the asking rows only (log_softmax
-        # is the fastest normaliser on CPU).
+        # The processed logits' log-probabilities, for the asking rows only
+        # (log_softmax is the fastest normaliser on CPU).
         logprobs = torch.log_softmax(logits[row_idx[asked]], dim=-1)
         chosen = logprobs.gather(1, token_ids[asked].unsqueeze(1)).squeeze(1).tolist()
         for j, i in enumerate(asked):
@@ -102,6 +140,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
                     top = dict(zip(ids.tolist(), values.tolist()))
                 top[samples[i].token_id] = chosen[j]
                 samples[i].top_logprobs = top
+                samples[i].rank = int((logprobs[j] > chosen[j]).sum()) + 1
     return samples
 
 

@@ -11,9 +11,12 @@ The pieces (``find_tritonserver``, ``prepare_backend``, ``server_command``,
 ``TritonServer``, ``make_model_repository``) are reused by tests and benchmarks.
 """
 import argparse
+import ctypes
 import hashlib
 import os
 import pathlib
+import resource
+import secrets
 import shutil
 import signal
 import socket
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import fields
@@ -34,6 +38,25 @@ DEFAULT_MODEL_NAME = "paged_llm"
 # Without a GPU these silence CUDA probing (RECIPES.md); harmless with one.
 NO_GPU_FLAGS = ("--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
                 "--cuda-memory-pool-byte-size=0:0")
+# Explicit model control lets a model unload itself when its engine fails
+# (pagedbackend/serving/health.py); the model repository API that this opens
+# to clients (load, unload, index) is restricted to requests carrying a key.
+MODEL_CONTROL_FLAGS = ("--model-control-mode=explicit", "--load-model=*")
+ADMIN_HEADER = "pagedbackend-admin-key"
+# tritonserver expects the restricted gRPC protocol's key header with this prefix.
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
+# The key, shared with the OpenAI-compatible server that lists the repository's models.
+ADMIN_KEY_ENV = "PAGEDBACKEND_ADMIN_KEY"
+# tritonserver 2.51's HTTP front end (libevhtp) parses a form-urlencoded body
+# into two stack buffers of its size: a body over half the thread stack kills
+# the server before any handler runs (docs/robustness.md). Threads get
+# RLIMIT_STACK-sized stacks, so the server starts with 1 GiB (virtual; pages are
+# touched only by such bodies), which moves the threshold from 4 MB to 536 MB.
+SERVER_STACK_BYTES = 1 << 30
+# Seconds tritonserver waits, after SIGTERM, for HTTP connections to close and
+# requests to end (the model ends its own at once; idle keep-alive clients are
+# what it waits for).
+EXIT_TIMEOUT_S = 5
 
 
 # --------------------------------------------------------------- engine settings
@@ -130,18 +153,73 @@ def server_env(base: Optional[Mapping[str, str]] = None,
 
 def server_command(model_repository, http_port: int, grpc_port: int, metrics_port: int,
                    host: str = "127.0.0.1", log_verbose: int = 0,
-                   exit_timeout_s: Optional[int] = None, extra: Sequence[str] = ()) -> list:
+                   exit_timeout_s: Optional[int] = EXIT_TIMEOUT_S, extra: Sequence[str] = (),
+                   admin_key: Optional[str] = None) -> list:
+    """The tritonserver command line. ``admin_key`` (random if not given) is the
+    value of the ``pagedbackend-admin-key`` header that the model repository API needs."""
     home = triton_home()
+    key = admin_key or secrets.token_hex(16)
     command = [str(find_tritonserver()),
                f"--model-repository={pathlib.Path(model_repository).resolve()}",
                f"--backend-directory={home / 'backends'}",
                f"--http-address={host}", f"--http-port={http_port}",
                f"--grpc-address={host}", f"--grpc-port={grpc_port}",
                f"--metrics-address={host}", f"--metrics-port={metrics_port}",
-               *NO_GPU_FLAGS, f"--log-verbose={log_verbose}"]
+               *NO_GPU_FLAGS, *MODEL_CONTROL_FLAGS,
+               f"--http-restricted-api=model-repository:{ADMIN_HEADER}={key}",
+               f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={key}",
+               f"--log-verbose={log_verbose}"]
     if exit_timeout_s is not None:
         command.append(f"--exit-timeout-secs={exit_timeout_s}")
     return command + list(extra)
+
+
+def start_server_process(command, env, **popen_kwargs) -> subprocess.Popen:
+    """Popen for tritonserver: a process group of its own (its Python stubs join
+    it), a 1 GiB thread stack (see SERVER_STACK_BYTES) and, when started from
+    the main thread, death with this process (PR_SET_PDEATHSIG fires when the
+    thread that forked it ends)."""
+    parent, die_with_parent = os.getpid(), threading.current_thread() is threading.main_thread()
+    prctl = ctypes.CDLL(None).prctl   # looked up here: no dynamic loading between fork and exec
+
+    def in_child():
+        _raise_stack_limit(SERVER_STACK_BYTES)
+        if die_with_parent:
+            prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
+            if os.getppid() != parent:   # the parent died before prctl
+                os._exit(1)
+    return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=in_child, **popen_kwargs)
+
+
+def _raise_stack_limit(target: int) -> None:
+    """Soft RLIMIT_STACK = ``target`` (or the hard limit if lower); never unlimited,
+    which gives threads only 2 MiB stacks."""
+    _, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    soft = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    resource.setrlimit(resource.RLIMIT_STACK, (soft, hard))
+
+
+def stop_process_group(process: subprocess.Popen, timeout_s: float) -> Optional[int]:
+    """SIGTERM to the server's whole process group (tritonserver, its stubs: the
+    model drains on it, see serving/lifecycle.py), wait up to ``timeout_s``,
+    then SIGKILL whatever is left of the group. Returns the server's status."""
+    if process.poll() is None:
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(process.pid, signal.SIGKILL)  # nothing of the group may outlive the server
+    if process.poll() is None:
+        process.wait(timeout=10)
+    return process.returncode
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def prepare_models(model_repository, environ: Mapping[str, str] = os.environ) -> list:
@@ -192,7 +270,7 @@ class TritonServer:
                  grpc_port: Optional[int] = None, metrics_port: Optional[int] = None,
                  host: str = "127.0.0.1", env: Optional[Mapping[str, str]] = None,
                  log_verbose: int = 0, ready_timeout_s: float = 300.0,
-                 exit_timeout_s: int = 10, log_path=None, extra_args: Sequence[str] = ()):
+                 exit_timeout_s: int = EXIT_TIMEOUT_S, log_path=None, extra_args: Sequence[str] = ()):
         self.model_repository = pathlib.Path(model_repository)
         self.host = host
         self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
@@ -202,6 +280,7 @@ class TritonServer:
         self.ready_timeout_s = ready_timeout_s
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = list(extra_args)
+        self.admin_key = secrets.token_hex(16)   # opens the model repository API (GRPC_ADMIN_HEADER)
         self._own_log_dir = None if log_path else tempfile.mkdtemp(prefix="tritonserver-")
         self.log_path = pathlib.Path(log_path or pathlib.Path(self._own_log_dir) / "server.log")
         self.process: Optional[subprocess.Popen] = None
@@ -238,12 +317,12 @@ class TritonServer:
     def _launch(self) -> None:
         command = server_command(self.model_repository, self._bound["http"], self._bound["grpc"],
                                  self._bound["metrics"], self.host, self.log_verbose,
-                                 self.exit_timeout_s, self.extra_args)
+                                 self.exit_timeout_s, self.extra_args, admin_key=self.admin_key)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(command, env=server_env(overrides=self.env),
-                                        stdin=subprocess.DEVNULL, stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = start_server_process(command, server_env(overrides=self.env),
+                                            stdin=subprocess.DEVNULL, stdout=self._log,
+                                            stderr=subprocess.STDOUT)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -269,23 +348,13 @@ class TritonServer:
             return reply.read().decode()
 
     def stop(self, timeout_s: Optional[float] = None) -> Optional[int]:
-        """SIGTERM, wait, then SIGKILL whatever remains of the process group."""
+        """SIGTERM to the process group, wait, then SIGKILL whatever remains of it."""
         process, self.process = self.process, None
         if process is None:
             return None
         if timeout_s is None:  # tritonserver gives up on unloading after exit_timeout_s
             timeout_s = self.exit_timeout_s + 15.0
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
-        try:  # the Python stubs are in the server's process group: none may outlive it
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_process_group(process, timeout_s)
         self._log.close()
         if self._own_log_dir:  # errors raised earlier already carry the log tail
             shutil.rmtree(self._own_log_dir, ignore_errors=True)
@@ -306,6 +375,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="override an engine setting (PAGEDBACKEND_<FIELD>); repeatable")
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
+    parser.add_argument("--exit-timeout", type=int, default=EXIT_TIMEOUT_S,
+                        help="seconds tritonserver waits after SIGTERM for HTTP connections and requests")
+    parser.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV),
+                        help=f"value of the {ADMIN_HEADER} header that the model repository API "
+                             f"(load, unload, index) requires (${ADMIN_KEY_ENV}); random if not given")
     parser.add_argument("--prepare-only", action="store_true",
                         help="copy the backend stub and prepare the models, then exit")
     return parser.parse_args(argv)
@@ -335,29 +409,43 @@ def main(argv=None) -> int:
         return 1
     if args.prepare_only:
         return 0
-    command = server_command(args.model_repository, args.http_port, args.grpc_port,
-                             args.metrics_port, args.host, args.log_verbose)
-    process = subprocess.Popen(command, env=server_env(overrides=overrides), start_new_session=True)
+    command = server_command(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
+                             args.host, args.log_verbose, args.exit_timeout, admin_key=args.admin_key)
+    process = start_server_process(command, server_env(overrides=overrides))
+    stop_requested = []   # monotonic times of SIGTERM / SIGINT
 
-    def forward(signum, _frame):
-        if process.poll() is None:
-            process.send_signal(signum)
+    def stop(signum, _frame):
+        """First signal: SIGTERM to the server's group (the model drains); a second: SIGKILL."""
+        stop_requested.append(time.monotonic())
+        _signal_group(process.pid, signal.SIGTERM if len(stop_requested) == 1 else signal.SIGKILL)
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, forward)
+        signal.signal(signum, stop)
 
     http_url = f"http://{args.host}:{args.http_port}"
     deadline = time.monotonic() + args.ready_timeout
-    while process.poll() is None and not is_ready(http_url):
+    while process.poll() is None and not stop_requested and not is_ready(http_url):
         if time.monotonic() > deadline:
             print(f"tritonserver not ready after {args.ready_timeout:.0f} s; stopping it",
                   file=sys.stderr)
-            forward(signal.SIGTERM, None)
+            stop(signal.SIGTERM, None)
             break
         time.sleep(0.5)
-    if process.poll() is None and is_ready(http_url):
+    if process.poll() is None and not stop_requested and is_ready(http_url):
         print(f"ready: HTTP {http_url}  gRPC {args.host}:{args.grpc_port}  "
               f"metrics http://{args.host}:{args.metrics_port}/metrics", flush=True)
-    status = process.wait()
+    while process.poll() is None:
+        if stop_requested and time.monotonic() - stop_requested[0] > args.exit_timeout + 5:
+            # tritonserver 2.51 cannot unload a model, nor exit, while a client
+            # keeps a gRPC stream open (docs/robustness.md); every request has
+            # had its final response by now.
+            print("tritonserver did not exit after SIGTERM (a client holding a gRPC stream open?); "
+                  "killing it", file=sys.stderr)
+            _signal_group(process.pid, signal.SIGKILL)
+        time.sleep(0.2)
+    _signal_group(process.pid, signal.SIGKILL)   # a dead server's stubs and workers go with it
+    status = process.returncode
+    if status < 0:
+        print(f"tritonserver was killed by {signal.Signals(-status).name}", file=sys.stderr)
     return 128 - status if status < 0 else status
 
 

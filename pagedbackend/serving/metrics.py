@@ -28,6 +28,9 @@ class Metrics:
         "num_preemptions_total": ("num_preemptions", "Sequence groups preempted."),
         "prefix_cache_hits_total": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
         "prefix_cache_queries_total": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+        "request_failures_total": ("failed_requests", "Requests ended by an error while handling them alone."),
+        "idle_leak_checks_failed_total": ("idle_leak_checks_failed",
+                                          "Times the engine went idle with KV blocks or sequences left behind."),
     }
     HISTOGRAMS = {
         "time_to_first_token_seconds": ("Time from arrival to the first token.",

@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pagedbackend.config import coerce
 from pagedbackend.sampling_params import SamplingParams
 
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
@@ -18,6 +19,8 @@ FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
 # Request parameters that Triton itself defines; the rest are sampling parameters.
 TRITON_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout"}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Sampling parameters (JSON) longer than this are refused before parsing.
+MAX_PARAMETERS_BYTES = 64 * 1024
 
 
 @dataclass
@@ -29,14 +32,17 @@ class Job:
     sender: object
     stream: object = None
     last_token_time: Optional[float] = None   # engine clock, of the latest token sent
-    cancelled: bool = False
+    cancelled: bool = False                   # by the client
+    abort_reason: Optional[str] = None         # set when the server ends it (shutting down)
     texts: dict = field(default_factory=dict)          # output index -> text so far
     num_tokens: dict = field(default_factory=dict)     # output index -> tokens so far
     reasons: dict = field(default_factory=dict)
     logprobs: dict = field(default_factory=dict)
 
 
-def read_text(request, name: str) -> str:
+def read_text(request, name: str, max_bytes: Optional[int] = None, limit: str = "") -> str:
+    """One BYTES element as text; longer than ``max_bytes`` is refused before
+    decoding, with ``limit`` saying what the limit is (default: the bytes)."""
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         raise ValueError(f"input {name} is required")
@@ -44,7 +50,21 @@ def read_text(request, name: str) -> str:
     if value.dtype != np.object_ or value.size != 1:
         raise ValueError(f"input {name} must be one BYTES element, got {value.dtype} of shape {list(value.shape)}")
     value = value.reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    if not isinstance(value, bytes):
+        return str(value)
+    if max_bytes is not None and len(value) > max_bytes:
+        raise ValueError(f"input {name} has {len(value)} bytes; {limit or f'the limit is {max_bytes} bytes'}")
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"input {name} is not valid UTF-8: {exc}") from None
+
+
+def read_prompt(request, max_chars: int) -> str:
+    """text_input, refused cheaply when longer than ``max_chars`` characters
+    (a character is at most 4 UTF-8 bytes; the engine checks characters)."""
+    return read_text(request, "text_input", 4 * max_chars,
+                     f"prompts are limited to {max_chars} characters (engine setting max_prompt_chars)")
 
 
 def read_flag(request, name: str) -> Optional[bool]:
@@ -71,10 +91,22 @@ def read_flags(request) -> dict:
 def read_sampling_params(request) -> SamplingParams:
     """The sampling_parameters tensor (JSON), else the request's parameters (generate endpoint)."""
     if pb_utils.get_input_tensor_by_name(request, "sampling_parameters") is not None:
-        return SamplingParams.from_json(read_text(request, "sampling_parameters"))
-    params = json.loads(request.parameters() or "{}")
+        return SamplingParams.from_json(read_text(request, "sampling_parameters", MAX_PARAMETERS_BYTES))
+    text = request.parameters() or "{}"
+    if len(text) > MAX_PARAMETERS_BYTES:
+        raise ValueError(f"request parameters have {len(text)} characters; the limit is {MAX_PARAMETERS_BYTES}")
+    params = json.loads(text)
     return SamplingParams.from_dict({k: v for k, v in params.items()
                                      if k not in TRITON_PARAMETERS and not k.startswith("triton_")})
+
+
+def model_flag(parameters: dict, name: str, default: bool) -> bool:
+    """A true/false ``parameters`` entry of config.pbtxt; absent or empty: ``default``."""
+    value = parameters.get(name)
+    value = value.get("string_value", "") if isinstance(value, dict) else value
+    if value is None or not str(value).strip():
+        return default
+    return coerce(f"parameter {name}", bool, value)
 
 
 def send_error(sender, message: str, code) -> None:

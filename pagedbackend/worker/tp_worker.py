@@ -9,6 +9,7 @@ multi-node run are started by hand: ``python -m pagedbackend.worker.tp_worker
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 from datetime import timedelta
@@ -78,6 +79,11 @@ def main(argv=None) -> int:
     if args.master_port is None:
         parser.error("--master-port (or MASTER_PORT) is required")
     if args.watch_stdin:
+        # A local worker ends when rank 0 stops it or its stdin closes, not on
+        # the SIGTERM that the launcher sends to the server's process group
+        # (the engine drains first, then stops its workers).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
     return run_worker(args.rank, args.world_size, args.master_addr, args.master_port,
                       args.local_size, args.cuda_device)

@@ -1,14 +1,20 @@
 """Triton Python-backend adapter: Triton request in, AsyncLLMEngine calls, Triton responses out.
 
-``execute`` validates each request and hands it to the engine, then returns at
-once; a coroutine on an asyncio loop in a thread of its own streams the
-engine's deltas through the request's response sender (decoupled mode).
-Reading inputs and building responses: ``pagedbackend.serving.triton_io``;
-metrics: ``pagedbackend.serving.metrics``.
+``execute`` only queues each request and returns; an intake thread reads its
+inputs and tokenises it (a long prompt holds up no one's ``execute``), and a
+coroutine on an asyncio loop in a thread of its own streams the engine's
+deltas through the request's response sender (decoupled mode). Inputs and
+responses: ``pagedbackend.serving.triton_io``; metrics:
+``pagedbackend.serving.metrics``; living and dying with tritonserver (parent
+watch, drain on SIGTERM): ``pagedbackend.serving.lifecycle``.
+
+If the engine itself fails, every open request gets an error and the model
+unloads itself, so Triton stops reporting it ready (``pagedbackend.serving.health``).
 """
 import asyncio
 import itertools
 import json
+import queue
 import threading
 import time
 import uuid
@@ -16,26 +22,39 @@ import uuid
 import triton_python_backend_utils as pb_utils
 
 from pagedbackend.config import engine_config
-from pagedbackend.engine import AsyncLLMEngine
+from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
+from pagedbackend.serving.health import EngineFailurePolicy
+from pagedbackend.serving.lifecycle import on_sigterm, watch_server
 from pagedbackend.serving.metrics import Metrics
-from pagedbackend.serving.triton_io import (FINAL, Job, accumulate, build_response, read_flags,
-                                            read_sampling_params, read_text, send_error)
+from pagedbackend.serving.triton_io import (FINAL, Job, accumulate, build_response, read_flags, read_prompt,
+                                            read_sampling_params, send_error)
 
 TICK_S = 0.1             # cancellation poll period
 STATS_EVERY_TICKS = 2    # gauges and counters refreshed every 0.2 s
+DRAIN_S = 5.0            # at shutdown, time for open requests to get their final response
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        self.watcher = watch_server()  # first: this stub must never outlive tritonserver
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("paged_llm needs model_transaction_policy { decoupled: true }")
-        self.engine = AsyncLLMEngine(engine_config(model_config.get("parameters", {})))
+        parameters = model_config.get("parameters", {})
+        self.failure = EngineFailurePolicy(args["model_name"], parameters)
+        self.engine = AsyncLLMEngine(engine_config(parameters), on_failure=self.failure.engine_failed)
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]})
-        self.jobs, self.jobs_lock = {}, threading.Lock()
+        self.jobs, self.lock = {}, threading.Lock()
+        self.closing = None            # why new requests are refused, once draining
+        self.drain_lock, self.drained = threading.Lock(), False
+        self.intake = queue.SimpleQueue()
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run_loop, name="paged_llm-responses", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._run_loop, name="paged_llm-responses", daemon=True),
+                        threading.Thread(target=self._run_intake, name="paged_llm-intake", daemon=True)]
+        for thread in self.threads:
+            thread.start()
+        on_sigterm(self._drain)
 
     def _run_loop(self):
         asyncio.set_event_loop(self.loop)
@@ -48,24 +67,45 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            with self.lock:
+                refused = self.closing or self.failure.refusal(self.engine.error)
+                if not refused:
+                    self.intake.put((request, sender))
+            if refused:
+                send_error(sender, refused, pb_utils.TritonError.UNAVAILABLE)
+        return None
+
+    def _run_intake(self):
+        """Read, check and tokenise queued requests in arrival order, off Triton's execute thread."""
+        for request, sender in iter(self.intake.get, None):
             try:
                 job = self._submit(request, sender)
             except ValueError as exc:  # includes InvalidRequestError and bad UTF-8
                 send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            except EngineDeadError as exc:
+                send_error(sender, self.closing or str(exc), pb_utils.TritonError.UNAVAILABLE)
             except Exception as exc:
-                send_error(sender, f"could not start the request: {exc}", pb_utils.TritonError.INTERNAL)
+                send_error(sender, f"could not start the request: {exc!r}", pb_utils.TritonError.INTERNAL)
             else:
-                asyncio.run_coroutine_threadsafe(self._respond(job), self.loop)
-        return None
+                respond = self._respond(job)
+                try:
+                    asyncio.run_coroutine_threadsafe(respond, self.loop)
+                except RuntimeError:  # the loop is closed (draining): the drain answers the job
+                    respond.close()
 
     def _submit(self, request, sender) -> Job:
-        prompt = read_text(request, "text_input")
+        if self.closing:
+            raise EngineDeadError(self.closing)
+        prompt = read_prompt(request, self.engine.engine.max_prompt_chars)
         job = Job(uuid.uuid4().hex, prompt, read_flags(request), sender)
         # cumulative_logprob is computed only for requests that ask for it.
         job.stream = self.engine.add_request(job.request_id, prompt, read_sampling_params(request),
                                              cumulative_logprob=bool(job.flags["return_cumulative_logprob"]))
-        with self.jobs_lock:
+        with self.lock:
             self.jobs[job.request_id] = job
+            job.abort_reason = self.closing  # a drain that began meanwhile ends it too
+        if job.abort_reason:
+            self.engine.abort(job.request_id)
         return job
 
     async def _respond(self, job: Job):
@@ -73,29 +113,32 @@ class TritonPythonModel:
         out, final_sent = None, False
         try:
             async for out in job.stream:
-                if out.error:
-                    raise RuntimeError(f"engine failed: {out.error}")
+                ended = job.cancelled or job.abort_reason
+                if out.error and not ended:
+                    raise RuntimeError(out.error)
                 new_tokens = accumulate(job, out)
-                self.metrics.observe_tokens(out.metrics, job.last_token_time, new_tokens)
+                if not self.closing:
+                    self.metrics.observe_tokens(out.metrics, job.last_token_time, new_tokens)
                 if new_tokens and out.metrics is not None:
                     job.last_token_time = out.metrics.last_token_time
-                if job.cancelled:
-                    continue  # the abort's last delta; the client has gone
+                if ended:
+                    continue  # the abort's last delta: the client has gone, or the server is going
                 if job.flags["stream"] and (new_tokens or out.finished):
                     if out.finished:
                         self._forget(job)
                     job.sender.send(build_response(job, out, delta=True), FINAL if out.finished else 0)
                     final_sent = out.finished
-            if job.cancelled:
+            if job.cancelled or job.abort_reason:
                 self._forget(job)
-                send_error(job.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+                send_error(job.sender, job.abort_reason or "request cancelled", pb_utils.TritonError.CANCELLED)
             elif not final_sent:
                 if out is None or not out.finished:
                     raise RuntimeError("engine stream ended before the request finished")
                 self._forget(job)
                 job.sender.send(build_response(job, out, delta=False), FINAL)
             final_sent = True
-            self.metrics.observe_finished(out.metrics if out is not None else None)
+            if not self.closing:
+                self.metrics.observe_finished(out.metrics if out is not None else None)
         except Exception as exc:
             self.engine.abort(job.request_id)
             self._forget(job)
@@ -106,17 +149,21 @@ class TritonPythonModel:
                     pb_utils.Logger.log_warn(f"paged_llm: {exc}; could not report it: {send_exc}")
         finally:
             self._forget(job)
-            self.metrics.update(self.engine.stats())  # so usage returns to zero promptly
+            if not self.closing:
+                self.metrics.update(self.engine.stats())  # so usage returns to zero promptly
 
     def _forget(self, job: Job):
         """Stop watching a job for cancellation: its final response is due."""
-        with self.jobs_lock:
+        with self.lock:
             self.jobs.pop(job.request_id, None)
 
     async def _tick(self):
-        """Poll cancellations every TICK_S and refresh engine gauges every few ticks."""
-        for count in itertools.count():  # until the loop stops and cancels this task
-            with self.jobs_lock:
+        """Poll cancellations every TICK_S and refresh engine gauges every few
+        ticks, until draining (both are calls into the server)."""
+        for count in itertools.count():
+            if self.closing:
+                return
+            with self.lock:
                 jobs = list(self.jobs.values())
             for job in jobs:
                 if not job.cancelled and job.sender.is_cancelled():
@@ -129,14 +176,38 @@ class TritonPythonModel:
                     pb_utils.Logger.log_error(f"paged_llm: engine stats failed: {exc}")
             await asyncio.sleep(TICK_S)
 
+    def _drain(self):
+        """Refuse new requests, end every open one with a final response, stop
+        the engine and join every thread. On SIGTERM, and again (a no-op) in finalize."""
+        with self.drain_lock:
+            if self.drained:
+                return
+            with self.lock:
+                self.closing = SHUTTING_DOWN
+                jobs = list(self.jobs.values())
+                self.intake.put(None)
+            for job in jobs:
+                job.abort_reason = SHUTTING_DOWN
+                self.engine.abort(job.request_id)
+            self._wait_for_jobs(DRAIN_S)
+            self.engine.shutdown(timeout=10.0)  # any stream left gets a final output
+            self._wait_for_jobs(2.0)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            for thread in self.threads:
+                thread.join(timeout=5.0)
+            self.failure.join(timeout=5.0)
+            for job in list(self.jobs.values()):  # its coroutine never finished: answer it here
+                try:
+                    send_error(job.sender, SHUTTING_DOWN, pb_utils.TritonError.CANCELLED)
+                except Exception:
+                    pass
+            pb_utils.Logger.log_info(f"paged_llm: drained; {len(jobs)} open request(s) ended")
+            self.drained = True
+
+    def _wait_for_jobs(self, seconds: float):
+        deadline = time.monotonic() + seconds
+        while self.jobs and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def finalize(self):
-        with self.jobs_lock:
-            jobs = list(self.jobs.values())
-        for job in jobs:
-            self.engine.abort(job.request_id)
-        deadline = time.monotonic() + 5.0
-        while self.jobs and time.monotonic() < deadline:  # their final responses go out
-            time.sleep(0.05)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10.0)
-        self.engine.shutdown()
+        self._drain()

@@ -1,0 +1,91 @@
+"""How the Python backend stub lives and dies with tritonserver.
+
+``watch_server()``: the stub must never outlive its server. The stub's own
+watchdog (a C++ thread probing ``kill(ppid, 0)``) misses a dead server that is
+not yet reaped, and hangs when another thread of ours is blocked in a
+stub-to-server call (a metric update, ``is_cancelled``) that the dead server
+never answers, holding the GIL. So a small helper process, which needs no GIL
+of ours, waits on a pidfd of the server and SIGKILLs the stub when the server
+exits; it dies with the stub (``PR_SET_PDEATHSIG``). Measured: the stub is gone
+within 0.15 s of the server, however the server died (docs/robustness.md).
+
+``on_sigterm(callback)``: tritonserver 2.51 never calls ``finalize`` while a
+decoupled stream is open, and once its exit timeout expires it tears itself
+down while our threads may still send, and crashes. The launcher therefore
+sends SIGTERM to the server's whole process group, and the model drains on it:
+refuse new requests, end every open stream with a final response, stop the
+engine. Then Triton finds nothing in flight, unloads the model and exits 0.
+"""
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Callable, Optional
+
+_WATCHER = r"""
+import ctypes, os, select, signal, sys
+stub, server, shm = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+signal.signal(signal.SIGTERM, signal.SIG_IGN)     # the launcher's group SIGTERM is for the others
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG: die with the stub
+if os.getppid() != stub:
+    sys.exit(0)
+try:
+    pidfd = os.pidfd_open(server)
+except ProcessLookupError:
+    pidfd = None
+if pidfd is not None:
+    select.select([pidfd], [], [])                # readable once the server has exited
+if shm:                                           # the stub's teardown would have removed it
+    try:
+        os.unlink("/dev/shm/" + shm)
+    except OSError:
+        pass
+os.kill(stub, signal.SIGKILL)
+"""
+
+
+def shm_region_name() -> str:
+    """The stub's shared-memory region (an argument on its command line), or ''."""
+    try:
+        args = open("/proc/self/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        return ""
+    return next((a.decode() for a in args if a.startswith(b"triton_python_backend_shm_region")), "")
+
+
+def watch_server() -> subprocess.Popen:
+    """Start the helper that SIGKILLs this process (the stub) when its parent
+    (tritonserver) exits. Call from ``initialize``, which runs on the stub's
+    main thread: the helper's parent-death signal is tied to that thread."""
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHER, str(os.getpid()),
+                             str(os.getppid()), shm_region_name()],
+                            stdin=subprocess.DEVNULL, close_fds=True)
+
+
+def on_sigterm(callback: Callable[[], None]) -> Optional[threading.Thread]:
+    """Run ``callback`` in a thread of its own when this process gets SIGTERM.
+
+    The stub's main thread sits in C++ waiting for the server, so a Python
+    signal handler would not run there; Python's C-level handler writes the
+    signal number to a wakeup pipe instead, and a thread waiting on the pipe
+    runs the callback. Needs the main thread; returns None elsewhere."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+
+    def wait():
+        while True:
+            data = os.read(read_fd, 64)
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                break
+        callback()
+    thread = threading.Thread(target=wait, name="sigterm-drain", daemon=True)
+    thread.start()
+    return thread

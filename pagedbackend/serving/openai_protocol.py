@@ -1,0 +1,280 @@
+"""The OpenAI wire format for ``openai_server``: request schemas, error objects,
+the sampling parameters sent to the Triton model, and the mapping of the
+model's ``logprobs`` output (NVIDIA vllm_backend's format) to OpenAI's shapes.
+
+Pure data: no network, no Triton, no tokenizer.
+"""
+import json
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's chat limit
+
+
+class OpenAIError(Exception):
+    """A request the API answers with an error object and an HTTP status."""
+
+    TYPES = {404: "not_found_error", 500: "internal_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------- requests
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by completions and chat completions, with vLLM's extra
+    sampling fields (sent by the openai SDK through ``extra_body``)."""
+    model: Optional[str] = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logit_bias: Optional[Dict[str, float]] = None
+    # accepted and ignored, as they change nothing in the output
+    user: Optional[str] = None
+    metadata: Optional[Dict[str, Any]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    # vLLM's extra sampling parameters
+    best_of: Optional[int] = Field(None, ge=1)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    allowed_token_ids: Optional[List[int]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    early_stopping: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    include_stop_str_in_output: Optional[bool] = None
+
+    def check(self) -> None:
+        """Refusals that a field's type cannot say."""
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options is only allowed when stream is true", "stream_options")
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: Optional[str] = None
+
+    def check(self) -> None:
+        super().check()
+        if self.suffix:
+            raise OpenAIError(400, "suffix is not supported", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise OpenAIError(400, "echo with logprobs is not supported: the model does not return "
+                              "prompt log-probabilities", "echo")
+
+    def prompts(self) -> List[str]:
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if not prompts:
+            raise OpenAIError(400, "prompt must not be empty", "prompt")
+        if not all(isinstance(p, str) for p in prompts):
+            raise OpenAIError(400, "prompt must be a string or a list of strings: the model takes "
+                              "text, not token ids", "prompt")
+        return prompts
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. tool_calls on an assistant turn, passed to the template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+    def for_template(self, index: int) -> dict:
+        """The message as a chat template expects it: text content, and the
+        ``developer`` role as ``system``."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                try:
+                    texts.append(TextPart.model_validate(part).text)
+                except ValidationError:
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise OpenAIError(400, f"messages[{index}].content[{j}]: only text content parts "
+                                      f"are supported, got {kind!r}", "messages") from None
+            content = "\n".join(texts)
+        message = self.model_dump(exclude_none=True)
+        message.update(role="system" if self.role == "developer" else self.role, content=content or "")
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[List[Any]] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[Dict[str, Any]] = None
+    add_generation_prompt: bool = True  # vLLM's name
+
+    def check(self) -> None:
+        super().check()
+        if self.tools:
+            raise OpenAIError(400, "tools are not supported", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise OpenAIError(400, "tool_choice is not supported", "tool_choice")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise OpenAIError(400, "response_format other than text is not supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+
+
+def parse_request(cls, body: bytes):
+    """The request body as ``cls``, or an OpenAIError naming the bad field."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        request = cls.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    request.check()
+    return request
+
+
+def validation_error(exc: ValidationError) -> OpenAIError:
+    """The first problem pydantic found, as an OpenAIError naming the field."""
+    first = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "extra_forbidden":
+        message = f"unrecognized request argument: {where}"
+    elif first["type"] == "missing":
+        message = f"{where} is required"
+    else:
+        message = f"{where}: {first['msg']} (got {first.get('input')!r})"
+    return OpenAIError(400, message, str(first["loc"][0]) if first["loc"] else None)
+
+
+# ---------------------------------------------------------------- to the model
+
+FORWARDED = ("temperature", "top_p", "seed", "top_k", "min_p", "min_tokens", "ignore_eos",
+             "stop_token_ids", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
+             "use_beam_search", "length_penalty", "early_stopping", "skip_special_tokens",
+             "include_stop_str_in_output", "best_of")
+# Sent only when they do something, so that clients which always send the
+# neutral value (0 or 1) work with a model that lacks the parameter.
+PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def sampling_parameters(request: _GenerationRequest, max_tokens: Optional[int],
+                        top_logprobs: Optional[int]) -> dict:
+    """The model's ``sampling_parameters`` JSON object (vLLM's names)."""
+    params = {"n": request.n, "max_tokens": max_tokens}
+    for name in FORWARDED:
+        value = getattr(request, name)
+        if value is not None:
+            params[name] = value
+    if request.stop:
+        params["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    if request.logit_bias:  # token id (a string key in JSON) -> bias; the model checks both
+        params["logit_bias"] = request.logit_bias
+    for name, neutral in PENALTIES.items():
+        value = getattr(request, name)
+        if value is not None and value != neutral:
+            params[name] = value
+    if top_logprobs is not None:
+        params["logprobs"] = top_logprobs
+    return params
+
+
+# ---------------------------------------------------------------- logprobs
+
+def parse_logprobs(element) -> Optional[list]:
+    """One element of the model's ``logprobs`` output: a JSON list with one
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` object per new token,
+    or ``null``."""
+    if element is None:
+        return None
+    text = element.decode("utf-8") if isinstance(element, bytes) else str(element)
+    value = json.loads(text)
+    if value is not None and not isinstance(value, list):
+        raise ValueError(f"logprobs output must be a JSON list or null, got {type(value).__name__}")
+    return value
+
+
+def _position(entries: dict, top: int) -> Tuple[Tuple[str, float], List[Tuple[str, float]]]:
+    """The sampled token and the ``top`` most likely ones at one position.
+
+    A position holds the ``top`` most likely tokens and the sampled one, which
+    may be among them. When it is not, it is the one entry ranked below
+    ``top``, wherever it stands; when it is, it must be the first entry, as
+    vLLM (and so vllm_backend) writes it."""
+    if not entries:
+        raise ValueError("a logprobs position has no tokens")
+    items = [(str(e["decoded_token"]), float(e["logprob"]), e.get("rank")) for e in entries.values()]
+    below = [item for item in items if item[2] is not None and item[2] > top]
+    sampled = below[0] if len(items) > top and len(below) == 1 else items[0]
+    by_rank = sorted(items, key=lambda item: (item[2] if item[2] is not None else float("inf"), -item[1]))
+    return sampled[:2], [item[:2] for item in by_rank[:top]]
+
+
+def completion_logprobs(positions: List[dict], top: int, text_offset: int = 0) -> dict:
+    """OpenAI completions ``logprobs``: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (per position the ``top`` most likely tokens and the
+    sampled one, as vLLM does) and ``text_offset`` (each token's character
+    offset in the choice's text, starting at ``text_offset``)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = text_offset
+    for entries in positions:
+        (token, logprob), best = _position(entries, top)
+        out["tokens"].append(token)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append({**dict(best), token: logprob})
+        out["text_offset"].append(offset)
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(positions: List[dict], top: int) -> List[dict]:
+    """OpenAI chat ``logprobs.content``: per token its text, log-probability,
+    UTF-8 bytes and the ``top`` most likely tokens."""
+    content = []
+    for entries in positions:
+        (token, logprob), best = _position(entries, top)
+        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
+                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                                         for t, lp in best]})
+    return content

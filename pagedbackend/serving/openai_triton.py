@@ -1,0 +1,272 @@
+"""The Triton side of the OpenAI server: one gRPC stream per prompt to the
+decoupled text model (``tritonclient.grpc.aio``), read as updates that carry
+each output's new text, tokens, finish reason and logprobs, and cancelled at
+once when the HTTP client goes away.
+"""
+import asyncio
+import json
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, List, Optional, Tuple
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from pagedbackend.serving.launcher import GRPC_ADMIN_HEADER
+from pagedbackend.serving.openai_protocol import OpenAIError, parse_logprobs
+
+# Messages the model sends when it, not the request, failed (model.py).
+SERVER_FAILURES = ("could not start the request", "engine failed")
+CONFIG_TTL_S = 30.0
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; its Triton requests were cancelled."""
+
+
+@dataclass
+class Update:
+    """One Triton response: per output index, the new text and tokens."""
+    texts: List[str]
+    reasons: List[Optional[str]]
+    num_tokens: List[int]
+    num_input_tokens: Optional[int]
+    logprobs: Optional[List[Optional[list]]]
+
+
+_NUMBERS = {"UINT32": "I", "INT32": "i", "UINT64": "Q", "INT64": "q", "FP32": "f"}
+
+
+def _elements(datatype: str, raw: bytes) -> list:
+    """A tensor's elements from Triton's raw little-endian encoding (BYTES:
+    each element as a 4-byte length and its bytes)."""
+    if datatype == "BYTES":
+        out, at = [], 0
+        while at < len(raw):
+            (size,) = struct.unpack_from("<I", raw, at)
+            out.append(raw[at + 4:at + 4 + size])
+            at += 4 + size
+        return out
+    if datatype not in _NUMBERS:
+        raise ValueError(f"unexpected output datatype {datatype}")
+    return list(struct.unpack(f"<{len(raw) // struct.calcsize(_NUMBERS[datatype])}{_NUMBERS[datatype]}", raw))
+
+
+def read_update(response) -> Update:
+    """A ModelInferResponse as an Update, read straight from its raw outputs
+    (a few times faster than through numpy, and this runs once per token)."""
+    if len(response.raw_output_contents) != len(response.outputs):
+        raise ValueError("the response has no raw output contents")
+    outputs = {o.name: _elements(o.datatype, raw)
+               for o, raw in zip(response.outputs, response.raw_output_contents)}
+    texts = [t.decode("utf-8", "replace") for t in outputs.get("text_output", [])]
+    reasons = [r.decode("utf-8", "replace") for r in outputs.get("finish_reason", [])] or [None] * len(texts)
+    prompt_tokens = outputs.get("num_input_tokens")
+    logprobs = outputs.get("logprobs")
+    return Update(texts, [None if r in (None, "", "None") else r for r in reasons],
+                  outputs.get("num_output_tokens", [0] * len(texts)),
+                  prompt_tokens[0] if prompt_tokens else None,
+                  None if logprobs is None else [parse_logprobs(e) for e in logprobs])
+
+
+def _input(name: str, value) -> "aioclient.InferInput":
+    array = np.array([value.encode("utf-8") if isinstance(value, str) else value],
+                     dtype=np.object_ if isinstance(value, str) else np.bool_)
+    tensor = aioclient.InferInput(name, [1], "BYTES" if array.dtype == np.object_ else "BOOL")
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+# The BOOL inputs every request sends, built once (tritonclient copies them into each request).
+FLAGS = [_input(name, True) for name in ("stream", "exclude_input_in_output", "return_finish_reason",
+                                         "return_num_input_tokens", "return_num_output_tokens")]
+RETURN_LOGPROBS = _input("return_logprobs", True)
+
+
+class TritonStream:
+    """The responses of one streamed Triton request; ``cancel`` ends it on the server.
+
+    An error before the first response is the model refusing the request (400
+    unless the model says it failed); after it, the request failed (500)."""
+
+    def __init__(self, call, model: str):
+        self.call, self.model = call, model
+        self.started = self.done = self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Update:
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            result, error = await self.call.__anext__()
+        except (StopAsyncIteration, asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
+            self.done = True
+            if self.cancelled:
+                raise ClientGone() from None
+            if isinstance(exc, StopAsyncIteration):
+                raise OpenAIError(500, f"model {self.model} ended the stream without a final response") from None
+            if isinstance(exc, grpc.aio.AioRpcError):
+                status = 503 if exc.code() == grpc.StatusCode.UNAVAILABLE else 500
+                raise OpenAIError(status, f"Triton failed the request: {exc.details()}") from None
+            raise
+        if error is not None:
+            self.done = True
+            message = error.message() or str(error)
+            if "unknown model" in message.lower():
+                raise OpenAIError(404, f"model {self.model} is not ready on Triton: {message}",
+                                  "model", "model_not_found")
+            failed = self.started or message.startswith(SERVER_FAILURES)
+            raise OpenAIError(500 if failed else 400, message)
+        self.started = True
+        final = result.get_response().parameters.get("triton_final_response")
+        self.done = final is not None and final.bool_param
+        try:
+            return read_update(result.get_response())
+        except ValueError as exc:  # includes malformed logprobs JSON
+            self.cancel()
+            raise OpenAIError(500, f"model {self.model} sent a response that cannot be read: {exc}") from None
+
+    def cancel(self) -> None:
+        """Cancel the request unless it completed (cancelling a completed
+        request makes tritonserver 2.51 hold the model)."""
+        if not self.done:
+            self.done = self.cancelled = True
+            self.call.cancel()
+
+
+class Generation:
+    """The Triton streams of one API request (one per prompt), read as one
+    sequence of ``(prompt index, Update)``."""
+
+    def __init__(self, streams: List[TritonStream]):
+        self.streams = streams
+        self._tasks: List[asyncio.Task] = []
+
+    async def updates(self) -> AsyncIterator[Tuple[int, Update]]:
+        if len(self.streams) == 1:
+            async for update in self.streams[0]:
+                yield 0, update
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: TritonStream):
+            try:
+                async for update in stream:
+                    queue.put_nowait((i, update, None))
+                queue.put_nowait((i, None, None))
+            except BaseException as exc:  # ClientGone and OpenAIError included: the reader raises it
+                queue.put_nowait((i, None, exc))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+        self._tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
+        running = len(self._tasks)
+        while running:
+            i, update, error = await queue.get()
+            if error is not None:
+                raise error
+            if update is None:
+                running -= 1
+            else:
+                yield i, update
+
+    def cancel(self) -> None:
+        """Cancel every stream still running; their readers end with ClientGone."""
+        for stream in self.streams:
+            stream.cancel()
+
+
+class Triton:
+    """The gRPC client of the tritonserver (one channel, shared by all requests)."""
+
+    def __init__(self, url: str, admin_key: Optional[str] = None):
+        self.url = url
+        # tritonserver started by pagedbackend.serve serves its model repository
+        # API (the list of models) only to requests carrying this key.
+        self.admin_key = admin_key
+        self.client: Optional[aioclient.InferenceServerClient] = None
+        self._configs = {}   # model name -> (time read, config)
+
+    async def open(self) -> None:
+        keepalive = aioclient.KeepAliveOptions()
+        self.client = aioclient.InferenceServerClient(self.url, channel_args=[
+            ("grpc.max_send_message_length", aioclient.MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.max_receive_message_length", aioclient.MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            # Started before tritonserver is up (make serve): retry the connection
+            # every second at most, rather than backing off to gRPC's two minutes.
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.min_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 1000)])
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_server_ready(client_timeout=2.0)
+        except InferenceServerException:
+            return False
+
+    async def config(self, model: str) -> dict:
+        """The model's configuration, read again after CONFIG_TTL_S (a reloaded
+        model may have gained or lost outputs)."""
+        read_at, config = self._configs.get(model, (None, None))
+        if read_at is None or time.monotonic() - read_at > CONFIG_TTL_S:
+            try:
+                reply = await self.client.get_model_config(model, as_json=True, client_timeout=10.0)
+            except InferenceServerException as exc:
+                if "NOT_FOUND" in str(exc.status()) or "unknown model" in str(exc.message()).lower():
+                    raise OpenAIError(404, f"the model {model!r} does not exist", "model",
+                                      "model_not_found") from None
+                raise OpenAIError(503, f"Triton at {self.url} did not answer: {exc.message()}") from None
+            config = reply["config"]
+            self._configs[model] = (time.monotonic(), config)
+        return config
+
+    async def text_models(self, known: List[str]) -> List[str]:
+        """Ready models that take ``text_input`` and give ``text_output``: every
+        such model of the repository when the admin key opens its index, else
+        those of ``known`` that are ready."""
+        names = list(known)
+        if self.admin_key:
+            try:
+                index = await self.client.get_model_repository_index(
+                    headers={GRPC_ADMIN_HEADER: self.admin_key}, as_json=True, client_timeout=10.0)
+                names = sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
+            except InferenceServerException as exc:
+                raise OpenAIError(503, f"Triton at {self.url} did not answer: {exc.message()}") from None
+        ready = []
+        for name in names:
+            try:
+                if not await self.client.is_model_ready(name, client_timeout=10.0):
+                    continue
+            except InferenceServerException as exc:
+                raise OpenAIError(503, f"Triton at {self.url} did not answer: {exc.message()}") from None
+            if is_text_model(await self.config(name)):
+                ready.append(name)
+        return ready
+
+    def stream(self, model: str, prompt: str, params: dict, logprobs: bool) -> TritonStream:
+        inputs = [_input("text_input", prompt), _input("sampling_parameters", json.dumps(params)), *FLAGS]
+        if logprobs:
+            inputs.append(RETURN_LOGPROBS)
+        request = {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+        async def one_request():
+            yield request
+        return TritonStream(self.client.stream_infer(one_request()), model)
+
+
+def is_text_model(config: dict) -> bool:
+    return ("text_input" in {i["name"] for i in config.get("input", [])}
+            and "text_output" in {o["name"] for o in config.get("output", [])})

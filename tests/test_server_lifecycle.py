@@ -1,0 +1,260 @@
+"""How the server ends, against real tritonserver processes on the tiny model:
+SIGTERM with streams in flight ends every stream and exits 0 without a crash;
+whatever kills tritonserver or the launcher, no stub, watcher or
+tensor-parallel worker stays behind; an engine that fails for good ends every
+open stream and the model stops being ready. Each test needs a server of its own."""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from client import ServerError, generate, grpc_stream, http_stream
+from fault_injection import make_faulty_repository
+from pagedbackend.serving.launcher import TritonServer, free_port, make_model_repository
+from test_serve import group_members
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SETTINGS = dict(num_kv_blocks=128, max_num_seqs=16, device="cpu")
+LONG = {"max_tokens": 450, "ignore_eos": True}
+CRASH_MARKS = ("Signal (11)", "Signal (6)", "Signal (7)", "Segmentation fault", "terminate called",
+               "core dumped", "Exit timeout expired")
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+class Launcher:
+    """``python -m pagedbackend.serve`` on free ports, its output in a file."""
+
+    def __init__(self, repo: pathlib.Path, log: pathlib.Path):
+        self.ports = [free_port() for _ in range(3)]
+        self.log = log
+        self.http_url = f"http://127.0.0.1:{self.ports[0]}"
+        self.grpc_url = f"127.0.0.1:{self.ports[1]}"
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "pagedbackend.serve", "--model-repository", str(repo),
+                 "--http-port", str(self.ports[0]), "--grpc-port", str(self.ports[1]),
+                 "--metrics-port", str(self.ports[2])],
+                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 240) -> None:
+        assert wait_until(lambda: "ready:" in self.text() or self.process.poll() is not None, timeout_s)
+        assert self.process.poll() is None, self.text()[-3000:]
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def server_pid(self) -> int:
+        children = pathlib.Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
+        return int(children[0])
+
+    def kill_everything(self) -> None:
+        for pid in [self.process.pid] + group_members(self.server_pid_or_none() or -1):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(timeout=10)
+
+    def server_pid_or_none(self):
+        try:
+            return self.server_pid()
+        except (OSError, IndexError):
+            return None
+
+
+@pytest.fixture
+def tiny_repo(tmp_path, tiny_model_dir):
+    return make_model_repository(tmp_path / "repo", {"model": tiny_model_dir, **SETTINGS})
+
+
+def start_streams(launcher: Launcher, count: int):
+    """``count`` long streams, half over gRPC and half over HTTP, each past its first token."""
+    outcomes, started = {}, threading.Barrier(count + 1, timeout=120)
+
+    def run(i):
+        stream = grpc_stream if i % 2 else http_stream
+        deltas = stream(f"Stream {i}", LONG, url=launcher.grpc_url if i % 2 else launcher.http_url, timeout=120)
+        tokens = 0
+        try:
+            for delta in deltas:
+                tokens += delta.num_tokens
+                if tokens == delta.num_tokens:
+                    started.wait()
+            outcomes[i] = ("finished", tokens)
+        except Exception as exc:
+            outcomes[i] = ("error", str(exc))
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    return threads, outcomes
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_to_the_launcher_with_streams_in_flight_ends_them_and_exits_cleanly(tmp_path, tiny_repo):
+    launcher = Launcher(tiny_repo, tmp_path / "serve.log")
+    try:
+        launcher.wait_ready()
+        server = launcher.server_pid()
+        group = group_members(server)
+        threads, outcomes = start_streams(launcher, 4)
+
+        start = time.monotonic()
+        launcher.process.send_signal(signal.SIGTERM)
+        code = launcher.process.wait(timeout=60)
+        seconds = time.monotonic() - start
+        for thread in threads:
+            thread.join(timeout=30)
+    finally:
+        if launcher.process.poll() is None:
+            launcher.kill_everything()
+
+    assert code == 0 and seconds < 15
+    assert outcomes == {i: ("error", "the server is shutting down") for i in range(4)}, outcomes
+    log = launcher.text()
+    assert "drained; 4 open request(s) ended" in log
+    assert not [mark for mark in CRASH_MARKS if mark in log], log[-3000:]
+    assert len(group) >= 3 and not [pid for pid in group if alive(pid)]  # server, stub, watcher
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_ends_within_15_s_even_while_a_client_holds_a_grpc_stream_open(tmp_path, tiny_repo):
+    """tritonserver 2.51 neither unloads nor exits while a client keeps a gRPC
+    stream open, even one whose requests are all answered; the launcher ends it."""
+    import tritonclient.grpc as grpcclient
+    from client.streaming import _grpc_inputs
+    launcher = Launcher(tiny_repo, tmp_path / "serve.log")
+    answers = []
+    client = None
+    try:
+        launcher.wait_ready()
+        group = group_members(launcher.server_pid())
+        client = grpcclient.InferenceServerClient(launcher.grpc_url)
+        client.start_stream(callback=lambda result, error: answers.append(error))
+        client.async_stream_infer("paged_llm", _grpc_inputs(grpcclient, "Story", LONG, True, None))
+        assert wait_until(lambda: answers, 60.0)
+
+        start = time.monotonic()
+        launcher.process.send_signal(signal.SIGTERM)
+        code = launcher.process.wait(timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        if client is not None:
+            client.stop_stream()
+            client.close()
+        if launcher.process.poll() is None:
+            launcher.kill_everything()
+
+    assert seconds < 15 and code != 0
+    assert "killing it" in launcher.text()
+    assert any(error is not None and "shutting down" in str(error) for error in answers)
+    assert not [pid for pid in group if alive(pid)]
+
+
+@pytest.mark.timeout(400)
+def test_sigkill_of_the_launcher_takes_tritonserver_and_its_stub_with_it(tmp_path, tiny_repo):
+    launcher = Launcher(tiny_repo, tmp_path / "serve.log")
+    try:
+        launcher.wait_ready()
+        group = group_members(launcher.server_pid())
+        stream = grpc_stream("Story", LONG, url=launcher.grpc_url, timeout=120)
+        next(stream)
+
+        launcher.process.kill()
+        launcher.process.wait(timeout=10)
+
+        assert len(group) >= 3
+        assert wait_until(lambda: not [pid for pid in group if alive(pid)], 10.0), \
+            [pathlib.Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in group if alive(p)]
+        with pytest.raises(ServerError):
+            list(stream)  # what was already received, then the broken connection
+    finally:
+        launcher.kill_everything()
+
+
+@pytest.mark.timeout(400)
+def test_when_tritonserver_is_killed_no_stub_watcher_or_worker_stays_behind(tmp_path, tiny_model_dir):
+    repo = make_model_repository(tmp_path / "repo", {"model": tiny_model_dir, **SETTINGS,
+                                                     "tensor_parallel_size": 2})
+    server = TritonServer(repo, ready_timeout_s=240)
+    server.start()
+    try:
+        stream = grpc_stream("Story", LONG, url=server.grpc_url, timeout=120)
+        next(stream)  # busy: the stub is streaming and updating metrics
+        pid = server.process.pid
+        others = [p for p in group_members(pid) if p != pid]
+
+        os.kill(pid, signal.SIGKILL)  # not reaped by us: a zombie until stop()
+
+        assert len(others) >= 3  # stub, watcher, tensor-parallel worker
+        assert wait_until(lambda: not [p for p in others if alive(p)], 10.0)
+        with pytest.raises(ServerError):
+            list(stream)  # what was already received, then the broken connection
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("unload", [True, False], ids=["unload", "stay-loaded"])
+def test_a_failed_engine_ends_open_streams_and_the_model_stops_serving(tmp_path, tiny_model_dir, unload):
+    from transformers import AutoTokenizer
+    poison = "A lost device"
+    # The forward pass carries a test-only fault: it raises (as a lost device would) for this prompt.
+    repo = make_faulty_repository(tmp_path / "repo", {"model": tiny_model_dir, **SETTINGS,
+                                                      "UNLOAD_ON_ENGINE_FAILURE": unload},
+                                  "forward", AutoTokenizer.from_pretrained(tiny_model_dir).encode(poison))
+    with TritonServer(repo, ready_timeout_s=240) as server:
+        stream = grpc_stream("Story", LONG, url=server.grpc_url, timeout=120)
+        next(stream)
+        stub = [p for p in group_members(server.process.pid) if p != server.process.pid]
+
+        with pytest.raises(ServerError, match="injected device fault"):
+            generate(poison, {"max_tokens": 4}, url=server.grpc_url, timeout=60)
+
+        with pytest.raises(ServerError, match="the engine failed.*injected device fault"):
+            list(stream)
+        model_ready = server.http_url + "/v2/models/paged_llm/ready"
+        assert status(server.http_url + "/v2/health/live") == 200
+        if unload:
+            assert wait_until(lambda: status(model_ready) != 200, 15.0)
+            with pytest.raises(ServerError, match="unknown model"):
+                generate("Hello", {"max_tokens": 2}, url=server.grpc_url, timeout=30)
+            assert wait_until(lambda: not [p for p in stub if alive(p)], 15.0)  # the stub went with it
+        else:
+            assert status(model_ready) == 200
+            with pytest.raises(ServerError, match="the engine has failed.*restart the server"):
+                generate("Hello", {"max_tokens": 2}, url=server.grpc_url, timeout=30)
+        assert "the engine failed: RuntimeError('injected device fault')" in server.log_tail(400)
