@@ -80,7 +80,7 @@ class ModelRunner:
         (compiled or oneDNN's) is built now, not on the first request. Writes
         only to slot 0, which holds no sequence yet."""
         for entries in ([SeqEntry([0], 0, [0])], [SeqEntry([0], 0, [0]), SeqEntry([0], 0, [0])]):
-            self.execute_model(entries)
+            self.execute_batch(self.prepare(entries))
 
     def _allocate_kv_cache(self, args: LlamaArgs) -> None:
         if self.config.block_size <= 0:
