@@ -25,15 +25,15 @@ HOST = "127.0.0.1"
 
 def vllm_env(threads: int, env_file: Optional[str] = None, offline: bool = False) -> Dict[str, str]:
     """vLLM's CPU settings (RECIPES.md): ``env_file`` (shell ``export`` lines,
-    read by bash) first, then what a fair side-by-side needs if it is unset."""
+    read by bash) first, then what a fair side-by-side needs if it is unset;
+    the thread count is always ``threads``, as for every other system."""
     env = dict(os.environ)
     if env_file:
         dump = subprocess.run(["bash", "-c", f'set -a; source "{env_file}"; env -0'],
                               check=True, capture_output=True).stdout
         env = dict(item.split("=", 1) for item in dump.decode().split("\0") if "=" in item)
-    for key, value in {"OMP_NUM_THREADS": str(threads),
-                       "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-                       "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    env.update({"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"})
+    for key, value in {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                        "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                        # vLLM 0.32's AOT compile cache never reloads on CPU; the inductor one does.
                        "VLLM_USE_AOT_COMPILE": "0"}.items():
