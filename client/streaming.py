@@ -142,7 +142,7 @@ def _expected_outputs(params: Optional[dict]) -> int:
 
 
 def _grpc_inputs(module, prompt: str, params: Optional[dict], stream: bool,
-                 exclude_input: Optional[bool]) -> list:
+                 exclude_input: Optional[bool], cumulative_logprob: bool = False) -> list:
     values = {"text_input": np.array([prompt.encode("utf-8")], dtype=np.object_),
               "stream": np.array([stream]),
               "sampling_parameters": np.array([json.dumps(params or {}).encode("utf-8")], dtype=np.object_),
@@ -151,6 +151,8 @@ def _grpc_inputs(module, prompt: str, params: Optional[dict], stream: bool,
               "return_num_output_tokens": np.array([True])}
     if exclude_input is not None:
         values["exclude_input_in_output"] = np.array([exclude_input])
+    if cumulative_logprob:   # the server computes it only for requests that ask
+        values["return_cumulative_logprob"] = np.array([True])
     inputs = []
     for name, value in values.items():
         tensor = module.InferInput(name, [1], "BYTES" if value.dtype == np.object_ else "BOOL")
@@ -170,9 +172,10 @@ def _arrays(result) -> Dict[str, list]:
 
 def grpc_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAULT_GRPC_URL,
                 model: str = DEFAULT_MODEL, stream: bool = True, exclude_input: Optional[bool] = None,
-                timeout: float = 300.0) -> Iterator[Delta]:
+                timeout: float = 300.0, cumulative_logprob: bool = False) -> Iterator[Delta]:
     """One request over a gRPC stream (tritonclient.grpc). Closing the generator
-    early cancels the request on the server."""
+    early cancels the request on the server. ``cumulative_logprob``: ask for it
+    (``Delta.cumulative_logprob``)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -184,7 +187,8 @@ def grpc_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAUL
         client.start_stream(callback=lambda result, error: responses.put((result, error)),
                             stream_timeout=timeout)
         start = time.perf_counter()
-        client.async_stream_infer(model, _grpc_inputs(grpcclient, prompt, params, stream, exclude_input),
+        client.async_stream_infer(model, _grpc_inputs(grpcclient, prompt, params, stream, exclude_input,
+                                                      cumulative_logprob),
                                   request_id=uuid.uuid4().hex, enable_empty_final_response=True)
         while True:
             left = start + timeout - time.perf_counter()
@@ -213,7 +217,7 @@ def grpc_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAUL
 async def grpc_stream_async(prompt: str, params: Optional[dict] = None, *, url: str = DEFAULT_GRPC_URL,
                             model: str = DEFAULT_MODEL, stream: bool = True,
                             exclude_input: Optional[bool] = None, timeout: float = 300.0,
-                            client=None) -> AsyncIterator[Delta]:
+                            client=None, cumulative_logprob: bool = False) -> AsyncIterator[Delta]:
     """One request over a gRPC stream (tritonclient.grpc.aio); pass ``client`` to
     share one connection between many concurrent requests. Closing the generator
     early cancels the request."""
@@ -224,7 +228,8 @@ async def grpc_stream_async(prompt: str, params: Optional[dict] = None, *, url: 
     client = client or aioclient.InferenceServerClient(url)
     decoder = _Decoder(_expected_outputs(params))
     request = {"model_name": model, "request_id": uuid.uuid4().hex,
-               "inputs": _grpc_inputs(aioclient, prompt, params, stream, exclude_input)}
+               "inputs": _grpc_inputs(aioclient, prompt, params, stream, exclude_input,
+                                      cumulative_logprob)}
 
     async def requests():
         yield request
@@ -257,7 +262,8 @@ async def grpc_stream_async(prompt: str, params: Optional[dict] = None, *, url: 
 
 def http_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAULT_HTTP_URL,
                 model: str = DEFAULT_MODEL, stream: bool = True, exclude_input: Optional[bool] = None,
-                timeout: float = 300.0, as_request_parameters: bool = False) -> Iterator[Delta]:
+                timeout: float = 300.0, as_request_parameters: bool = False,
+                cumulative_logprob: bool = False) -> Iterator[Delta]:
     """One request to /v2/models/<model>/generate_stream (server-sent events).
 
     Sampling parameters go in the ``sampling_parameters`` input, or with
@@ -267,6 +273,8 @@ def http_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAUL
             "return_num_input_tokens": True, "return_num_output_tokens": True}
     if exclude_input is not None:
         body["exclude_input_in_output"] = exclude_input
+    if cumulative_logprob:
+        body["return_cumulative_logprob"] = True
     if as_request_parameters:
         body["parameters"] = params or {}
     else:

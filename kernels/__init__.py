@@ -6,7 +6,7 @@ load on first use, through :func:`get_attention_ops` or attribute access.
 """
 import importlib
 import os
-from typing import Callable, NamedTuple, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-BACKENDS = ("triton", "torch", "auto")
+BACKENDS = ("triton", "torch", "sdpa", "auto")
 
 _LAZY = {
     "write_kv": "kv_write",
@@ -24,6 +24,10 @@ _LAZY = {
     "paged_attention_ref": "paged_attention",
     "plan_paged_attention": "paged_attention",
     "plan_paged_attention_ref": "paged_attention",
+    "write_kv_sdpa": "sdpa_attention",
+    "sdpa_attention": "sdpa_attention",
+    "plan_sdpa_attention": "sdpa_attention",
+    "sdpa_forward": "sdpa_attention",
 }
 
 __all__ = ["AttentionOps", "BACKENDS", "get_attention_ops", *_LAZY]
@@ -32,12 +36,26 @@ __all__ = ["AttentionOps", "BACKENDS", "get_attention_ops", *_LAZY]
 class AttentionOps(NamedTuple):
     """One backend's kernels: ``write_kv(k, v, k_cache, v_cache, slots)``,
     ``attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-    scale=, plan=)`` and ``plan(cu_seqlens_q, seq_lens, num_heads,
-    num_kv_heads, device)``, which lays out a step once, from host copies of
-    its query layout, for every layer's ``attention`` call."""
+    scale=, plan=)`` and ``plan(cu_seqlens_q, seq_lens, *, block_tables,
+    slot_mapping, block_size, num_heads, num_kv_heads, device)``, which lays
+    out a step once, from host copies of its metadata, for every layer.
+    ``fused``: the backend's own write-then-attend, when it has one."""
     write_kv: Callable
     attention: Callable
     plan: Callable
+    fused: Optional[Callable] = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                plan) -> torch.Tensor:
+        """One layer's attention: store the step's K/V, then attend over the cache."""
+        if self.fused is not None:
+            return self.fused(q, k, v, k_cache, v_cache, slot_mapping, block_tables, cu_seqlens_q,
+                              seq_lens, scale, plan)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return self.attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                              scale=scale, plan=plan)
 
 
 def __getattr__(name: str):
@@ -49,14 +67,19 @@ def __getattr__(name: str):
 
 def get_attention_ops(backend: str, device: Union[str, torch.device]) -> AttentionOps:
     """The kernels of ``backend``: ``"triton"`` (the Triton-lang kernels,
-    interpreted on CPU tensors, slow), ``"torch"`` (the reference twins) or
-    ``"auto"`` (triton when ``device`` is CUDA, the torch twins otherwise)."""
+    interpreted on CPU tensors, slow), ``"torch"`` (the reference twins),
+    ``"sdpa"`` (gather once per step, then scaled_dot_product_attention: the
+    fast path on CPU) or ``"auto"`` (triton when ``device`` is CUDA, sdpa
+    otherwise)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = "triton" if torch.device(device).type == "cuda" else "torch"
+        backend = "triton" if torch.device(device).type == "cuda" else "sdpa"
     if backend == "triton":
         return AttentionOps(__getattr__("write_kv"), __getattr__("paged_attention"),
                             __getattr__("plan_paged_attention"))
+    if backend == "sdpa":
+        return AttentionOps(__getattr__("write_kv_sdpa"), __getattr__("sdpa_attention"),
+                            __getattr__("plan_sdpa_attention"), __getattr__("sdpa_forward"))
     return AttentionOps(__getattr__("write_kv_ref"), __getattr__("paged_attention_ref"),
                         __getattr__("plan_paged_attention_ref"))

@@ -40,8 +40,10 @@ class RefPlan:
 
 def plan_paged_attention_ref(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                              num_heads: int = 0, num_kv_heads: int = 0,
-                             device: Union[str, torch.device] = "cpu") -> RefPlan:
-    """The torch twin's layout, from host copies (head counts are not needed)."""
+                             device: Union[str, torch.device] = "cpu", *,
+                             block_tables=None, slot_mapping=None, block_size=None) -> RefPlan:
+    """The torch twin's layout, from host copies (head counts, block tables,
+    slots and block size are not needed: accepted for a uniform interface)."""
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     decodes = [s for s in range(len(lens)) if cu[s + 1] - cu[s] == 1]
@@ -215,8 +217,10 @@ def _query_tiles(q_lens: torch.Tensor, block_q: int, device: torch.device):
 
 
 def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
-                         num_kv_heads: int, device: Union[str, torch.device] = "cpu") -> TritonPlan:
-    """The tile map, from host (CPU) copies of the step's query layout."""
+                         num_kv_heads: int, device: Union[str, torch.device] = "cpu", *,
+                         block_tables=None, slot_mapping=None, block_size=None) -> TritonPlan:
+    """The tile map, from host (CPU) copies of the step's query layout (block
+    tables, slots and block size are read on the device, not here)."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     min_q = max(1, 16 // group_pad)
     max_q = max(min_q, _MAX_ROWS // group_pad)

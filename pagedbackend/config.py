@@ -37,10 +37,15 @@ class EngineConfig:
     swap_space_blocks: int = 0
     # Weights, activations and KV cache dtype: float32, float16 or bfloat16.
     dtype: str = "float32"
-    # "triton" (Triton-lang kernels), "torch" (reference twins) or "auto"
-    # (triton on CUDA, torch on CPU).
+    # "triton" (Triton-lang kernels), "torch" (reference twins), "sdpa" (one
+    # gather per step, then scaled_dot_product_attention: the CPU serving path)
+    # or "auto" (triton on CUDA, sdpa on CPU).
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    # Compile the model step with torch.compile (inductor: C++/OpenMP on CPU,
+    # Triton on CUDA), warmed up at load. Runs eager, with one log line, when
+    # no compiler is available or it fails here, and under tensor parallelism.
+    compile: bool = True
     # "cpu", "cuda" or "auto" (cuda when available).
     device: str = "auto"
     # "paged" grows each sequence a block at a time. "max", "pow2" and "oracle"
@@ -62,7 +67,7 @@ class EngineConfig:
         choice("preemption_mode", ("recompute", "swap"))
         choice("kv_reservation", ("paged", "max", "pow2", "oracle"))
         choice("dtype", ("float32", "float16", "bfloat16"))
-        choice("attention_backend", ("auto", "triton", "torch"))
+        choice("attention_backend", ("auto", "triton", "torch", "sdpa"))
         choice("device", ("auto", "cpu", "cuda"))
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:

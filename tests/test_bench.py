@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from loadtest import workloads
 from loadtest.bench import capacity, hf, memory, plots, replay, server
@@ -20,7 +21,7 @@ Request = workloads.Request
 def make_engine(model_dir, **kw):
     from pagedbackend import LLMEngine
     settings = dict(model=str(model_dir), block_size=16, num_kv_blocks=256, max_model_len=512,
-                    enable_prefix_caching=False)
+                    enable_prefix_caching=False, compile=False)
     settings.update(kw)
     return LLMEngine(EngineConfig(**settings))
 
@@ -227,6 +228,57 @@ def test_openai_api_benchmark_pairs_each_api_request_with_the_grpc_one_of_its_ro
     assert summary["paths"]["grpc"]["ttft"]["median_ms"] == 20.0
     assert summary["added"]["chat"]["added_ttft"]["median_ms"] == 0.0
 
+
+
+# ---------------------------------------------------------------- peers
+
+def test_peers_summary_splits_ttft_tpot_and_inter_token_gaps():
+    from loadtest.bench import peers
+    # One request: tokens at 0.1 s (2 of them), 0.3 s and 0.6 s after sending.
+    done = {"sent": 10.0, "events": [(0.1, 2), (0.3, 1), (0.6, 1)], "error": None, "done": True}
+    cut = {"sent": 10.5, "events": [(0.2, 1)], "error": "TimeoutError: late", "done": False}
+
+    summary = peers.summarise("x", [done, cut], [4, 4])
+
+    assert summary["finished"] == 1 and summary["output_tokens"] == 5 and summary["requested_tokens"] == 8
+    assert summary["ttft_ms_p50"] in (100.0, 200.0) and summary["ttft_ms_p90"] == 200.0
+    assert summary["tpot_ms_p50"] == pytest.approx(1000 * 0.5 / 3, abs=0.05)
+    assert summary["itl_ms_p50"] in (200.0, 300.0) and summary["itl_ms_p90"] == 300.0
+    assert summary["seconds"] == pytest.approx(0.7) and summary["errors"] == ["TimeoutError: late"]
+
+
+def test_peers_bench_runs_our_system_alone_when_no_peer_is_installed(tiny_model_dir, tmp_path,
+                                                                     monkeypatch, capsys):
+    from loadtest.bench import peers
+    for var in ("BENCH_VLLM_PYTHON", "BENCH_VLLM_ENV", "BENCH_LLAMA_SERVER", "BENCH_GGUF"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("sys.argv", ["python -m loadtest.bench", "peers", "--quick"])
+
+    result = peers.main(["--model", str(tiny_model_dir), "--quick", "--no-compile", "--threads", "1",
+                         "--max-output", "6", "--vllm-python", str(tmp_path / "absent-python"),
+                         "--out", str(tmp_path)])
+
+    printed = capsys.readouterr().out
+    assert "skipped: vLLM" in printed and "skipped: llama.cpp" in printed
+    saved = json.loads((tmp_path / "peers.json").read_text())
+    assert saved["offline"] == result["offline"] and len(saved["peers_skipped"]) == 2
+    (offline,) = saved["offline"]["rows"]
+    assert offline["system"] == "ours" and offline["output_tokens"] == saved["offline"]["output_tokens"]
+    assert offline["output_tokens_per_s"] > 0 and offline["vs_ours"] == 1.0
+    (serving,) = saved["serving"]["rows"]
+    assert serving["system"] == "ours" and serving["finished"] == serving["requests"] == 4
+    assert serving["output_tokens"] == serving["requested_tokens"]
+    assert 0 < serving["ttft_ms_p50"] and serving["tpot_ms_p50"] is not None
+    assert (tmp_path / "peers.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_gpu_bench_exits_with_a_message_without_cuda(tmp_path):
+    from loadtest.bench import gpu
+    with pytest.raises(SystemExit) as exit_info:
+        gpu.main(["--out", str(tmp_path)])
+    assert "no CUDA device" in str(exit_info.value.code) and "nothing was measured" in str(exit_info.value.code)
+    assert not (tmp_path / "gpu.json").exists()
 
 def test_results_record_the_command_that_made_them(tmp_path, monkeypatch):
     from loadtest.bench.common import write_result

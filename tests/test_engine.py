@@ -5,9 +5,12 @@ import torch
 
 from pagedbackend import InvalidRequestError, LLM, SamplingParams
 from pagedbackend.config import EngineConfig
+from pagedbackend.engine.llm import merge_delta
 from pagedbackend.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+# The compiled step has tests of its own (test_model_runner.py); eager keeps these fast.
+EAGER = {"compile": False}
 
 
 def make_prompts(n, seed=0, low=3, high=60):
@@ -44,7 +47,7 @@ def hf_reference(hf_model):
 
 
 def run(model_dir, prompts, params, **kw):
-    llm = LLM(model=str(model_dir), **kw)
+    llm = LLM(model=str(model_dir), **{**EAGER, **kw})
     outs = llm.generate(prompts, params)
     return llm, outs
 
@@ -105,7 +108,7 @@ def test_seeded_sampling_is_reproducible_and_survives_preemption(tiny_model_dir)
 
 
 def test_parallel_samples_share_the_prompt_blocks(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, block_size=16,
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=64, block_size=16,
                                     enable_prefix_caching=False))
     prompt = make_prompts(1, seed=3, low=40, high=41)[0]   # 40 tokens: 2 full blocks + 8
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)
@@ -155,7 +158,7 @@ def test_beam_search_equals_hugging_face(tiny_model_dir, hf_model, width, n):
 
 
 def test_beam_search_shares_blocks_and_frees_dropped_beams(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, block_size=8,
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=64, block_size=8,
                                     enable_prefix_caching=False))
     prompt = make_prompts(1, seed=5, low=20, high=21)[0]  # 3 blocks (8 + 8 + 4)
     engine.add_request("b", prompt, SamplingParams(n=4, use_beam_search=True, temperature=0.0,
@@ -175,7 +178,7 @@ def test_beam_search_shares_blocks_and_frees_dropped_beams(tiny_model_dir):
 
 def test_mixed_decoding_batches_different_algorithms_in_one_step(tiny_model_dir, hf_reference):
     prompts, expected = hf_reference
-    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=256)
+    llm = LLM(model=str(tiny_model_dir), compile=False, num_kv_blocks=256)
     params = [GREEDY, SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=10),
               SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=10), GREEDY]
     outs = llm.generate([prompts[0], prompts[1], prompts[2], prompts[3]], params)
@@ -196,7 +199,7 @@ def test_prefix_cache_skips_the_shared_prefix(tiny_model_dir):
 
 
 def test_stop_string_spanning_tokens_ends_the_output(tiny_model_dir):
-    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=64)
+    llm = LLM(model=str(tiny_model_dir), compile=False, num_kv_blocks=64)
     free = llm.generate(["The weather"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
     text = free.outputs[0].text
     # A stop string made of the end of one token and the start of the next.
@@ -215,7 +218,7 @@ def test_stop_string_spanning_tokens_ends_the_output(tiny_model_dir):
 
 
 def test_stop_token_ids_min_tokens_and_max_tokens(tiny_model_dir):
-    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=64)
+    llm = LLM(model=str(tiny_model_dir), compile=False, num_kv_blocks=64)
     free = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
     ids = free.outputs[0].token_ids
     stop_id = ids[5]
@@ -229,8 +232,27 @@ def test_stop_token_ids_min_tokens_and_max_tokens(tiny_model_dir):
     assert len(later[0].outputs[0].token_ids) >= first + 2
 
 
+def test_cumulative_logprob_is_computed_only_for_requests_that_ask(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=64))
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    plain = engine.add_request("plain", "Hi", params)
+    asked = engine.add_request("asked", "Hi", params, cumulative_logprob=True)
+    merged = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            merge_delta(merged, delta)
+    outputs = {request_id: out.outputs[0] for request_id, out in merged.items()}
+    with_logprobs = LLM(model=str(tiny_model_dir), compile=False, num_kv_blocks=64).generate(
+        ["Hi"], SamplingParams(temperature=0.0, max_tokens=6, logprobs=0))[0].outputs[0]
+
+    assert outputs["plain"].cumulative_logprob is None and not plain.wants_logprob
+    assert outputs["asked"].token_ids == outputs["plain"].token_ids == with_logprobs.token_ids
+    expected = sum(top[t].logprob for t, top in zip(with_logprobs.token_ids, with_logprobs.logprobs))
+    assert expected < 0 and abs(outputs["asked"].cumulative_logprob - expected) < 1e-4
+
+
 def test_logprobs_are_returned_for_each_token(tiny_model_dir):
-    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=64)
+    llm = LLM(model=str(tiny_model_dir), compile=False, num_kv_blocks=64)
     out = llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0].outputs[0]
     assert len(out.logprobs) == 5
     tokenizer = llm.get_tokenizer()
@@ -244,7 +266,7 @@ def test_logprobs_are_returned_for_each_token(tiny_model_dir):
 
 
 def test_abort_mid_generation_returns_every_block(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=64))
     engine.add_request("a", "A long story", SamplingParams(max_tokens=200, n=2, temperature=1.0))
     engine.add_request("b", "Short", SamplingParams(max_tokens=4, temperature=0.0))
     for _ in range(3):
@@ -259,7 +281,7 @@ def test_abort_mid_generation_returns_every_block(tiny_model_dir):
 
 
 def test_a_request_that_cannot_fit_is_rejected_while_others_finish(tiny_model_dir):
-    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=8, block_size=16)
+    llm = LLM(model=str(tiny_model_dir), compile=False, num_kv_blocks=8, block_size=16)
     assert llm.engine.max_model_len == 96   # capped: one sequence must fit the 8-block pool
     with pytest.raises(InvalidRequestError, match="KV blocks"):   # 3 prompt + 2 x 4 output blocks
         llm.generate([list(range(100, 140))], SamplingParams(n=2, temperature=0.8, max_tokens=40))
@@ -278,8 +300,8 @@ def test_online_engine_streams_deltas_that_add_up_to_the_offline_text(tiny_model
     import asyncio
 
     from pagedbackend import AsyncLLMEngine
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
-    offline = LLM(model=str(tiny_model_dir), num_kv_blocks=64).generate(["Tell me"], GREEDY)[0].outputs[0]
+    config = EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=64)
+    offline = LLM(model=str(tiny_model_dir), compile=False, num_kv_blocks=64).generate(["Tell me"], GREEDY)[0].outputs[0]
     engine = AsyncLLMEngine(config)
     try:
         async def collect():
@@ -308,7 +330,7 @@ def test_online_engine_streams_deltas_that_add_up_to_the_offline_text(tiny_model
 @pytest.mark.parametrize("scheme", ["max", "pow2", "oracle"])
 def test_reservation_baselines_reserve_what_the_accounting_module_says(tiny_model_dir, scheme):
     from pagedbackend.accounting import reserved_positions
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, block_size=16,
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=128, block_size=16,
                                     kv_reservation=scheme, enable_prefix_caching=False,
                                     max_model_len=512))
     prompt = list(range(100, 137))   # 37 tokens
@@ -324,7 +346,7 @@ def test_reservation_baselines_reserve_what_the_accounting_module_says(tiny_mode
 
 
 def test_paged_mode_holds_only_the_blocks_its_tokens_fill(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, block_size=16,
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=128, block_size=16,
                                     enable_prefix_caching=False))
     engine.add_request("r", list(range(100, 137)), SamplingParams(max_tokens=54, temperature=0.0))
     engine.step()
@@ -345,7 +367,7 @@ def test_an_engine_failure_reaches_every_open_stream_and_refuses_new_requests(ti
     """A device fault cannot be caused on purpose here, so the runner's forward is
     replaced by one that raises (the only stand-in in this file)."""
     from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=64))
     try:
         def broken(entries):
             raise RuntimeError("device lost")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import pagedbackend.kernels as kernels
 from pagedbackend.kernels import kv_write
 from pagedbackend.kernels import paged_attention as pa
+from pagedbackend.kernels import sdpa_attention as sa
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (atol, rtol) against fp32 attention on the same (already rounded) inputs.
@@ -106,14 +107,17 @@ def sdpa_attention(batch: PagedBatch, scale: Optional[float] = None) -> torch.Te
 
 
 def assert_matches_sdpa(batch: PagedBatch, scale: Optional[float] = None) -> None:
-    """Kernel, reference twin and SDPA agree within the dtype's tolerance."""
+    """Kernel, reference twin, the CPU serving path and SDPA agree within the dtype's tolerance."""
     atol, rtol = TOL[batch.q.dtype]
     expected = sdpa_attention(batch, scale)
     got = pa.paged_attention(*batch.args(), scale=scale)
     ref = pa.paged_attention_ref(*batch.args(), scale=scale)
+    served = sa.sdpa_attention(*batch.args(), scale=scale)
     assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
+    assert served.dtype == batch.q.dtype and served.shape == batch.q.shape
     torch.testing.assert_close(got.float(), expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(ref.float(), expected, atol=atol, rtol=rtol)
+    torch.testing.assert_close(served.float(), expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol)
 
 
@@ -308,17 +312,82 @@ def test_decode_sees_the_token_write_kv_just_stored():
     torch.testing.assert_close(pa.paged_attention(*batch.args()), sdpa_attention(batch), atol=2e-5, rtol=2e-5)
 
 
+# ---------------------------------------------------------------- CPU serving path
+
+def _step_of(batch: PagedBatch, lens, dtype):
+    """The new tokens of ``batch`` (the last ``q_len`` of each sequence): their
+    K/V, slots, and the cache with those slots poisoned with NaN."""
+    block_size = batch.k_cache.shape[1]
+    ks, vs, slots = [], [], []
+    for s, (q_len, seq_len) in enumerate(lens):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(int(batch.block_tables[s, pos // block_size]) * block_size + pos % block_size)
+        ks.append(batch.keys[s][seq_len - q_len:])
+        vs.append(batch.values[s][seq_len - q_len:])
+    slots = torch.tensor(slots, dtype=torch.long)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = float("nan")
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = float("nan")
+    return torch.cat(ks).to(dtype), torch.cat(vs).to(dtype), slots, k_cache, v_cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sdpa_forward_writes_the_step_then_attends_like_sdpa(dtype):
+    # Decodes, fresh prefills, chunks on a prefix and an empty query, GQA 3.
+    batch = make_batch(MIXED, block_size=16, num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype, seed=16)
+    k, v, slots, k_cache, v_cache = _step_of(batch, MIXED, dtype)
+    plan = sa.plan_sdpa_attention(batch.cu_seqlens_q, batch.seq_lens, block_tables=batch.block_tables,
+                                  slot_mapping=slots, block_size=16, num_kv_heads=2)
+    out = sa.sdpa_forward(batch.q, k, v, k_cache, v_cache, slots, batch.block_tables,
+                          batch.cu_seqlens_q, batch.seq_lens, 0.125, plan)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), sdpa_attention(batch, 0.125), atol=atol, rtol=rtol)
+    written = k_cache.view(-1, 2, 64)[slots]
+    assert torch.equal(written, k) and torch.equal(v_cache.view(-1, 2, 64)[slots], v)
+
+
+def test_sdpa_plan_pads_decodes_of_unequal_length_with_a_minus_infinity_bias():
+    lens = [(1, 3), (1, 18), (1, 18)]
+    batch = make_batch(lens, block_size=8, num_heads=4, num_kv_heads=2, head_dim=64, seed=17)
+    plan = sa.plan_sdpa_attention(batch.cu_seqlens_q, batch.seq_lens, block_tables=batch.block_tables,
+                                  slot_mapping=torch.zeros(3, dtype=torch.long), block_size=8,
+                                  num_kv_heads=2)
+    assert plan.decode_all and plan.decode_len == 18 and plan.chunks == []
+    assert plan.decode_bias.shape == (3 * 2, 1, 18)
+    assert torch.isinf(plan.decode_bias[:2, 0, 3:]).all() and (plan.decode_bias[:2, 0, :3] == 0).all()
+    assert (plan.decode_bias[2:] == 0).all()
+    # Rows (sequence 0, head 1) point at head 1 of sequence 0's slots, padding at its first slot.
+    table = batch.block_tables[0].long()
+    first = int(table[0]) * 8
+    row = plan.decode_index.view(3, 2, 18)[0, 1]
+    assert row[:3].tolist() == [(first + p) * 2 + 1 for p in range(3)]
+    assert set(row[3:].tolist()) == {first * 2 + 1}
+
+
+def test_sdpa_write_skips_negative_slots():
+    key, value, k_cache, v_cache, slots = _kv_case(torch.float32, torch.float32, seed=18)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    sa.write_kv_sdpa(key, value, k_cache, v_cache, slots)
+    kv_write.write_kv_ref(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
 # ---------------------------------------------------------------- dispatch
 
-def test_torch_backend_and_auto_on_cpu_give_the_reference_twins():
-    expected = (kv_write.write_kv_ref, pa.paged_attention_ref, pa.plan_paged_attention_ref)
+def test_torch_backend_gives_the_reference_twins():
+    expected = (kv_write.write_kv_ref, pa.paged_attention_ref, pa.plan_paged_attention_ref, None)
     assert kernels.get_attention_ops("torch", "cpu") == expected
     assert kernels.get_attention_ops("torch", "cuda") == expected
+
+
+def test_sdpa_backend_and_auto_on_cpu_give_the_cpu_serving_path():
+    expected = (sa.write_kv_sdpa, sa.sdpa_attention, sa.plan_sdpa_attention, sa.sdpa_forward)
+    assert kernels.get_attention_ops("sdpa", "cpu") == expected
     assert kernels.get_attention_ops("auto", torch.device("cpu")) == expected
 
 
 def test_triton_backend_and_auto_on_cuda_give_the_kernels():
-    expected = (kv_write.write_kv, pa.paged_attention, pa.plan_paged_attention)
+    expected = (kv_write.write_kv, pa.paged_attention, pa.plan_paged_attention, None)
     assert kernels.get_attention_ops("triton", "cpu") == expected
     assert kernels.get_attention_ops("auto", "cuda:0") == expected
 

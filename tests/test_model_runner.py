@@ -11,6 +11,7 @@ import torch
 
 from pagedbackend.models import default_model
 from pagedbackend.config import EngineConfig
+from pagedbackend.worker.compiled import compile_unavailable
 from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
 
 MAX_NEW_TOKENS = 16
@@ -18,7 +19,7 @@ MAX_NEW_TOKENS = 16
 
 def make_runner(model_dir, **overrides) -> ModelRunner:
     settings = dict(model=str(model_dir), block_size=16, num_kv_blocks=128, dtype="float32",
-                    device="cpu", attention_backend="torch")
+                    device="cpu", attention_backend="torch", compile=False)
     return ModelRunner(EngineConfig(**{**settings, **overrides}))
 
 
@@ -98,11 +99,37 @@ def tiny_reference(tiny_model_dir, tiny_untied_model_dir):
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("variant", ["tied", "untied"])
-def test_greedy_generation_matches_transformers_tiny(tiny_reference, variant, block_size):
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_greedy_generation_matches_transformers_tiny(tiny_reference, variant, block_size, backend):
     folder, prompts, expected = tiny_reference[variant]
-    runner = make_runner(folder, block_size=block_size, num_kv_blocks=96)
+    runner = make_runner(folder, block_size=block_size, num_kv_blocks=96, attention_backend=backend)
     assert greedy_paged(runner, prompts) == expected
     assert len({tuple(o) for o in expected}) == len(expected)  # outputs differ: a real check
+
+
+NO_COMPILER = compile_unavailable(torch.device("cpu"))
+
+
+@pytest.mark.skipif(NO_COMPILER is not None, reason=f"torch.compile cannot run here: {NO_COMPILER}")
+def test_compiled_step_matches_transformers_tiny(tiny_reference):
+    folder, prompts, expected = tiny_reference["untied"]
+    runner = make_runner(folder, num_kv_blocks=96, attention_backend="sdpa", compile=True)
+    assert runner.compiled is not None
+    # Steps of one token (one decode) and of many use different graphs: both occur.
+    assert greedy_paged(runner, prompts) == expected
+    assert greedy_paged(runner, prompts[:1]) == expected[:1]
+
+
+def test_without_a_compiler_the_step_runs_eager_and_says_so_once(tiny_reference, monkeypatch, caplog):
+    from pagedbackend.worker import model_runner
+    folder, prompts, expected = tiny_reference["tied"]
+    monkeypatch.setattr(model_runner, "compile_unavailable", lambda device: "no C++ compiler on PATH")
+    with caplog.at_level("WARNING", logger="pagedbackend"):
+        runner = make_runner(folder, num_kv_blocks=96, attention_backend="sdpa", compile=True)
+    assert runner.compiled is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "pagedbackend: the model step runs eager: no C++ compiler on PATH"]
+    assert greedy_paged(runner, prompts[:3]) == expected[:3]
 
 
 DEFAULT_PROMPTS = [
@@ -134,10 +161,14 @@ def default_reference(default_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_greedy_generation_matches_transformers_default_model(default_reference, block_size):
+@pytest.mark.parametrize("block_size,backend,compiled", [(16, "sdpa", NO_COMPILER is None), (32, "torch", False)])
+def test_greedy_generation_matches_transformers_default_model(default_reference, block_size, backend,
+                                                              compiled):
+    # The serving defaults (sdpa, compiled where a compiler exists) and the reference twin, eager.
     prompts, expected = default_reference
-    runner = make_runner("default", block_size=block_size, num_kv_blocks=256 // block_size * 8)
+    runner = make_runner("default", block_size=block_size, num_kv_blocks=256 // block_size * 8,
+                         attention_backend=backend, compile=compiled)
+    assert (runner.compiled is not None) == compiled
     assert max(map(len, prompts)) == 300 and min(map(len, prompts)) == 1
     assert greedy_paged(runner, prompts) == expected
 
@@ -284,7 +315,7 @@ def test_two_rank_split_computes_the_same_logits(tiny_model_dir, tiny_runner):
     # 4 query heads / 2 KV heads / 512 intermediate: 2 / 1 / 256 per rank.
     reducer = ThreadAllReduce(2)
     settings = dict(model=str(tiny_model_dir), block_size=16, num_kv_blocks=8, dtype="float32",
-                    device="cpu", attention_backend="torch")
+                    device="cpu", attention_backend="torch", compile=False)
     ranks = [ModelRunner(EngineConfig(**settings), tp_rank=r, tp_size=2, reduce=reducer.hook(r))
              for r in range(2)]
     assert ranks[0].kv_caches[0][0].shape == (8, 16, 1, 64)

@@ -47,7 +47,7 @@ request_ids = itertools.count()
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     return LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=48, block_size=16,
-                                  max_num_seqs=8, max_num_batched_tokens=256))
+                                  max_num_seqs=8, max_num_batched_tokens=256, compile=False))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,

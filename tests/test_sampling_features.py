@@ -10,7 +10,7 @@ from pagedbackend.sample.sampler import SampleRow, sample
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(model=str(tiny_model_dir), num_kv_blocks=128)
+    return LLM(model=str(tiny_model_dir), num_kv_blocks=128, compile=False)
 
 
 def prompts(n, seed=0):

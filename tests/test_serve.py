@@ -185,6 +185,7 @@ def test_shipped_config_parses_into_an_engine_config():
     config = engine_config(read_parameters(text), {})
 
     assert config.model == "default" and config.max_num_seqs == 64 and config.num_kv_blocks > 0
+    assert config.compile is True
 
 
 @pytest.mark.slow

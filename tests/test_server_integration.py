@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 # Small pool: 96 blocks x 16 positions; the tiny model's context is 512.
 SETTINGS = dict(block_size=16, num_kv_blocks=96, max_num_seqs=64, max_num_batched_tokens=1024,
-                dtype="float32", device="cpu")
+                dtype="float32", device="cpu", compile=False)
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
@@ -69,6 +69,22 @@ def test_grpc_and_http_streams_give_the_offline_greedy_text(server, offline, pro
     assert over_grpc.num_output_tokens == over_http.num_output_tokens == [len(expected.token_ids)]
     assert over_grpc.finish_reasons == over_http.finish_reasons == ["length"]
     assert len(over_grpc.deltas) > 1 and over_grpc.ttft < over_grpc.latency  # really streamed
+
+
+@pytest.mark.timeout(120)
+def test_cumulative_logprob_comes_only_when_asked_and_equals_the_offline_one(server, offline):
+    from pagedbackend import SamplingParams
+    group = offline.engine.add_request("logprob", PROMPTS[0], SamplingParams(**GREEDY),
+                                       cumulative_logprob=True)
+    while offline.engine.has_unfinished_requests():
+        offline.engine.step()
+    expected = group.finished_seqs[0].cumulative_logprob
+
+    asked = generate(PROMPTS[0], GREEDY, url=server.grpc_url, cumulative_logprob=True, timeout=60)
+    not_asked = generate(PROMPTS[0], GREEDY, url=server.http_url, protocol="http", timeout=60)
+
+    assert expected < 0 and asked.cumulative_logprobs[0] == pytest.approx(expected, abs=1e-3)
+    assert not_asked.cumulative_logprobs == [None]
 
 
 @pytest.mark.timeout(120)

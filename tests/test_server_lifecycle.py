@@ -22,7 +22,7 @@ from test_serve import group_members
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-SETTINGS = dict(num_kv_blocks=128, max_num_seqs=16, device="cpu")
+SETTINGS = dict(num_kv_blocks=128, max_num_seqs=16, device="cpu", compile=False)
 LONG = {"max_tokens": 450, "ignore_eos": True}
 CRASH_MARKS = ("Signal (11)", "Signal (6)", "Signal (7)", "Segmentation fault", "terminate called",
                "core dumped", "Exit timeout expired")

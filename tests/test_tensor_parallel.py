@@ -24,7 +24,7 @@ from loadtest.bench.broadcast import synthetic_decode_batch
 from pagedbackend.worker.tp_protocol import (COPY, MESSAGE_LEN, SWAP_IN, SWAP_OUT, TensorParallelError,
                                              pack_step, unpack_step)
 
-CPU = dict(device="cpu", attention_backend="torch")
+CPU = dict(device="cpu", attention_backend="torch", compile=False)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

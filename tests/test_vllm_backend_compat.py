@@ -25,7 +25,7 @@ from pagedbackend.serving.launcher import TritonServer, is_model_ready, is_ready
 pytestmark = pytest.mark.slow
 
 SETTINGS = dict(block_size=16, num_kv_blocks=96, max_num_seqs=64, max_num_batched_tokens=1024,
-                dtype="float32", device="cpu")
+                dtype="float32", device="cpu", compile=False)
 PROMPT = "The capital of France is"
 FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
          "return_num_input_tokens", "return_num_output_tokens")

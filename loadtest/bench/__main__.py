@@ -16,14 +16,23 @@ BENCHMARKS = {
     "overhead": "scheduler time per step outside the model forward",
     "broadcast": "tensor parallelism: per-step cost of the step message on two CPU ranks",
     "openai_api": "time to first token added by the OpenAI-compatible API over direct gRPC",
+    "peers": "offline tokens/s and serving TTFT/TPOT/ITL beside vLLM's CPU build and llama.cpp",
+    "gpu": "on a CUDA machine: Triton-lang kernel checks, decode attention timing, offline run",
 }
+NEEDS_CUDA = {"gpu"}
 
 # Small settings for `all --quick` (benchmarks without a --quick flag of their own).
 QUICK_ARGS = {
     "sharing": ["--requests", "2", "--widths", "2", "--max-output", "16"],
     "prefix": ["--model", "tiny", "--requests", "4"],
     "overhead": ["--seqs", "32", "--steps", "5"],
+    "peers": ["--quick", "--model", "tiny"],
 }
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def run_all(argv) -> int:
@@ -32,6 +41,9 @@ def run_all(argv) -> int:
     passed = [a for a in argv if a != "--quick"]
     failed = []
     for name in BENCHMARKS:
+        if name in NEEDS_CUDA and not _has_cuda():
+            print(f"== {name}: skipped, no CUDA device", flush=True)
+            continue
         args = list(passed)
         if quick:
             args = QUICK_ARGS.get(name, ["--quick"]) + args

@@ -73,9 +73,12 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def append_token(self, token_id: int, logprob: float, top_logprobs: Optional[Dict[int, object]]) -> None:
+    def append_token(self, token_id: int, logprob: Optional[float],
+                     top_logprobs: Optional[Dict[int, object]]) -> None:
+        """Add a generated token; ``logprob`` is None when nobody asked for it."""
         self.token_ids.append(token_id)
-        self.cumulative_logprob += logprob
+        if logprob is not None:
+            self.cumulative_logprob += logprob
         if top_logprobs is not None:
             self.logprobs.append(top_logprobs)
 
@@ -110,6 +113,10 @@ class SequenceGroup:
         self.forked = False                     # parallel samples / beams created
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.beam = None                        # BeamSearchState for beam search
+        # The chosen tokens' log-probabilities are computed only when they are
+        # returned or needed: top logprobs, ranking best_of > n candidates, or
+        # cumulative_logprob asked for (the Triton input return_cumulative_logprob).
+        self.wants_logprob = params.logprobs is not None or params.best_of > params.n
         self.num_preemptions = 0
         self.bad_words_ids: List[List[int]] = []   # token sequences never to complete
 

@@ -77,18 +77,23 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None) -> SequenceGroup:
-        """Validate and queue a request; raises InvalidRequestError if it can never be served."""
+                    arrival_time: Optional[float] = None,
+                    cumulative_logprob: bool = False) -> SequenceGroup:
+        """Validate and queue a request; raises InvalidRequestError if it can never be served.
+        ``cumulative_logprob``: compute it even when the parameters do not need it."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        group = self.make_group(request_id, prompt, params, arrival_time)
+        group = self.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
         self.add_group(group)
         return group
 
     def make_group(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                   arrival_time: Optional[float] = None) -> SequenceGroup:
+                   arrival_time: Optional[float] = None,
+                   cumulative_logprob: bool = False) -> SequenceGroup:
         """Check a request against the model and the pool and build its group.
-        Touches no engine state, so any thread may call it."""
+        Touches no engine state, so any thread may call it. Outputs carry
+        ``cumulative_logprob`` when the parameters need it (logprobs, best_of
+        > n, beam search) or ``cumulative_logprob`` is true; otherwise None."""
         params = params or SamplingParams()
         params.check_token_ids(self.vocab_size)
         text, token_ids = self._tokenize(prompt)
@@ -109,6 +114,7 @@ class LLMEngine:
         group = SequenceGroup(request_id, text, token_ids, params,
                               time.time() if arrival_time is None else arrival_time, max_tokens)
         self.scheduler.check_admissible(group)
+        group.wants_logprob |= cumulative_logprob
         group.bad_words_ids = self._bad_words_ids(params)
         if params.use_beam_search:
             group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)
@@ -299,9 +305,9 @@ class LLMEngine:
             suppress = sorted(self.eos_token_ids | set(params.stop_token_ids))
         key = (params.seed, index, seq.num_output_tokens) if params.seed is not None else None
         if not params.has_logits_processing:
-            return SampleRow(row, params, suppress, key)
-        return SampleRow(row, params, suppress, key, seq.token_ids, seq.num_prompt_tokens,
-                         group.bad_words_ids)
+            return SampleRow(row, params, suppress, key, group.wants_logprob)
+        return SampleRow(row, params, suppress, key, group.wants_logprob, seq.token_ids,
+                         seq.num_prompt_tokens, group.bad_words_ids)
 
     def _apply_samples(self, group: SequenceGroup, seq: Sequence, samples, update: StepUpdate) -> None:
         now = time.time()
@@ -463,8 +469,8 @@ class LLMEngine:
         seq.num_sent_tokens = seq.num_output_tokens
         top = None if params.logprobs is None else (seq.logprobs[-len(new_ids):] if new_ids else [])
         return CompletionOutput(seq.index if index is None else index, new_text, new_ids,
-                                seq.cumulative_logprob, top, seq.finish_reason, seq.stop_reason,
-                                seq.num_output_tokens)
+                                seq.cumulative_logprob if group.wants_logprob else None, top,
+                                seq.finish_reason, seq.stop_reason, seq.num_output_tokens)
 
     def _beam_output(self, group: SequenceGroup, index: int, hyp) -> CompletionOutput:
         ids = hyp.token_ids[len(group.prompt_token_ids):]

@@ -1,11 +1,19 @@
 """Attention over the paged KV cache: store the step's K/V, then attend.
 
-The layer holds this rank's head counts only; which kernels run (Triton-lang
-or their torch twins) is chosen once per model by
-``pagedbackend.kernels.get_attention_ops``.
+Each layer calls one custom op, ``pagedbackend::paged_attention(q, k, v,
+layer, scale)``, registered with ``torch.library`` so that ``torch.compile``
+keeps the whole forward in one graph and treats the op as opaque. The op finds
+the layer's KV cache, the step's metadata and the attention kernels in the
+step context (``step_context``) that the model runner opens around each
+forward, as vLLM's ``unified_attention`` does: the cache is never a graph
+input, so the graph has no mutation to functionalise (and no cache copy), and
+the metadata's per-step shapes never trigger a recompile. The context is per
+thread, so tensor-parallel ranks running as threads of one process do not mix.
 """
+import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -31,22 +39,67 @@ class AttentionMetadata:
     plan: Optional[Any] = None
 
 
+@dataclass
+class StepContext:
+    """What the attention op of every layer reads during one forward."""
+    kv_caches: List[KVCache]
+    meta: AttentionMetadata
+    ops: Any   # pagedbackend.kernels.AttentionOps
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def step_context(kv_caches: List[KVCache], meta: AttentionMetadata, ops) -> Iterator[StepContext]:
+    """Make the caches, metadata and kernels of one step visible to the attention op."""
+    previous = getattr(_local, "step", None)
+    _local.step = step = StepContext(kv_caches, meta, ops)
+    try:
+        yield step
+    finally:
+        _local.step = previous
+
+
+def current_step() -> StepContext:
+    step = getattr(_local, "step", None)
+    if step is None:
+        raise RuntimeError("paged attention ran outside a model step: open step_context() first")
+    return step
+
+
+@torch.library.custom_op("pagedbackend::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    scale: float) -> torch.Tensor:
+    """Write ``k``/``v`` ``[T, kv_heads, d]`` into layer ``layer``'s cache
+    slots, then attend with ``q`` ``[T, heads, d]``; returns ``[T, heads, d]``
+    (contiguous). The cache write is a side effect on the step context's
+    cache, which is not an argument (see the module docstring)."""
+    step = current_step()
+    k_cache, v_cache = step.kv_caches[layer]
+    meta = step.meta
+    out = step.ops.forward(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                           meta.cu_seqlens_q, meta.seq_lens, scale, meta.plan)
+    return out.contiguous()
+
+
+@paged_attention.register_fake
+def _paged_attention_fake(q, k, v, layer, scale):
+    return q.new_empty(q.shape)
+
+
 class PagedAttention(nn.Module):
     """Writes the new tokens' K/V into their slots, then runs causal attention
     of the queries against everything cached for their sequence."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer: int):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.ops = ops
+        self.layer = layer
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[T, heads, d]``, ``k``/``v`` ``[T, kv_heads, d]`` -> ``[T, heads, d]``."""
-        k_cache, v_cache = kv_cache
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.ops.attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                  meta.seq_lens, scale=self.scale, plan=meta.plan)
+        return torch.ops.pagedbackend.paged_attention(q, k, v, self.layer, self.scale)

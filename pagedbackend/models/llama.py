@@ -14,16 +14,17 @@ into ``gate_up_proj``; ``load_weights`` takes the original HF tensors.
 """
 import re
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedbackend.models.attention import AttentionMetadata, KVCache, PagedAttention
+from pagedbackend.models.attention import PagedAttention
 from pagedbackend.models.linear import (ColumnParallelLinear, QKVParallelLinear, Reduce,
                                         RowParallelLinear)
-from pagedbackend.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
+from pagedbackend.models.rotary import (CosSin, RotaryEmbedding, apply_rotary, inverse_frequencies,
+                                        rope_parameters)
 
 
 @dataclass
@@ -88,8 +89,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding, ops,
-                 tp_rank: int, tp_size: int, reduce: Optional[Reduce], dtype: torch.dtype):
+    def __init__(self, args: LlamaArgs, layer: int, tp_rank: int, tp_size: int,
+                 reduce: Optional[Reduce], dtype: torch.dtype):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(args.hidden_size, args.head_dim, args.num_heads,
                                           args.num_kv_heads, args.attention_bias,
@@ -99,18 +100,16 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size, False,
                                         tp_rank, tp_size, reduce, dtype,
                                         in_slice=self.qkv_proj.rank_slices[0])
-        self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, args.head_dim,
-                                   args.head_dim ** -0.5, ops)
+                                   args.head_dim ** -0.5, layer)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin: CosSin, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes_per_rank, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta)
+        q, k = apply_rotary(q, k, cos_sin)
+        out = self.attn(q, k, v)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
 
@@ -132,17 +131,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding, ops,
-                 tp_rank: int, tp_size: int, reduce: Optional[Reduce], dtype: torch.dtype):
+    def __init__(self, args: LlamaArgs, layer: int, tp_rank: int, tp_size: int,
+                 reduce: Optional[Reduce], dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(args, rotary, ops, tp_rank, tp_size, reduce, dtype)
+        self.self_attn = LlamaAttention(args, layer, tp_rank, tp_size, reduce, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(args, tp_rank, tp_size, reduce, dtype)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
+    def forward(self, cos_sin: CosSin, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(cos_sin, self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -156,25 +154,25 @@ _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head; one instance per tensor-parallel rank.
 
-    ``ops`` are the attention kernels (``pagedbackend.kernels.AttentionOps``); ``reduce`` sums
-    row-parallel partial outputs across ranks (identity for ``tp_size == 1``).
-    Build it on the target device (``with torch.device(...)``), then call
-    ``load_weights``.
+    ``reduce`` sums row-parallel partial outputs across ranks (identity for
+    ``tp_size == 1``). Build it on the target device (``with
+    torch.device(...)``), then call ``load_weights``. Attention reads its KV
+    cache, metadata and kernels from the step context (``models.attention``).
     """
 
-    def __init__(self, args: LlamaArgs, ops, dtype: torch.dtype,
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype,
                  max_positions: Optional[int] = None, tp_rank: int = 0, tp_size: int = 1,
                  reduce: Optional[Reduce] = None):
         super().__init__()
         self.args = args
         max_positions = max_positions or args.max_position_embeddings
         inv_freq = inverse_frequencies(args.rope, args.head_dim, args.max_position_embeddings)
-        rotary = RotaryEmbedding(args.head_dim, max_positions, inv_freq, dtype)
+        self.rotary = RotaryEmbedding(args.head_dim, max_positions, inv_freq, dtype)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(args, rotary, ops, tp_rank, tp_size, reduce, dtype)
-            for _ in range(args.num_layers))
+            LlamaDecoderLayer(args, i, tp_rank, tp_size, reduce, dtype)
+            for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.lm_head = None
         if not args.tie_word_embeddings:
@@ -186,12 +184,13 @@ class LlamaForCausalLM(nn.Module):
         """KV heads held by this rank (the KV cache's third dimension)."""
         return self.layers[0].self_attn.num_kv_heads
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: List[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` before the final norm."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` before the final norm; runs
+        inside the step context of ``models.attention.step_context``."""
         h = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(positions, h, kv_cache, meta)
+        cos_sin = self.rotary(positions)   # once per step, shared by every layer
+        for layer in self.layers:
+            h = layer(cos_sin, h)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

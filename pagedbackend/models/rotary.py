@@ -54,8 +54,11 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict, max_position_embeddings
     return torch.where(medium, smoothed, scaled)
 
 
+CosSin = Tuple[torch.Tensor, torch.Tensor]   # [num_tokens, 1, head_dim / 2] each
+
+
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k given each token's absolute position."""
+    """cos/sin tables for every position; ``forward`` looks up a step's tokens once."""
 
     def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor,
                  dtype: Optional[torch.dtype] = None):
@@ -65,12 +68,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``q``/``k``: ``[num_tokens, heads, head_dim]``; ``positions``: ``[num_tokens]``."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> CosSin:
+        """cos and sin of each token's position, shaped to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: CosSin) -> Tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on ``q``/``k`` ``[num_tokens, heads, head_dim]``."""
+    cos, sin = cos_sin
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

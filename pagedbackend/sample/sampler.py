@@ -5,10 +5,12 @@ repetition penalty (as Hugging Face: over prompt and output, a positive logit
 divided by it, a negative one multiplied), presence and frequency penalties
 (as vLLM and OpenAI: over the generated tokens), logit bias, allowed tokens,
 bad words, and the EOS / stop tokens held back before ``min_tokens``.
-Log-probabilities are taken from these processed logits, before temperature.
 Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and
 min-p, then draw with the exponential race (argmax of p / E, E ~ Exp(1)), which
-equals a categorical draw. A row with a seed draws its noise from a generator
+equals a categorical draw. Log-probabilities are taken from the processed
+logits, before temperature, and only for rows that ask for them
+(``SampleRow.logprob``, or top log-probabilities in the request): each costs a
+log-softmax over the whole vocabulary. A row with a seed draws its noise from a generator
 keyed by (seed, output index, position), so its result does not depend on the
 batch it lands in, nor on preemption.
 """
@@ -26,6 +28,7 @@ class SampleRow:
     params: SamplingParams
     suppress: Sequence[int] = ()       # token ids forbidden now (EOS before min_tokens)
     seed_key: Optional[Tuple[int, int, int]] = None  # (seed, output index, position)
+    logprob: bool = False              # return the chosen token's log-probability
     # For penalties and bad words (set when the parameters ask for them):
     token_ids: Sequence[int] = ()      # the sequence so far, prompt then output
     num_prompt_tokens: int = 0
@@ -35,7 +38,7 @@ class SampleRow:
 @dataclass
 class Sample:
     token_id: int
-    logprob: float                     # under the processed distribution, before temperature
+    logprob: Optional[float] = None    # under the processed distribution, before temperature; when asked
     top_logprobs: Optional[Dict[int, float]] = None   # when asked: the top ids and the chosen one
     rank: Optional[int] = None         # when asked: 1 + tokens more likely than the chosen one
 
@@ -108,11 +111,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
     """One token per row. ``logits`` is float32 ``[num_rows_in_batch, vocab]``;
     it is modified in place by suppression."""
     apply_suppression(logits, rows)
-    # Greedy picks for every row at once (no copy of the logits), and the model's
-    # log-probabilities (log_softmax is the fastest normaliser on CPU).
+    # Greedy picks for every row at once (no copy of the logits).
     row_idx = torch.tensor([r.row for r in rows], device=logits.device)
     token_ids = logits.argmax(dim=-1)[row_idx]
-    logprobs = torch.log_softmax(logits, dim=-1)
     random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random:
         idx = torch.tensor([rows[i].row for i in random], device=logits.device)
@@ -122,18 +123,24 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
             key = rows[i].seed_key
             noise[j].exponential_(generator=_seeded_generator(key, logits.device) if key else generator)
         token_ids[random] = (probs / noise).argmax(dim=-1)
-    chosen = logprobs[row_idx, token_ids].tolist()
-    samples = [Sample(int(t), lp) for t, lp in zip(token_ids.tolist(), chosen)]
-    for i, r in enumerate(rows):
-        k = r.params.logprobs
-        if k is not None:
-            top = {}
-            if k > 0:
-                values, ids = logprobs[r.row].topk(k)
-                top = dict(zip(ids.tolist(), values.tolist()))
-            top[samples[i].token_id] = samples[i].logprob
-            samples[i].top_logprobs = top
-            samples[i].rank = int((logprobs[r.row] > samples[i].logprob).sum()) + 1
+    samples = [Sample(t) for t in token_ids.tolist()]
+    asked = [i for i, r in enumerate(rows) if r.logprob or r.params.logprobs is not None]
+    if asked:
+        # The processed logits' log-probabilities, for the asking rows only
+        # (log_softmax is the fastest normaliser on CPU).
+        logprobs = torch.log_softmax(logits[row_idx[asked]], dim=-1)
+        chosen = logprobs.gather(1, token_ids[asked].unsqueeze(1)).squeeze(1).tolist()
+        for j, i in enumerate(asked):
+            samples[i].logprob = chosen[j]
+            k = rows[i].params.logprobs
+            if k is not None:
+                top = {}
+                if k > 0:
+                    values, ids = logprobs[j].topk(k)
+                    top = dict(zip(ids.tolist(), values.tolist()))
+                top[samples[i].token_id] = chosen[j]
+                samples[i].top_logprobs = top
+                samples[i].rank = int((logprobs[j] > chosen[j]).sum()) + 1
     return samples
 
 

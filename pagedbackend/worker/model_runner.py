@@ -8,6 +8,7 @@ forward pass and returns last-token logits. Copy-on-write and swapping arrive
 as (src, dst) block pairs.
 """
 import json
+import logging
 import pathlib
 from typing import Iterator, Optional, Sequence, Tuple
 
@@ -17,13 +18,17 @@ from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_memory import KVModel
 from pagedbackend.kernels import get_attention_ops
 from pagedbackend.models import MODEL_CLASSES, LlamaArgs
+from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models.linear import Reduce
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
+from pagedbackend.worker.compiled import CompiledStep, compile_unavailable
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 __all__ = ["DTYPES", "ModelRunner", "SeqEntry", "StepBatch", "kv_block_bytes", "resolve_device"]
+
+logger = logging.getLogger("pagedbackend")
 
 
 class ModelRunner:
@@ -42,14 +47,40 @@ class ModelRunner:
         self.vocab_size = args.vocab_size
         self.max_model_len = _max_model_len(config.max_model_len, args.max_position_embeddings)
 
-        self.attention_ops = ops = get_attention_ops(config.attention_backend, self.device)
+        self.attention_ops = get_attention_ops(config.attention_backend, self.device)
         model_class = MODEL_CLASSES[hf_config["model_type"]]
         with torch.device(self.device):
-            self.model = model_class(args, ops, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
+            self.model = model_class(args, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
         self.model.eval()
         self.num_heads = self.model.layers[0].self_attn.num_heads
         self._allocate_kv_cache(args)
+        self.compiled: Optional[CompiledStep] = None
+        if tp_size == 1:   # a tensor-parallel step needs every rank: no lone warm-up
+            self._compile_and_warm_up()
+
+    def _compile_and_warm_up(self) -> None:
+        """Compile the step when the config asks and this machine can (otherwise
+        say once why it runs eager), then warm it up."""
+        if self.config.compile:
+            reason = compile_unavailable(self.device)
+            if reason is None:
+                self.compiled = CompiledStep(self.model)
+                try:
+                    self.warm_up()
+                    return
+                except Exception as exc:   # a compiler that fails on this machine
+                    self.compiled = None
+                    reason = f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            logger.warning("pagedbackend: the model step runs eager: %s", reason)
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run a one-token and a two-token step with their logits: every graph
+        (compiled or oneDNN's) is built now, not on the first request. Writes
+        only to slot 0, which holds no sequence yet."""
+        for entries in ([SeqEntry([0], 0, [0])], [SeqEntry([0], 0, [0]), SeqEntry([0], 0, [0])]):
+            self.execute_batch(self.prepare(entries))
 
     def _allocate_kv_cache(self, args: LlamaArgs) -> None:
         if self.config.block_size <= 0:
@@ -94,11 +125,16 @@ class ModelRunner:
         if batch.meta.plan is None:   # a worker rank's batch arrives without one
             self.plan(batch)
         batch = batch.to(self.device)
-        with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        forward, logits_of = self.model.forward, self.model.compute_logits
+        if self.compiled is not None:
+            forward, logits_of = self.compiled.forward, self.compiled.logits
+        with torch.inference_mode(), step_context(self.kv_caches, batch.meta, self.attention_ops):
+            hidden = forward(batch.input_ids, batch.positions)
             if not compute_logits:
                 return None
-            logits = self.model.compute_logits(hidden[batch.logits_rows])
+            if len(batch.logits_rows) == 0:   # a prefill chunk that completes nothing
+                return torch.empty((0, self.vocab_size), device=self.device)
+            logits = logits_of(hidden[batch.logits_rows])
         return logits.float()
 
     def prepare(self, entries: Sequence[SeqEntry]) -> StepBatch:
@@ -112,8 +148,10 @@ class ModelRunner:
     def plan(self, batch: StepBatch) -> None:
         """Lay out the step for the attention kernels, once for every layer."""
         meta = batch.meta
-        meta.plan = self.attention_ops.plan(meta.cu_seqlens_q, meta.seq_lens, self.num_heads,
-                                            self.model.num_kv_heads, self.device)
+        meta.plan = self.attention_ops.plan(
+            meta.cu_seqlens_q, meta.seq_lens, block_tables=meta.block_tables,
+            slot_mapping=meta.slot_mapping, block_size=self.block_size, num_heads=self.num_heads,
+            num_kv_heads=self.model.num_kv_heads, device=self.device)
 
     # ---- block moves ----------------------------------------------------
 

@@ -102,7 +102,9 @@ class TritonPythonModel:
         job = Job(uuid.uuid4().hex, prompt, read_flags(request), sender, triton_id=request.request_id())
         params = read_sampling_params(request)
         job.n, job.logprobs_requested = params.n, params.logprobs is not None
-        job.stream = self.engine.add_request(job.request_id, prompt, params)
+        # cumulative_logprob is computed only for requests that ask for it.
+        job.stream = self.engine.add_request(job.request_id, prompt, params,
+                                             cumulative_logprob=bool(job.flags["return_cumulative_logprob"]))
         with self.lock:
             self.jobs[job.request_id] = job
             job.abort_reason = self.closing  # a drain that began meanwhile ends it too

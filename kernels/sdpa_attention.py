@@ -1,0 +1,203 @@
+"""Paged attention for serving on CPU: one gather per step layout, then
+PyTorch's ``scaled_dot_product_attention`` (grouped-query heads, no repeat).
+
+The Triton-lang kernel runs on CPU only through its interpreter, and the
+reference twin re-derives every sequence's block gather in every layer. Here
+the host builds, once per step (``plan_sdpa_attention``), the cache slot of
+every key position each sequence reads, so a layer's work is:
+
+- decodes (one query token): one ``index_select`` of all their keys (and one
+  of their values) from the flat cache straight into ``[seqs x kv_heads,
+  max_len, head_dim]``, then two batched matmuls around a softmax, each KV
+  head's query group as the rows of one small matrix (SDPA's CPU kernel is
+  built for long queries: 2-4x slower at one query token); padding keys get
+  a -inf bias;
+- fresh prefills (no cached prefix): causal SDPA on the step's own K/V, with no
+  cache read at all;
+- chunks on a cached prefix: their slots gathered, SDPA with the causal mask
+  aligned to the end of the sequence.
+
+The KV write is one ``index_copy_`` per cache. Shapes and arguments follow
+``paged_attention.py``.
+"""
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Chunk:
+    """Query rows ``q_start:q_start + q_len`` of one sequence that reach
+    ``kv_len`` keys; ``index``: their cache slots (``[kv_len]``); ``mask``:
+    ``[q_len, kv_len]`` causal visibility, None when the chunk is the whole
+    sequence (plain causal attention)."""
+    q_start: int
+    q_len: int
+    kv_len: int
+    index: torch.Tensor
+    mask: Optional[torch.Tensor]
+
+    @property
+    def fresh(self) -> bool:
+        return self.mask is None
+
+
+@dataclass
+class SdpaPlan:
+    """A step's layout for :func:`sdpa_attention`, built once on the host.
+
+    ``decode_rows``: query rows of the single-token sequences (None when the
+    step has none; ``decode_all`` when they are rows ``0..n-1``, all of the
+    step); ``decode_index``: ``[n * kv_heads * max_len]`` rows of the cache
+    viewed as ``[slots * kv_heads, head_dim]``, (sequence, head, position)
+    in that order, padding repeating the sequence's first key; ``decode_bias``: fp32
+    ``[n * kv_heads, 1, max_len]``, -inf on padding, None when no sequence
+    is shorter than ``max_len``. ``write_slots``: the new tokens' slots when
+    every one is stored, else None (some negative).
+    """
+    decode_rows: Optional[torch.Tensor]
+    decode_all: bool
+    decode_index: Optional[torch.Tensor]
+    decode_bias: Optional[torch.Tensor]
+    decode_len: int
+    chunks: List[Chunk]
+    write_slots: Optional[torch.Tensor]
+
+
+def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of key ``positions`` through block table rows ``tables``."""
+    return tables[..., positions // block_size].long() * block_size + positions % block_size
+
+
+def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
+                        block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+                        num_heads: int = 0, num_kv_heads: int = 0,
+                        device: Union[str, torch.device] = "cpu") -> SdpaPlan:
+    """The step's gather indices and masks, from host copies of its metadata."""
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [cu[s + 1] - cu[s] for s in range(len(lens))]
+    decodes = [s for s, n in enumerate(q_lens) if n == 1]
+    rows = decode_index = decode_bias = None
+    decode_len = 0
+    if decodes:
+        if num_kv_heads < 1:
+            raise ValueError("plan_sdpa_attention needs num_kv_heads for a step with decodes")
+        decode_len = max(lens[s] for s in decodes)
+        pos = torch.arange(decode_len)
+        seqs = torch.tensor(decodes)
+        slots = _slots(block_tables[seqs].long(), pos, block_size)
+        decode_lens = seq_lens[seqs].long()
+        if int(decode_lens.min()) < decode_len:
+            # A padding key repeats the sequence's first key (a slot it has
+            # written, so finite) and gets a -inf score: its weight is exactly 0.
+            visible = pos.unsqueeze(0) < decode_lens.unsqueeze(1)
+            slots = torch.where(visible, slots, slots[:, :1])
+            bias = torch.zeros(len(decodes), 1, 1, decode_len).masked_fill_(~visible[:, None, None], float("-inf"))
+            decode_bias = bias.expand(-1, num_kv_heads, -1, -1).reshape(-1, 1, decode_len).to(device)
+        heads = torch.arange(num_kv_heads)
+        decode_index = (slots.unsqueeze(1) * num_kv_heads + heads[None, :, None]).view(-1).to(device)
+        rows = torch.tensor([cu[s] for s in decodes], device=device)
+    chunks = []
+    for s, (q_len, kv_len) in enumerate(zip(q_lens, lens)):
+        if q_len <= 1:
+            continue
+        index = _slots(block_tables[s], torch.arange(kv_len), block_size).to(device)
+        mask = None
+        if kv_len > q_len:
+            # Query i sits at position kv_len - q_len + i and sees keys up to it.
+            q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
+            mask = (torch.arange(kv_len).unsqueeze(0) <= q_pos).to(device)
+        chunks.append(Chunk(cu[s], q_len, kv_len, index, mask))
+    num_tokens = cu[-1] if cu else 0
+    decode_all = len(decodes) == num_tokens and decodes == list(range(len(decodes)))
+    write_slots = slot_mapping.long().to(device) if bool((slot_mapping >= 0).all()) else None
+    return SdpaPlan(rows, decode_all, decode_index, decode_bias, decode_len, chunks, write_slots)
+
+
+def write_kv_sdpa(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  plan: Optional[SdpaPlan] = None) -> None:
+    """Store ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` in their
+    slots; negative slots are skipped."""
+    slots = plan.write_slots if plan is not None else None
+    if slots is None:
+        keep = slot_mapping >= 0
+        slots, key, value = slot_mapping[keep].long(), key[keep], value[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                   scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
+                   plan: Optional[SdpaPlan] = None, key: Optional[torch.Tensor] = None,
+                   value: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of ``q`` over the paged cache (see the module docstring).
+
+    ``key``/``value``: the step's new K/V, already in the cache; when given,
+    fresh prefills read them instead of gathering from the cache. ``plan``
+    comes from :func:`plan_sdpa_attention` (computed here when absent, which
+    needs host copies of the metadata and a block size from the cache)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if plan is None:
+        slots = torch.zeros(num_tokens, dtype=torch.long)
+        plan = plan_sdpa_attention(cu_seqlens_q.cpu(), seq_lens.cpu(), block_tables=block_tables.cpu(),
+                                   slot_mapping=slots, block_size=k_cache.shape[1],
+                                   num_kv_heads=num_kv_heads, device=q.device)
+    gqa = num_heads != num_kv_heads
+    if plan.decode_all and out is None:
+        return _decodes(q, k_cache, v_cache, plan, scale)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if plan.decode_rows is not None:
+        out[plan.decode_rows] = _decodes(q[plan.decode_rows], k_cache, v_cache, plan, scale)
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    for c in plan.chunks:
+        rows = slice(c.q_start, c.q_start + c.q_len)
+        if c.fresh and key is not None:
+            k, v = key[rows], value[rows]
+        else:
+            k, v = k_flat.index_select(0, c.index), v_flat.index_select(0, c.index)
+        o = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=c.mask,
+            is_causal=c.fresh, scale=scale, enable_gqa=gqa)
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 plan: SdpaPlan) -> torch.Tensor:
+    """Store the step's K/V, then attend (fresh prefills on the new K/V as they are)."""
+    write_kv_sdpa(k, v, k_cache, v_cache, slot_mapping, plan)
+    return sdpa_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale=scale,
+                          plan=plan, key=k, value=v)
+
+
+def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: SdpaPlan,
+             scale: float) -> torch.Tensor:
+    """Single-token queries ``[n, heads, dim]`` against their gathered keys,
+    in fp32 whatever the cache dtype (as the reference twin)."""
+    n, num_heads, head_dim = q.shape
+    dtype = q.dtype
+    rows = n * k_cache.shape[2]   # one matrix per (sequence, KV head)
+    shape = (rows, plan.decode_len, head_dim)
+    k = k_cache.view(-1, head_dim).index_select(0, plan.decode_index).view(shape)
+    v = v_cache.view(-1, head_dim).index_select(0, plan.decode_index).view(shape)
+    q = q.reshape(rows, num_heads * n // rows, head_dim)
+    if q.dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    if plan.decode_bias is None:
+        scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+    else:
+        scores = torch.baddbmm(plan.decode_bias, q, k.transpose(1, 2), alpha=scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v)
+    return out.view(n, num_heads, head_dim).to(dtype)

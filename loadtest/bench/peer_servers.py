@@ -1,0 +1,177 @@
+"""The three servers of ``python -m loadtest.bench peers`` on loopback ports,
+and one streaming request to each.
+
+- ours: tritonserver through the project's launcher (``python -m
+  pagedbackend.serve``), HTTP ``generate_stream`` (server-sent events);
+- vLLM's CPU build: its OpenAI server, ``/v1/completions`` with ``stream``;
+- llama.cpp's ``llama-server``: ``/completion`` with ``stream``.
+
+Every stream function yields the number of new tokens of each event as it
+arrives; the driver stamps the times.
+"""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Dict, Iterator, List, Optional
+
+HOST = "127.0.0.1"
+
+
+def vllm_env(threads: int, env_file: Optional[str] = None, offline: bool = False) -> Dict[str, str]:
+    """vLLM's CPU settings (RECIPES.md): ``env_file`` (shell ``export`` lines,
+    read by bash) first, then what a fair side-by-side needs if it is unset;
+    the thread count is always ``threads``, as for every other system."""
+    env = dict(os.environ)
+    if env_file:
+        dump = subprocess.run(["bash", "-c", f'set -a; source "{env_file}"; env -0'],
+                              check=True, capture_output=True).stdout
+        env = dict(item.split("=", 1) for item in dump.decode().split("\0") if "=" in item)
+    env.update({"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"})
+    for key, value in {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                       "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                       # vLLM 0.32's AOT compile cache never reloads on CPU; the inductor one does.
+                       "VLLM_USE_AOT_COMPILE": "0"}.items():
+        env.setdefault(key, value)
+    if offline:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+class Server:
+    """A server process in its own process group: ``start`` waits until
+    ``ready_path`` answers 200; ``stop`` sends SIGTERM, then SIGKILL."""
+
+    def __init__(self, name: str, command: List[str], port: int, ready_path: str,
+                 env: Optional[Dict[str, str]] = None, ready_timeout_s: float = 600.0):
+        self.name, self.command, self.port, self.ready_path = name, command, port, ready_path
+        self.env, self.ready_timeout_s = env, ready_timeout_s
+        self.url = f"http://{HOST}:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix=f"peers-{name}-", suffix=".log", delete=False)
+        self.process: Optional[subprocess.Popen] = None
+        self.ready_s: Optional[float] = None
+
+    def __enter__(self) -> "Server":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        started = time.perf_counter()
+        self.process = subprocess.Popen(self.command, env=self.env, stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        while time.perf_counter() - started < self.ready_timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as reply:
+                    if reply.status == 200:
+                        self.ready_s = time.perf_counter() - started
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{self.name} not ready after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = pathlib.Path(self.log.name).read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+def ours(model: str, port: int, threads: int, settings: Dict[str, object], repo_dir: str) -> Server:
+    """tritonserver with our model, through the launcher, engine settings in a
+    copy of the model repository."""
+    from pagedbackend.serving.launcher import free_port, make_model_repository
+    repo = make_model_repository(repo_dir, {"model": model, **settings})
+    command = [sys.executable, "-m", "pagedbackend.serve", "--model-repository", str(repo),
+               "--http-port", str(port), "--grpc-port", str(free_port()),
+               "--metrics-port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    return Server("ours", command, port, "/v2/health/ready", env)
+
+
+def vllm(python: str, model_dir: str, port: int, threads: int, max_num_seqs: int,
+         env_file: Optional[str] = None) -> Server:
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+               "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs),
+               "--host", HOST, "--port", str(port)]
+    return Server("vllm", command, port, "/health", vllm_env(threads, env_file))
+
+
+def llama(binary: str, gguf: str, port: int, threads: int, slots: int, name: str = "llama") -> Server:
+    """Continuous batching is on by default; each slot holds 512 positions."""
+    command = [binary, "-m", gguf, "--host", HOST, "--port", str(port), "-np", str(slots),
+               "-c", str(512 * slots), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+    return Server(name, command, port, "/health")
+
+
+# ---------------------------------------------------------------- streams
+
+def _events(url: str, body: dict, timeout: float) -> Iterator[dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "Accept": "text/event-stream"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        for raw in reply:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"{url}: {event['error']}")
+            yield event
+
+
+def stream_ours(url: str, prompt: str, max_tokens: int, timeout: float) -> Iterator[int]:
+    from client import http_stream
+    params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    for delta in http_stream(prompt, params, url=url, exclude_input=True, timeout=timeout):
+        yield delta.num_tokens
+
+
+def stream_vllm(url: str, model: str, prompt, max_tokens: int, timeout: float) -> Iterator[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    for event in _events(url + "/v1/completions", body, timeout):
+        for choice in event.get("choices", []):
+            ids = choice.get("token_ids")
+            yield len(ids) if ids is not None else int(bool(choice.get("text")))
+
+
+def stream_llama(url: str, prompt, max_tokens: int, timeout: float) -> Iterator[int]:
+    body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "cache_prompt": False, "stream": True, "return_tokens": True}
+    for event in _events(url + "/completion", body, timeout):
+        ids = event.get("tokens")
+        yield len(ids) if ids is not None else int(bool(event.get("content")))
+
+
+def complete_llama(url: str, prompt_ids: List[int], max_tokens: int, timeout: float) -> List[int]:
+    """One non-streamed request of token ids; returns the generated ids."""
+    body = {"prompt": prompt_ids, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "cache_prompt": False, "return_tokens": True}
+    request = urllib.request.Request(url + "/completion", json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return list(json.load(reply).get("tokens") or [])

@@ -1,0 +1,61 @@
+"""The model step under ``torch.compile``: inductor generates C++/OpenMP loops
+on CPU (Triton on CUDA) that fuse the small ops around the matmuls (RMSNorm,
+RoPE, SiLU x up, residual adds) and drop most of eager's per-op overhead.
+
+The token count is dynamic, so one graph serves every batch size; dynamo
+specialises a count of 1, so a single-token step (one decode) gets a second
+graph. Both, and the LM head's, are compiled at load (``warm_up``) so no
+request pays for a compile. Attention is the opaque custom op of
+``models.attention``, so each forward is one graph.
+
+The inductor cache lives beside the prepared model (``$PAGEDBACKEND_CACHE/
+inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set): a restart reuses the
+generated code and skips the C++ compiler.
+"""
+import logging
+import os
+import shutil
+from typing import Callable, Optional
+
+import torch
+
+from pagedbackend.models.default_model import cache_root
+
+logger = logging.getLogger("pagedbackend")
+
+
+def compile_unavailable(device: torch.device) -> Optional[str]:
+    """Why the model step cannot be compiled here (None when it can)."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch.compile on CUDA needs triton, which is not installed"
+        return None
+    if device.type != "cpu":
+        return f"no torch.compile backend is set up for device {device.type!r}"
+    compiler = os.environ.get("CXX") or "c++"
+    if not any(shutil.which(c) for c in (compiler, "g++", "clang++")):
+        return "torch.compile on CPU needs a C++ compiler (g++ or clang++), and none is on PATH"
+    return None
+
+
+def use_compile_cache() -> str:
+    """Point inductor's on-disk cache beside the prepared model, unless the
+    user chose a folder; returns the folder."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder:
+        folder = str(cache_root() / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
+
+
+class CompiledStep:
+    """``forward(input_ids, positions)`` and ``logits(hidden)`` of a model, compiled."""
+
+    def __init__(self, model: torch.nn.Module):
+        use_compile_cache()
+        # The token dimension varies every step: compile for a dynamic size up front
+        # instead of after a first recompile; fullgraph=True makes a graph break an error.
+        self.forward: Callable = torch.compile(model.forward, dynamic=True, fullgraph=True)
+        self.logits: Callable = torch.compile(model.compute_logits, dynamic=True, fullgraph=True)
