@@ -237,6 +237,7 @@ def test_cumulative_logprob_is_computed_only_for_requests_that_ask(tiny_model_di
     params = SamplingParams(temperature=0.0, max_tokens=6)
     plain = engine.add_request("plain", "Hi", params)
     asked = engine.add_request("asked", "Hi", params, cumulative_logprob=True)
+    assert asked.wants_logprob
     merged = {}
     while engine.has_unfinished_requests():
         for delta in engine.step():

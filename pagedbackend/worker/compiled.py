@@ -12,6 +12,7 @@ The inductor cache lives beside the prepared model (``$PAGEDBACKEND_CACHE/
 inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set): a restart reuses the
 generated code and skips the C++ compiler.
 """
+import importlib.util
 import logging
 import os
 import shutil
@@ -27,9 +28,7 @@ logger = logging.getLogger("pagedbackend")
 def compile_unavailable(device: torch.device) -> Optional[str]:
     """Why the model step cannot be compiled here (None when it can)."""
     if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("triton") is None:
             return "torch.compile on CUDA needs triton, which is not installed"
         return None
     if device.type != "cpu":
