@@ -221,11 +221,24 @@ def wait_for(server, predicate, timeout_s: float = 15.0) -> dict:
     return values
 
 
+def settled(server, timeout_s: float = 15.0) -> dict:
+    """Metrics once two scrapes 0.5 s apart agree: the previous tests' requests
+    have all been counted (a counter moves just after the final response)."""
+    deadline, values = time.monotonic() + timeout_s, scrape(server)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        again = scrape(server)
+        if again == values:
+            break
+        values = again
+    return values
+
+
 @pytest.mark.timeout(300)
 def test_vllm_metric_names_count_the_same_requests_as_ours(server):
     def get(values, name, model="paged_llm"):
         return values.get((name, model), 0.0)
-    before = wait_for(server, lambda v: get(v, "vllm:num_requests_running") == 0)
+    before = settled(server)
     outputs = [infer(server, {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True}, False, True, FLAGS)
                for _ in range(3)]
     outputs.append(infer(server, {"n": 2, "temperature": 0.7, "max_tokens": 5, "ignore_eos": True},
