@@ -15,6 +15,7 @@ BENCHMARKS = {
     "prefix": "prefix-cache speed-up on shared-prefix (1-shot, 5-shot) workloads (Fig. 16)",
     "overhead": "scheduler time per step outside the model forward",
     "broadcast": "tensor parallelism: per-step cost of the step message on two CPU ranks",
+    "quant_kernels": "weight-only int8 / int4 and bf16 matmuls vs fp32 on SmolLM2's linear shapes",
 }
 
 # Small settings for `all --quick` (benchmarks without a --quick flag of their own).
