@@ -21,6 +21,7 @@ from pagedbackend.models import MODEL_CLASSES, LlamaArgs
 from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models.linear import Reduce
+from pagedbackend.models.quant import quantize_model
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
 from pagedbackend.worker.compiled import CompiledStep, compile_unavailable
 
@@ -52,6 +53,8 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_class(args, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
+        if config.quantization != "none":
+            quantize_model(self.model, config, self.device)
         self.model.eval()
         self.num_heads = self.model.layers[0].self_attn.num_heads
         self._allocate_kv_cache(args)
