@@ -4,8 +4,10 @@ For each shape (``[M, K] x [K, N]``: qkv, o, gate_up, down, lm_head) and token
 count M, times ``F.linear`` in fp32 against the kernels the ``quantization``
 setting uses (``pagedbackend.models.quant``): int8 per output channel
 (``_weight_int8pack_mm``), int4 per group of 32/64/128 input features
-(``_weight_int4pack_mm_for_cpu``), both with bf16 inputs as the setting runs
-them and with fp32 inputs ("fp32-in": torch's scalar path), and bf16 weights (activations cast to bf16
+(``_weight_int4pack_mm_for_cpu``), as the setting runs them ("int8", "int4
+gN": the kernel with bf16 inputs up to ``KERNEL_MAX_ROWS`` rows, the weight
+widened for F.linear above), the kernel at every M ("kernel") and with fp32
+inputs ("fp32-in": torch's scalar path; M <= 32 only), and bf16 weights (activations cast to bf16
 and the result back to fp32, the cost a bf16-weight path would pay). With
 ``--compile`` also fp32, int8 (dequantise-then-matmul, which inductor may
 pattern-match) and bf16 under ``torch.compile``.
@@ -39,8 +41,11 @@ def variants(weight: torch.Tensor, compile_too: bool) -> Dict[str, Callable]:
         "fp32": lambda x: F.linear(x, weight),
         "bf16": lambda x: F.linear(x.bfloat16(), w_bf16).float(),
         "int8": int8,
-        "int8 fp32-in": Int8Linear(weight, act_dtype=torch.float32),
-        "int4 g32 fp32-in": Int4Linear.from_float(weight, 32, act_dtype=torch.float32),
+        "int8 kernel": Int8Linear(weight, kernel_max_rows=1 << 30),
+        "int8 fp32-in": Int8Linear(weight, act_dtype=torch.float32, kernel_max_rows=1 << 30),
+        "int4 g32 kernel": Int4Linear.from_float(weight, 32, kernel_max_rows=1 << 30),
+        "int4 g32 fp32-in": Int4Linear.from_float(weight, 32, act_dtype=torch.float32,
+                                                  kernel_max_rows=1 << 30),
     }
     for group in (32, 64, 128):   # 128 does not divide 576: only down_proj (K = 1536) has it
         if weight.shape[1] % group == 0:
@@ -71,10 +76,12 @@ def bench_shape(k: int, n: int, ms: List[int], rounds: int, budget_s: float,
                 compile_too: bool) -> List[dict]:
     torch.manual_seed(0)
     weight = torch.randn(n, k) * k ** -0.5
-    fns = variants(weight, compile_too)
+    fns_all = variants(weight, compile_too)
     rows = []
     for m in ms:
         x = torch.randn(m, k)
+        # torch's scalar fp32-input path takes seconds per call beyond 32 rows.
+        fns = {name: fn for name, fn in fns_all.items() if m <= 32 or "fp32-in" not in name}
         with torch.inference_mode():
             reference = F.linear(x, weight)
             errors = {name: ((fn(x) - reference).abs().max() / reference.abs().max()).item()
@@ -95,7 +102,7 @@ def bench_shape(k: int, n: int, ms: List[int], rounds: int, budget_s: float,
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m loadtest.bench quant_kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ms", default="1,8,32", help="token counts M")
+    ap.add_argument("--ms", default="1,8,16,32,128", help="token counts M")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {','.join(SHAPES)}")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=float, default=0.05, help="seconds of calls per variant per round")

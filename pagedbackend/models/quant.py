@@ -2,7 +2,9 @@
 
 Only the weights are stored narrow; they are widened inside torch's CPU
 kernels. The activations (residual stream, norms, attention) stay float32, but
-enter these two kernels as bfloat16 and leave them as float32: torch 2.13's CPU
+enter these two kernels as bfloat16 and leave them as float32 (steps of more
+than ``KERNEL_MAX_ROWS`` tokens widen the weight to float32 and run
+``F.linear`` instead): torch 2.13's CPU
 kernels are vectorised for bfloat16 inputs only, and take a scalar path 10-100x
 slower than fp32 ``F.linear`` for float32 inputs (``loadtest.bench
 quant_kernels``; ``act_dtype=torch.float32`` keeps that path for comparison).
@@ -18,10 +20,16 @@ quant_kernels``; ``act_dtype=torch.float32`` keeps that path for comparison).
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 QUANTIZATION_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+# Both kernels cost about as much per row of x as one pass over the weight, so
+# from a few rows on (prefills, large decode batches) widening the weight once
+# and calling F.linear wins: above this many rows they do that instead
+# (loadtest.bench quant_kernels: the kernels fall below fp32 between 8 and 32 rows).
+KERNEL_MAX_ROWS = 16
 
 
 def quantize_int8(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -61,10 +69,11 @@ def _check_group(cols: int, group_size: int) -> None:
 class Int8Linear(nn.Module):
     """``x W^T`` with W int8 per output channel (no bias: the caller adds it)."""
 
-    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype = torch.bfloat16,
+                 kernel_max_rows: int = KERNEL_MAX_ROWS):
         super().__init__()
         q, scales = quantize_int8(weight)
-        self.act_dtype = act_dtype
+        self.act_dtype, self.kernel_max_rows = act_dtype, kernel_max_rows
         self.register_buffer("qweight", q.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("kernel_scales", scales.to(act_dtype))
@@ -74,11 +83,16 @@ class Int8Linear(nn.Module):
         return self.qweight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(self.act_dtype)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.kernel_scales)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > self.kernel_max_rows:
+            y = F.linear(flat, self.dequantized().to(x.dtype))
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat.to(self.act_dtype), self.qweight,
+                                                   self.kernel_scales).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
+        """The float32 weight ``q * scale`` (the reference of the kernel)."""
         return self.qweight.float() * self.scales[:, None]
 
 
@@ -86,9 +100,9 @@ class Int4Linear(nn.Module):
     """``x W^T`` with W int4 in groups along the input features (no bias)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                 act_dtype: torch.dtype = torch.bfloat16):
+                 act_dtype: torch.dtype = torch.bfloat16, kernel_max_rows: int = KERNEL_MAX_ROWS):
         super().__init__()
-        self.act_dtype = act_dtype
+        self.act_dtype, self.kernel_max_rows = act_dtype, kernel_max_rows
         rows, cols = q.shape
         self.group_size = cols // scale.shape[1]
         _check_group(cols, self.group_size)
@@ -101,6 +115,12 @@ class Int4Linear(nn.Module):
         scale_zero = torch.stack([scale.float(), zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("qweight", packed)
         self.register_buffer("scale_zero", scale_zero.to(act_dtype))
+        # The kernel's packing is private to torch: many-row steps widen their
+        # own copy (two values per byte, even column in the low nibble).
+        q8 = q.to(torch.uint8)
+        self.register_buffer("nibbles", q8[:, 0::2] | (q8[:, 1::2] << 4))
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("minimum", minimum.float().contiguous())
         self.out_features = rows
 
     @classmethod
@@ -109,10 +129,18 @@ class Int4Linear(nn.Module):
         return cls(*quantize_int4(weight, group_size), act_dtype=act_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(self.act_dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size,
-                                                        self.scale_zero)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > self.kernel_max_rows:
+            y = F.linear(flat, self.dequantized().to(x.dtype))
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(self.act_dtype), self.qweight,
+                                                            self.group_size, self.scale_zero).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight ``scale * q + minimum``."""
+        q = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], dim=-1).reshape(self.out_features, -1)
+        return dequantize_int4(q, self.scale, self.minimum)
 
 
 def quantized_linear(weight: torch.Tensor, mode: str, group_size: int = 32,
