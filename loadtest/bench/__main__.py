@@ -16,6 +16,7 @@ BENCHMARKS = {
     "overhead": "scheduler time per step outside the model forward",
     "broadcast": "tensor parallelism: per-step cost of the step message on two CPU ranks",
     "quant_kernels": "weight-only int8 / int4 and bf16 matmuls vs fp32 on SmolLM2's linear shapes",
+    "quant_quality": "quantization none / int8 / int4: perplexity, greedy agreement, offline tokens/s",
 }
 
 # Small settings for `all --quick` (benchmarks without a --quick flag of their own).

@@ -4,10 +4,11 @@ For each shape (``[M, K] x [K, N]``: qkv, o, gate_up, down, lm_head) and token
 count M, times ``F.linear`` in fp32 against the kernels the ``quantization``
 setting uses (``pagedbackend.models.quant``): int8 per output channel
 (``_weight_int8pack_mm``), int4 per group of 32/64/128 input features
-(``_weight_int4pack_mm_for_cpu``), as the setting runs them ("int8", "int4
-gN": the kernel with bf16 inputs up to ``KERNEL_MAX_ROWS`` rows, the weight
-widened for F.linear above), the kernel at every M ("kernel") and with fp32
-inputs ("fp32-in": torch's scalar path; M <= 32 only), and bf16 weights (activations cast to bf16
+(``_weight_int4pack_mm_for_cpu``), as the setting runs them ("int8": the
+kernel with bf16 inputs up to ``INT8_KERNEL_MAX_ROWS`` rows, ``(x q^T) s``
+with q widened for F.linear above; "int4 gN": the kernel), the int8 kernel and
+the widened path at every M ("int8 kernel", "int8 widened"), both kernels with
+fp32 inputs ("fp32-in": torch's scalar path; M <= 32 only), and bf16 weights (activations cast to bf16
 and the result back to fp32, the cost a bf16-weight path would pay). With
 ``--compile`` also fp32, int8 (dequantise-then-matmul, which inductor may
 pattern-match) and bf16 under ``torch.compile``.
@@ -43,9 +44,8 @@ def variants(weight: torch.Tensor, compile_too: bool) -> Dict[str, Callable]:
         "int8": int8,
         "int8 kernel": Int8Linear(weight, kernel_max_rows=1 << 30),
         "int8 fp32-in": Int8Linear(weight, act_dtype=torch.float32, kernel_max_rows=1 << 30),
-        "int4 g32 kernel": Int4Linear.from_float(weight, 32, kernel_max_rows=1 << 30),
-        "int4 g32 fp32-in": Int4Linear.from_float(weight, 32, act_dtype=torch.float32,
-                                                  kernel_max_rows=1 << 30),
+        "int8 widened": Int8Linear(weight, kernel_max_rows=0),
+        "int4 g32 fp32-in": Int4Linear.from_float(weight, 32, act_dtype=torch.float32),
     }
     for group in (32, 64, 128):   # 128 does not divide 576: only down_proj (K = 1536) has it
         if weight.shape[1] % group == 0:

@@ -2,20 +2,24 @@
 
 Only the weights are stored narrow; they are widened inside torch's CPU
 kernels. The activations (residual stream, norms, attention) stay float32, but
-enter these two kernels as bfloat16 and leave them as float32 (steps of more
-than ``KERNEL_MAX_ROWS`` tokens widen the weight to float32 and run
-``F.linear`` instead): torch 2.13's CPU
+enter these two kernels as bfloat16 and leave them as float32: torch 2.13's CPU
 kernels are vectorised for bfloat16 inputs only, and take a scalar path 10-100x
 slower than fp32 ``F.linear`` for float32 inputs (``loadtest.bench
 quant_kernels``; ``act_dtype=torch.float32`` keeps that path for comparison).
 
 - int8: ``w ~= q * s`` with ``q`` int8 and one scale ``s`` per output row
-  (symmetric, ``s = max|w_row| / 127``); ``torch.ops.aten._weight_int8pack_mm``.
+  (symmetric, ``s = max|w_row| / 127``); ``torch.ops.aten._weight_int8pack_mm``
+  up to ``INT8_KERNEL_MAX_ROWS`` rows. That kernel costs about one pass over
+  the weight per row of x, so larger steps (prefills) compute
+  ``(x q^T) * s`` with ``F.linear`` on ``q`` widened to float32 instead.
 - int4: ``w ~= (q - 8) * s + z`` with ``q`` in 0..15 and a scale ``s`` and
   offset ``z`` per row and group of ``group_size`` input columns (asymmetric
-  min/max); ``torch.ops.aten._weight_int4pack_mm_for_cpu``. GGUF's Q4_1
-  (``w = d * q + m`` per 32 columns) is this format with ``s = d`` and
-  ``z = m + 8 d``, so its blocks are served exactly (``gguf_q4``).
+  min/max); ``torch.ops.aten._weight_int4pack_mm_for_cpu`` for every step
+  (widening the weight in torch ops costs more than the kernel at any size
+  measured). GGUF's Q4_1 (``w = d * q + m`` per 32 columns) is this format
+  with ``s = d`` and ``z = m + 8 d``, so the default model keeps its shipped
+  4-bit values (``gguf_q4``); ``s`` and ``z`` are held in bfloat16, as the
+  kernel takes them in the input's dtype.
 """
 from typing import Optional, Tuple
 
@@ -25,11 +29,9 @@ from torch import nn
 
 QUANTIZATION_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
-# Both kernels cost about as much per row of x as one pass over the weight, so
-# from a few rows on (prefills, large decode batches) widening the weight once
-# and calling F.linear wins: above this many rows they do that instead
-# (loadtest.bench quant_kernels: the kernels fall below fp32 between 8 and 32 rows).
-KERNEL_MAX_ROWS = 16
+# Rows of x up to which the int8 kernel beats widening q for F.linear (about
+# even between 32 and 128 rows here; loadtest.bench quant_kernels).
+INT8_KERNEL_MAX_ROWS = 64
 
 
 def quantize_int8(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +72,7 @@ class Int8Linear(nn.Module):
     """``x W^T`` with W int8 per output channel (no bias: the caller adds it)."""
 
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype = torch.bfloat16,
-                 kernel_max_rows: int = KERNEL_MAX_ROWS):
+                 kernel_max_rows: int = INT8_KERNEL_MAX_ROWS):
         super().__init__()
         q, scales = quantize_int8(weight)
         self.act_dtype, self.kernel_max_rows = act_dtype, kernel_max_rows
@@ -84,8 +86,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > self.kernel_max_rows:
-            y = F.linear(flat, self.dequantized().to(x.dtype))
+        if flat.shape[0] > self.kernel_max_rows:   # one widening pass, then a GEMM
+            y = F.linear(flat, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         else:
             y = torch.ops.aten._weight_int8pack_mm(flat.to(self.act_dtype), self.qweight,
                                                    self.kernel_scales).to(x.dtype)
@@ -100,9 +102,9 @@ class Int4Linear(nn.Module):
     """``x W^T`` with W int4 in groups along the input features (no bias)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                 act_dtype: torch.dtype = torch.bfloat16, kernel_max_rows: int = KERNEL_MAX_ROWS):
+                 act_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        self.act_dtype, self.kernel_max_rows = act_dtype, kernel_max_rows
+        self.act_dtype = act_dtype
         rows, cols = q.shape
         self.group_size = cols // scale.shape[1]
         _check_group(cols, self.group_size)
@@ -115,32 +117,26 @@ class Int4Linear(nn.Module):
         scale_zero = torch.stack([scale.float(), zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("qweight", packed)
         self.register_buffer("scale_zero", scale_zero.to(act_dtype))
-        # The kernel's packing is private to torch: many-row steps widen their
-        # own copy (two values per byte, even column in the low nibble).
-        q8 = q.to(torch.uint8)
-        self.register_buffer("nibbles", q8[:, 0::2] | (q8[:, 1::2] << 4))
-        self.register_buffer("scale", scale.float().contiguous())
-        self.register_buffer("minimum", minimum.float().contiguous())
-        self.out_features = rows
+        self.in_features, self.out_features = cols, rows
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, group_size: int,
-                   act_dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
-        return cls(*quantize_int4(weight, group_size), act_dtype=act_dtype)
+    def from_float(cls, weight: torch.Tensor, group_size: int, **options) -> "Int4Linear":
+        """Round ``weight`` in groups (``quantize_int4``); ``options`` as for the constructor."""
+        return cls(*quantize_int4(weight, group_size), **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > self.kernel_max_rows:
-            y = F.linear(flat, self.dequantized().to(x.dtype))
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(self.act_dtype), self.qweight,
-                                                            self.group_size, self.scale_zero).to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        flat = x.reshape(-1, x.shape[-1]).to(self.act_dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size,
+                                                        self.scale_zero)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight ``scale * q + minimum``."""
-        q = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], dim=-1).reshape(self.out_features, -1)
-        return dequantize_int4(q, self.scale, self.minimum)
+        """The float32 weight the kernel multiplies by (its packing is private
+        to torch, so it is read back through the kernel, x = identity, in fp32:
+        slow, for tests)."""
+        eye = torch.eye(self.in_features)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size,
+                                                          self.scale_zero.float()).t().contiguous()
 
 
 def quantized_linear(weight: torch.Tensor, mode: str, group_size: int = 32,
