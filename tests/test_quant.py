@@ -12,6 +12,7 @@ from pagedbackend.models import default_model
 from pagedbackend.models.gguf_q4 import cached_q4_1_weights, unpack_q4_1
 from pagedbackend.models.quant import (Int4Linear, Int8Linear, dequantize_int4, quantize_int4,
                                        quantize_model)
+from pagedbackend.worker.compiled import compile_unavailable
 from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
 
 # bf16 inputs to the kernels: about 2^-8 relative per input, averaged over K.
@@ -99,6 +100,18 @@ def test_quantised_model_computes_the_fp32_model_of_its_dequantised_weights(tiny
     for entries in (prefill, decode):
         got, want = quantised.execute_model(entries), reference.execute_model(entries)
         assert relative_error(got, want) < 1e-4
+
+
+@pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler here")
+def test_compiled_int8_step_computes_what_the_eager_one_does(tiny_model_dir):
+    compiled = runner(tiny_model_dir, quantization="int8", compile=True)
+    eager = runner(tiny_model_dir, quantization="int8")
+    assert compiled.compiled is not None   # no silent fall-back to eager
+    prompt = list(range(100, 200))
+    # 100 rows: the widened branch; then one decode: the kernel branch.
+    for entries in ([SeqEntry(prompt, 0, [1, 2, 3, 4, 5, 6, 7])], [SeqEntry([7], 100, [1, 2, 3, 4, 5, 6, 7])]):
+        # inductor fuses the ops before each bf16 cast, so roundings differ slightly
+        assert relative_error(compiled.execute_model(entries), eager.execute_model(entries)) < KERNEL_TOLERANCE
 
 
 def test_int8_engine_mostly_picks_fp32_greedy_tokens(default_model_dir):
