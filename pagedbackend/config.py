@@ -46,6 +46,11 @@ class EngineConfig:
     # Triton on CUDA), warmed up at load. Runs eager, with one log line, when
     # no compiler is available or it fails here, and under tensor parallelism.
     compile: bool = True
+    # Weight-only quantisation of the linear layers: "none", "int8" (per output
+    # channel) or "int4" (groups of 32; the default model serves its GGUF's own
+    # Q4_1 blocks). The LM head is int8 in both. CPU only, tensor_parallel_size
+    # 1, dtype float32 or bfloat16. See BENCHMARKS.md for speed and quality.
+    quantization: str = "none"
     # "cpu", "cuda" or "auto" (cuda when available).
     device: str = "auto"
     # "paged" grows each sequence a block at a time. "max", "pow2" and "oracle"
@@ -69,6 +74,15 @@ class EngineConfig:
         choice("dtype", ("float32", "float16", "bfloat16"))
         choice("attention_backend", ("auto", "triton", "torch", "sdpa"))
         choice("device", ("auto", "cpu", "cuda"))
+        choice("quantization", ("none", "int8", "int4"))
+        if self.quantization != "none":
+            if self.tensor_parallel_size > 1:
+                raise ValueError(f"quantization={self.quantization} does not support "
+                                 f"tensor_parallel_size={self.tensor_parallel_size}; use 1 or "
+                                 "quantization=none")
+            if self.dtype == "float16":
+                raise ValueError(f"quantization={self.quantization} needs dtype float32 or bfloat16 "
+                                 "(torch's CPU kernels have no fast float16 path); got float16")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -18,6 +18,8 @@ BENCHMARKS = {
     "openai_api": "time to first token added by the OpenAI-compatible API over direct gRPC",
     "peers": "offline tokens/s and serving TTFT/TPOT/ITL beside vLLM's CPU build and llama.cpp",
     "gpu": "on a CUDA machine: Triton-lang kernel checks, decode attention timing, offline run",
+    "quant_kernels": "weight-only int8 / int4 and bf16 matmuls vs fp32 on SmolLM2's linear shapes",
+    "quant_quality": "quantization none / int8 / int4: perplexity, greedy agreement, offline tokens/s",
 }
 NEEDS_CUDA = {"gpu"}
 

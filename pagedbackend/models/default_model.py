@@ -119,6 +119,11 @@ def _gguf_dir() -> pathlib.Path:
     return folder
 
 
+def gguf_path() -> pathlib.Path:
+    """The GGUF file the default model is prepared from (int4 serves its Q4_1 blocks)."""
+    return _gguf_dir() / GGUF_FILE
+
+
 def _convert_gguf(gguf_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
     """Dequantise the GGUF checkpoint and save it as an fp32 safetensors folder."""
     import torch

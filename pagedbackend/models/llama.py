@@ -14,7 +14,7 @@ into ``gate_up_proj``; ``load_weights`` takes the original HF tensors.
 """
 import re
 from dataclasses import dataclass
-from typing import Iterable, Optional, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from torch import nn
 from pagedbackend.models.attention import PagedAttention
 from pagedbackend.models.linear import (ColumnParallelLinear, QKVParallelLinear, Reduce,
                                         RowParallelLinear)
+from pagedbackend.models.quant import Int8Linear, quantized_linear
 from pagedbackend.models.rotary import (CosSin, RotaryEmbedding, apply_rotary, inverse_frequencies,
                                         rope_parameters)
 
@@ -178,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
+        self.quantized_lm_head: Optional[nn.Module] = None   # set by quantize()
 
     @property
     def num_kv_heads(self) -> int:
@@ -195,8 +197,37 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head, for the rows that need logits only."""
+        hidden = self.norm(hidden)
+        if self.quantized_lm_head is not None:
+            return self.quantized_lm_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight)
+        return F.linear(hidden, weight)
+
+    @torch.no_grad()
+    def quantize(self, mode: str, int4_weights: Optional[Dict[str, Tuple[torch.Tensor, ...]]] = None,
+                 group_size: int = 32) -> None:
+        """Weight-only quantisation (``models.quant``) of every projection, after
+        ``load_weights``. int4 takes ready (q, scale, minimum) HF-named tensors
+        from ``int4_weights`` when given (the GGUF's Q4_1 blocks), else rounds
+        the loaded weights in groups of ``group_size``. The LM head is int8 in
+        both modes, as the GGUF keeps it at 8 bits; the embedding stays as loaded."""
+        for i, layer in enumerate(self.layers):
+            for merged, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                  ("self_attn.o_proj", ("o_proj",)),
+                                  ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+                                  ("mlp.down_proj", ("down_proj",))):
+                linear, block = layer.get_submodule(merged), merged.split(".")[0]
+                given = None
+                if mode == "int4" and int4_weights is not None:
+                    shards = [int4_weights[f"model.layers.{i}.{block}.{p}.weight"] for p in parts]
+                    given = tuple(torch.cat(pieces) for pieces in zip(*shards))
+                    if given[0].shape != linear.weight.shape:
+                        raise ValueError(f"int4 weights for layer {i} {'/'.join(parts)} have shape "
+                                         f"{tuple(given[0].shape)}, the model {tuple(linear.weight.shape)}")
+                linear.quantize(quantized_linear(linear.weight, mode, group_size, given))
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.quantized_lm_head = Int8Linear(head)
+        self.lm_head = None
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:

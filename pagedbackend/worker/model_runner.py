@@ -21,6 +21,7 @@ from pagedbackend.models import MODEL_CLASSES, LlamaArgs
 from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models.linear import Reduce
+from pagedbackend.models.quant import INT8_KERNEL_MAX_ROWS, quantize_model
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
 from pagedbackend.worker.compiled import CompiledStep, compile_unavailable
 
@@ -52,6 +53,8 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_class(args, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
+        if config.quantization != "none":
+            quantize_model(self.model, config, self.device)
         self.model.eval()
         self.num_heads = self.model.layers[0].self_attn.num_heads
         self._allocate_kv_cache(args)
@@ -78,9 +81,12 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Run a one-token and a two-token step with their logits: every graph
         (compiled or oneDNN's) is built now, not on the first request. Writes
-        only to slot 0, which holds no sequence yet."""
-        for entries in ([SeqEntry([0], 0, [0])], [SeqEntry([0], 0, [0]), SeqEntry([0], 0, [0])]):
-            self.execute_batch(self.prepare(entries))
+        only to slot 0, which holds no sequence yet. int8 weights take another
+        branch above INT8_KERNEL_MAX_ROWS rows (a graph of its own): one more
+        step with that many sequences plus one."""
+        sizes = [1, 2] + ([INT8_KERNEL_MAX_ROWS + 1] if self.config.quantization == "int8" else [])
+        for size in sizes:
+            self.execute_batch(self.prepare([SeqEntry([0], 0, [0]) for _ in range(size)]))
 
     def _allocate_kv_cache(self, args: LlamaArgs) -> None:
         if self.config.block_size <= 0:

@@ -1,0 +1,135 @@
+"""Weight-only quantised matmuls vs fp32 on SmolLM2-135M's linear shapes.
+
+For each shape (``[M, K] x [K, N]``: qkv, o, gate_up, down, lm_head) and token
+count M, times ``F.linear`` in fp32 against the kernels the ``quantization``
+setting uses (``pagedbackend.models.quant``): int8 per output channel
+(``_weight_int8pack_mm``), int4 per group of 32/64/128 input features
+(``_weight_int4pack_mm_for_cpu``), as the setting runs them ("int8": the
+kernel with bf16 inputs up to ``INT8_KERNEL_MAX_ROWS`` rows, ``(x q^T) s``
+with q widened for F.linear above; "int4 gN": the kernel), the int8 kernel and
+the widened path at every M ("int8 kernel", "int8 widened"), both kernels with
+fp32 inputs ("fp32-in": torch's scalar path; M <= 32 only), and bf16 weights (activations cast to bf16
+and the result back to fp32, the cost a bf16-weight path would pay). With
+``--compile`` also fp32, int8 (dequantise-then-matmul, which inductor may
+pattern-match) and bf16 under ``torch.compile``.
+
+Variants run interleaved, round after round, so they share the machine's
+drift; each figure is the median over rounds of the mean time of one call.
+Ratios are fp32 time / variant time (above 1: faster than fp32).
+"""
+import argparse
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from pagedbackend.models.quant import Int4Linear, Int8Linear
+
+from .common import add_common_args, set_threads, write_result
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, vocab 49152.
+SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+          "lm_head": (576, 49152)}
+
+
+def variants(weight: torch.Tensor, compile_too: bool) -> Dict[str, Callable]:
+    """name -> callable(x) for one weight; every callable returns float32."""
+    w_bf16 = weight.bfloat16()
+    int8 = Int8Linear(weight)
+    out: Dict[str, Callable] = {
+        "fp32": lambda x: F.linear(x, weight),
+        "bf16": lambda x: F.linear(x.bfloat16(), w_bf16).float(),
+        "int8": int8,
+        "int8 kernel": Int8Linear(weight, kernel_max_rows=1 << 30),
+        "int8 fp32-in": Int8Linear(weight, act_dtype=torch.float32, kernel_max_rows=1 << 30),
+        "int8 widened": Int8Linear(weight, kernel_max_rows=0),
+        "int4 g32 fp32-in": Int4Linear.from_float(weight, 32, act_dtype=torch.float32),
+    }
+    for group in (32, 64, 128):   # 128 does not divide 576: only down_proj (K = 1536) has it
+        if weight.shape[1] % group == 0:
+            out[f"int4 g{group}"] = Int4Linear.from_float(weight, group)
+    if compile_too:
+        q, scales = int8.qweight, int8.scales
+        out["fp32 compiled"] = torch.compile(lambda x: F.linear(x, weight), dynamic=False)
+        out["int8 compiled"] = torch.compile(lambda x: F.linear(x, q.to(x.dtype)) * scales, dynamic=False)
+        out["int8 bf16 compiled"] = torch.compile(int8, dynamic=False)
+        out["bf16 compiled"] = torch.compile(lambda x: F.linear(x.bfloat16(), w_bf16).float(),
+                                             dynamic=False)
+    return out
+
+
+def time_calls(fn: Callable, x: torch.Tensor, budget_s: float) -> float:
+    """Mean seconds per call over about ``budget_s`` of calls."""
+    start = time.perf_counter()
+    fn(x)
+    once = max(time.perf_counter() - start, 1e-6)
+    calls = max(1, int(budget_s / once))
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    return (time.perf_counter() - start) / calls
+
+
+def bench_shape(k: int, n: int, ms: List[int], rounds: int, budget_s: float,
+                compile_too: bool) -> List[dict]:
+    torch.manual_seed(0)
+    weight = torch.randn(n, k) * k ** -0.5
+    fns_all = variants(weight, compile_too)
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k)
+        # torch's scalar fp32-input path takes seconds per call beyond 32 rows.
+        fns = {name: fn for name, fn in fns_all.items() if m <= 32 or "fp32-in" not in name}
+        with torch.inference_mode():
+            reference = F.linear(x, weight)
+            errors = {name: ((fn(x) - reference).abs().max() / reference.abs().max()).item()
+                      for name, fn in fns.items()}   # also the warm-up (and compile) of each
+            times: Dict[str, List[float]] = {name: [] for name in fns}
+            for _ in range(rounds):
+                for name, fn in fns.items():
+                    times[name].append(time_calls(fn, x, budget_s))
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        for name, seconds in medians.items():
+            rows.append({"m": m, "k": k, "n": n, "variant": name, "us": seconds * 1e6,
+                         "vs_fp32": medians["fp32"] / seconds,
+                         "gflops": 2 * m * k * n / seconds / 1e9,
+                         "max_rel_error": errors[name]})
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m loadtest.bench quant_kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ms", default="1,8,16,32,128", help="token counts M")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {','.join(SHAPES)}")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=0.05, help="seconds of calls per variant per round")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile variants")
+    add_common_args(ap, threads=2)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.shapes, args.ms, args.rounds, args.budget = "o,lm_head", "1,32", 2, 0.01
+    set_threads(args.threads)
+    # The compiled lambdas share code objects across shapes: one graph per (shape, M).
+    torch._dynamo.config.recompile_limit = 64
+    ms = [int(m) for m in args.ms.split(",")]
+    rows = []
+    for name in args.shapes.split(","):
+        k, n = SHAPES[name]
+        for row in bench_shape(k, n, ms, args.rounds, args.budget, args.compile):
+            rows.append({"shape": name, **row})
+    print(f"{'shape':8s} {'K->N':>11s} {'M':>3s} {'variant':18s} {'us':>9s} {'x fp32':>7s} "
+          f"{'GFLOP/s':>8s} {'rel err':>8s}")
+    for r in rows:
+        print(f"{r['shape']:8s} {r['k']:>5d}->{r['n']:<5d} {r['m']:>3d} {r['variant']:18s} "
+              f"{r['us']:9.1f} {r['vs_fp32']:7.2f} {r['gflops']:8.1f} {r['max_rel_error']:8.1e}")
+    result = {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "rounds": args.rounds, "rows": rows}
+    print(f"wrote {write_result(args.out, 'quant_kernels', result)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
