@@ -52,8 +52,15 @@ def use_compile_cache() -> str:
 class CompiledStep:
     """``forward(input_ids, positions)`` and ``logits(hidden)`` of a model, compiled."""
 
+    # Every model instance's forward shares one code object, so each engine
+    # built in a process adds graphs to the same dynamo cache, whose limit (8)
+    # would otherwise send the ninth engine to eager.
+    RECOMPILE_LIMIT = 64
+
     def __init__(self, model: torch.nn.Module):
         use_compile_cache()
+        import torch._dynamo.config as dynamo_config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, self.RECOMPILE_LIMIT)
         # The token dimension varies every step: compile for a dynamic size up front
         # instead of after a first recompile; fullgraph=True makes a graph break an error.
         self.forward: Callable = torch.compile(model.forward, dynamic=True, fullgraph=True)
