@@ -305,6 +305,26 @@ def http_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAUL
         raise ServerError("the event stream ended before every output finished")
 
 
+def sse_events(url: str, body: dict, timeout: float) -> Iterator[dict]:
+    """POST ``body`` as JSON and yield each server-sent event's JSON ``data``
+    until ``[DONE]`` or the end; an event with an ``error`` raises ServerError."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        for raw in reply:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if "error" in event:
+                error = event["error"]
+                raise ServerError(error.get("message", str(error)) if isinstance(error, dict) else str(error))
+            yield event
+
+
 def openai_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAULT_OPENAI_URL,
                   model: str = DEFAULT_MODEL, chat: bool = False, timeout: float = 300.0) -> Iterator[Delta]:
     """One streamed request to the OpenAI-compatible API (``pagedbackend.serving.openai_server``):
@@ -321,33 +341,21 @@ def openai_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFA
     else:
         body["prompt"], path = prompt, "/v1/completions"
     base = url if "://" in url else f"http://{url}"
-    request = urllib.request.Request(f"{base.rstrip('/')}{path}", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
     expected, finished, tokens_seen = _expected_outputs(params), set(), 0
     start = time.perf_counter()
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            for raw in reply:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    raise ServerError(event["error"].get("message", str(event["error"])))
-                usage = event.get("usage") or {}
-                new_tokens = usage.get("completion_tokens", tokens_seen) - tokens_seen
-                tokens_seen += new_tokens
-                at = time.perf_counter() - start
-                for choice in event.get("choices", []):
-                    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    reason = choice.get("finish_reason")
-                    if reason is not None:
-                        finished.add(choice["index"])
-                    if text or new_tokens or reason:
-                        yield Delta(text, choice["index"], at, reason, new_tokens, usage.get("prompt_tokens"))
+        for event in sse_events(f"{base.rstrip('/')}{path}", body, timeout):
+            usage = event.get("usage") or {}
+            new_tokens = usage.get("completion_tokens", tokens_seen) - tokens_seen
+            tokens_seen += new_tokens
+            at = time.perf_counter() - start
+            for choice in event.get("choices", []):
+                text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                reason = choice.get("finish_reason")
+                if reason is not None:
+                    finished.add(choice["index"])
+                if text or new_tokens or reason:
+                    yield Delta(text, choice["index"], at, reason, new_tokens, usage.get("prompt_tokens"))
     except urllib.error.HTTPError as exc:
         raise ServerError(_http_error(exc)) from None
     if len(finished) < expected:

@@ -126,21 +126,8 @@ def llama(binary: str, gguf: str, port: int, threads: int, slots: int, name: str
 # ---------------------------------------------------------------- streams
 
 def _events(url: str, body: dict, timeout: float) -> Iterator[dict]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json",
-                                              "Accept": "text/event-stream"})
-    with urllib.request.urlopen(request, timeout=timeout) as reply:
-        for raw in reply:
-            line = raw.decode("utf-8").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
-                return
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(f"{url}: {event['error']}")
-            yield event
+    from client.streaming import sse_events
+    return sse_events(url, body, timeout)
 
 
 def stream_ours(url: str, prompt: str, max_tokens: int, timeout: float) -> Iterator[int]:
