@@ -245,6 +245,7 @@ def test_a_failed_engine_ends_open_streams_and_the_model_stops_serving(tmp_path,
         stream = grpc_stream("Story", LONG, url=server.grpc_url, timeout=120)
         next(stream)
         stub = [p for p in group_members(server.process.pid) if p != server.process.pid]
+        assert stub, "the Python stub should be in tritonserver's process group"
 
         with pytest.raises(ServerError, match="injected device fault"):
             generate(poison, {"max_tokens": 4}, url=server.grpc_url, timeout=60)
