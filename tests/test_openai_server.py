@@ -16,6 +16,7 @@ import pytest
 
 from client import generate
 from pagedbackend.serving.launcher import TritonServer, free_port, make_model_repository
+from processes import processes_mentioning
 from pagedbackend.serving.openai_server import OpenAIServer
 
 pytestmark = pytest.mark.slow
@@ -388,16 +389,6 @@ def test_a_short_locust_run_through_the_openai_api_has_no_failures(triton, api, 
 
 # ---------------------------------------------------------------- make serve
 
-def _processes_with(text: str) -> list:
-    """Ids of live processes whose command line (arguments joined by NUL) contains ``text``."""
-    found = []
-    for entry in pathlib.Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 def _children(pids: list) -> list:
@@ -439,9 +430,9 @@ def test_make_serve_starts_triton_and_the_openai_api_and_sigterm_stops_both(tiny
                 time.sleep(0.5)
         assert health == 200, log_path.read_text(errors="replace")[-3000:]
         reply = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60).json()
-        tritonserver = _processes_with(f"--grpc-port={ports['GRPC_PORT']}")
-        launcher = _processes_with(f"--grpc-port\0{ports['GRPC_PORT']}")
-        api = _processes_with(f"--port\0{ports['OPENAI_PORT']}")
+        tritonserver = processes_mentioning(f"--grpc-port={ports['GRPC_PORT']}")
+        launcher = processes_mentioning(f"--grpc-port\0{ports['GRPC_PORT']}")
+        api = processes_mentioning(f"--port\0{ports['OPENAI_PORT']}")
         stubs = _children(tritonserver)  # the model's Python backend stub
         started = tritonserver + stubs + launcher + api
 

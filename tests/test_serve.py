@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 from pagedbackend.config import EngineConfig, engine_config
+from processes import processes_mentioning
 from pagedbackend.serving.launcher import (ServerError, TritonServer, find_tritonserver,
                                 make_model_repository, prepare_backend,
                                 read_parameters, server_command, triton_home)
@@ -66,16 +67,6 @@ def listening_addresses(port: int) -> set:
     return found
 
 
-def processes_mentioning(text: str) -> list:
-    """Ids of live processes whose command line contains ``text``."""
-    found = []
-    for entry in pathlib.Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 def status_of(url: str):
