@@ -51,6 +51,11 @@ class EngineConfig:
     # Q4_1 blocks). The LM head is int8 in both. CPU only, tensor_parallel_size
     # 1, dtype float32 or bfloat16. See BENCHMARKS.md for speed and quality.
     quantization: str = "none"
+    # Kernel of the float32 linear layers: "packed" (weights packed at load for
+    # a C kernel built on this machine, fastest at decode-sized steps; CPU,
+    # float32, needs gcc), "torch" (F.linear) or "auto" (packed where it can
+    # run, else torch with one log line). See BENCHMARKS.md, section 13.
+    linear_backend: str = "auto"
     # "cpu", "cuda" or "auto" (cuda when available).
     device: str = "auto"
     # "paged" grows each sequence a block at a time. "max", "pow2" and "oracle"
@@ -75,6 +80,10 @@ class EngineConfig:
         choice("attention_backend", ("auto", "triton", "torch", "sdpa"))
         choice("device", ("auto", "cpu", "cuda"))
         choice("quantization", ("none", "int8", "int4"))
+        choice("linear_backend", ("auto", "torch", "packed"))
+        if self.linear_backend == "packed" and self.quantization != "none":
+            raise ValueError(f"linear_backend=packed serves float32 weights; it cannot be combined "
+                             f"with quantization={self.quantization}")
         if self.quantization != "none":
             if self.tensor_parallel_size > 1:
                 raise ValueError(f"quantization={self.quantization} does not support "

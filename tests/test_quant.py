@@ -73,7 +73,7 @@ def test_default_model_q4_1_blocks_are_its_fp32_weights(default_model_dir):
 
 def runner(model_dir, **overrides) -> ModelRunner:
     settings = dict(model=str(model_dir), block_size=16, num_kv_blocks=64, device="cpu",
-                    attention_backend="sdpa", compile=False)
+                    attention_backend="sdpa", compile=False, linear_backend="torch")
     return ModelRunner(EngineConfig(**{**settings, **overrides}))
 
 
@@ -83,9 +83,9 @@ def test_quantised_model_computes_the_fp32_model_of_its_dequantised_weights(tiny
     reference = runner(tiny_untied_model_dir)
     with torch.no_grad():   # give the fp32 model exactly the weights the quantised one holds
         for name, module in quantised.model.named_modules():
-            if getattr(module, "quantized", None) is not None:
-                reference.model.get_submodule(name).weight.copy_(module.quantized.dequantized())
-        reference.model.lm_head.weight.copy_(quantised.model.quantized_lm_head.dequantized())
+            if getattr(module, "matmul", None) is not None:
+                reference.model.get_submodule(name).weight.copy_(module.matmul.dequantized())
+        reference.model.lm_head.weight.copy_(quantised.model.lm_head_matmul.dequantized())
     # Inputs stay fp32 (torch's slow path), so only the wiring can differ; the
     # bf16 inputs of the served path are checked layer by layer above.
     for module in quantised.model.modules():

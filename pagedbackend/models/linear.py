@@ -66,7 +66,7 @@ class ColumnParallelLinear(nn.Module):
         rows = sum(self.output_sizes_per_rank)
         self.weight = _empty(rows, in_features, dtype=dtype)
         self.bias = _empty(rows, dtype=dtype) if bias else None
-        self.quantized: Optional[nn.Module] = None   # set by quantize()
+        self.matmul: Optional[nn.Module] = None   # set by use_matmul()
 
     def rank_slice(self, shard: int, full_size: int) -> Tuple[int, int]:
         return even_split(full_size, self.tp_rank, self.tp_size, f"output size of shard {shard}")
@@ -82,14 +82,15 @@ class ColumnParallelLinear(nn.Module):
                              f"expected {self.full_sizes[shard]}")
         _copy_checked(target.narrow(0, self.offsets[shard], length), tensor.narrow(0, start, length))
 
-    def quantize(self, module: nn.Module) -> None:
-        """Serve ``x W^T`` through a weight-only ``module`` and drop the float weight."""
-        self.quantized, self.weight = module, None
+    def use_matmul(self, module: nn.Module) -> None:
+        """Serve ``x W^T`` through ``module`` (weight-only quantised or packed,
+        holding its own copy of the weight) and drop the float weight."""
+        self.matmul, self.weight = module, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is None:
+        if self.matmul is None:
             return F.linear(x, self.weight, self.bias)
-        y = self.quantized(x)
+        y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
 
@@ -168,7 +169,7 @@ class RowParallelLinear(nn.Module):
         self.reduce = reduce or (_identity if tp_size == 1 else all_reduce_sum)
         self.weight = _empty(out_features, in_per_rank, dtype=dtype)
         self.bias = _empty(out_features, dtype=dtype) if bias else None
-        self.quantized: Optional[nn.Module] = None   # set by quantize()
+        self.matmul: Optional[nn.Module] = None   # set by use_matmul()
 
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor) -> None:
@@ -182,9 +183,9 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"checkpoint has a {name} this layer was built without")
         _copy_checked(target, tensor)
 
-    quantize = ColumnParallelLinear.quantize
+    use_matmul = ColumnParallelLinear.use_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight) if self.quantized is None else self.quantized(x)
+        y = F.linear(x, self.weight) if self.matmul is None else self.matmul(x)
         y = self.reduce(y)
         return y if self.bias is None else y + self.bias

@@ -14,7 +14,7 @@ into ``gate_up_proj``; ``load_weights`` takes the original HF tensors.
 """
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from torch import nn
 from pagedbackend.models.attention import PagedAttention
 from pagedbackend.models.linear import (ColumnParallelLinear, QKVParallelLinear, Reduce,
                                         RowParallelLinear)
+from pagedbackend.models.packed_linear import PackedLinear
 from pagedbackend.models.quant import Int8Linear, quantized_linear
 from pagedbackend.models.rotary import (CosSin, RotaryEmbedding, apply_rotary, inverse_frequencies,
                                         rope_parameters)
@@ -179,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
-        self.quantized_lm_head: Optional[nn.Module] = None   # set by quantize()
+        self.lm_head_matmul: Optional[nn.Module] = None   # set by quantize() or pack_linears()
 
     @property
     def num_kv_heads(self) -> int:
@@ -198,8 +199,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head, for the rows that need logits only."""
         hidden = self.norm(hidden)
-        if self.quantized_lm_head is not None:
-            return self.quantized_lm_head(hidden)
+        if self.lm_head_matmul is not None:
+            return self.lm_head_matmul(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 
@@ -224,9 +225,26 @@ class LlamaForCausalLM(nn.Module):
                     if given[0].shape != linear.weight.shape:
                         raise ValueError(f"int4 weights for layer {i} {'/'.join(parts)} have shape "
                                          f"{tuple(given[0].shape)}, the model {tuple(linear.weight.shape)}")
-                linear.quantize(quantized_linear(linear.weight, mode, group_size, given))
+                linear.use_matmul(quantized_linear(linear.weight, mode, group_size, given))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.quantized_lm_head = Int8Linear(head)
+        self.lm_head_matmul = Int8Linear(head)
+        self.lm_head = None
+
+    def projections(self) -> Iterator[nn.Module]:
+        """Every linear projection of the decoder layers (not the LM head)."""
+        for layer in self.layers:
+            yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                        layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+    @torch.no_grad()
+    def pack_linears(self) -> None:
+        """Serve every float32 projection and the LM head through packed
+        weights (``models.packed_linear``), after ``load_weights``. A tied
+        LM head gets its own packed copy; the embedding stays as loaded."""
+        for linear in self.projections():
+            linear.use_matmul(PackedLinear(linear.weight))
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head_matmul = PackedLinear(head)
         self.lm_head = None
 
     @torch.no_grad()

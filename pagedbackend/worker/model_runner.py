@@ -21,6 +21,7 @@ from pagedbackend.models import MODEL_CLASSES, LlamaArgs
 from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models.linear import Reduce
+from pagedbackend.models import packed_linear
 from pagedbackend.models.quant import INT8_KERNEL_MAX_ROWS, quantize_model
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
 from pagedbackend.worker.compiled import CompiledStep, compile_unavailable
@@ -55,12 +56,29 @@ class ModelRunner:
         self.model.load_weights(_read_safetensors(self.model_path))
         if config.quantization != "none":
             quantize_model(self.model, config, self.device)
+        else:
+            self._choose_linear_backend()
         self.model.eval()
         self.num_heads = self.model.layers[0].self_attn.num_heads
         self._allocate_kv_cache(args)
         self.compiled: Optional[CompiledStep] = None
         if tp_size == 1:   # a tensor-parallel step needs every rank: no lone warm-up
             self._compile_and_warm_up()
+
+    def _choose_linear_backend(self) -> None:
+        """Pack the float32 weights for the packed kernel when the config asks
+        (or leaves it to us and it can run here)."""
+        self.linear_backend = "torch"
+        if self.config.linear_backend == "torch":
+            return
+        reason = packed_linear.unavailable(self.device, self.dtype)
+        if reason is not None:
+            if self.config.linear_backend == "packed":
+                raise ValueError(f"linear_backend=packed cannot run here: {reason}")
+            logger.info("pagedbackend: linear layers use torch's F.linear: %s", reason)
+            return
+        self.model.pack_linears()
+        self.linear_backend = "packed"
 
     def _compile_and_warm_up(self) -> None:
         """Compile the step when the config asks and this machine can (otherwise

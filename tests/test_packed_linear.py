@@ -1,0 +1,125 @@
+"""Packed float32 linear layers (``linear_backend``): the C kernel computes
+``x W^T`` for every row count, output width and input width, compiled or not,
+whatever the thread count; an engine serving through it picks the same greedy
+tokens as one on ``F.linear``; a setting it cannot serve is refused by name."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedbackend.config import EngineConfig
+from pagedbackend.models import packed_linear
+from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
+
+REASON = packed_linear.unavailable(torch.device("cpu"), torch.float32)
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"packed kernel unavailable: {REASON}")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+# Rows: none, one, around the 6- and 8-row chunks, a decode batch, both sides
+# of KERNEL_MAX_ROWS. Widths: whole blocks, a ragged last block, odd K.
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 8, 9, 17, 64, packed_linear.KERNEL_MAX_ROWS,
+                                  packed_linear.KERNEL_MAX_ROWS + 1])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 37), (7, 130)])
+def test_packed_linear_computes_x_times_w_transposed(rows, out_features, in_features):
+    torch.manual_seed(rows)
+    weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
+    layer = packed_linear.PackedLinear(weight)
+    assert torch.equal(layer.dequantized(), weight)
+    got = layer(x)
+    assert got.shape == (rows, out_features)
+    if rows:
+        assert relative_error(got, F.linear(x, weight)) < 1e-5
+
+
+def test_packed_linear_keeps_leading_dimensions_and_reads_strided_input():
+    torch.manual_seed(3)
+    weight = torch.randn(64, 48)
+    wide = torch.randn(2, 5, 96)
+    x = wide[..., ::2]   # not contiguous
+    got = packed_linear.PackedLinear(weight)(x)
+    assert got.shape == (2, 5, 64)
+    assert relative_error(got, F.linear(x, weight)) < 1e-5
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    torch.manual_seed(4)
+    weight, x = torch.randn(200, 64), torch.randn(13, 64)
+    layer = packed_linear.PackedLinear(weight)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs.append(layer(x))
+    finally:
+        torch.set_num_threads(threads)
+    # each output is one sum over k in order, whichever thread computes its block
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+def test_compiled_call_matches_the_eager_one():
+    torch.manual_seed(5)
+    layer = packed_linear.PackedLinear(torch.randn(100, 40))
+    compiled = torch.compile(lambda x: torch.relu(layer(x)) * 2, dynamic=True, fullgraph=True)
+    for rows in (1, 3, 11, 200):
+        x = torch.randn(rows, 40)
+        assert torch.equal(compiled(x), torch.relu(layer(x)) * 2)
+
+
+def test_a_compiler_that_fails_is_reported_with_its_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDBACKEND_CACHE", str(tmp_path))
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'cc: no such target' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    with pytest.raises(RuntimeError, match="could not build packed_gemm.c: cc: no such target"):
+        packed_linear._build(str(failing))
+
+
+def runner(model_dir, **overrides) -> ModelRunner:
+    settings = dict(model=str(model_dir), block_size=16, num_kv_blocks=64, device="cpu",
+                    attention_backend="sdpa", compile=False)
+    return ModelRunner(EngineConfig(**{**settings, **overrides}))
+
+
+def test_runner_packs_every_projection_and_the_tied_lm_head(tiny_model_dir):
+    packed, plain = runner(tiny_model_dir, linear_backend="packed"), runner(tiny_model_dir, linear_backend="torch")
+    assert packed.linear_backend == "packed" and plain.linear_backend == "torch"
+    layers = list(packed.model.projections())
+    assert layers and all(isinstance(layer.matmul, packed_linear.PackedLinear) for layer in layers)
+    assert isinstance(packed.model.lm_head_matmul, packed_linear.PackedLinear)
+    prompt = list(range(300, 340))
+    for entries in ([SeqEntry(prompt, 0, [1, 2, 3])], [SeqEntry([prompt[0]], 40, [1, 2, 3])]):
+        assert relative_error(packed.execute_model(entries), plain.execute_model(entries)) < 1e-4
+
+
+def test_packed_engine_picks_the_greedy_tokens_of_f_linear(default_model_dir):
+    from pagedbackend import LLM, SamplingParams
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at",
+               "A haiku about autumn:", "Once upon a time,"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "packed"):
+        with LLM(model="default", linear_backend=backend, compile=False, num_kv_blocks=64) as llm:
+            outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outputs["packed"] == outputs["torch"]
+
+
+@pytest.mark.parametrize("settings,named", [
+    (dict(linear_backend="mkl"), "linear_backend must be one of auto, torch, packed"),
+    (dict(linear_backend="packed", quantization="int8"),
+     "linear_backend=packed serves float32 weights; it cannot be combined with quantization=int8"),
+])
+def test_unsupported_linear_backend_is_refused_by_name(settings, named):
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(**settings)
+
+
+def test_packed_backend_where_it_cannot_run_is_refused_by_name(tiny_model_dir):
+    with pytest.raises(ValueError, match="linear_backend=packed cannot run here: packed linear "
+                                         "layers are float32; the model's dtype is torch.bfloat16"):
+        runner(tiny_model_dir, linear_backend="packed", dtype="bfloat16")
+    auto = runner(tiny_model_dir, dtype="bfloat16")   # auto falls back to F.linear
+    assert auto.linear_backend == "torch"
