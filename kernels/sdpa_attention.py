@@ -6,12 +6,15 @@ reference twin re-derives every sequence's block gather in every layer. Here
 the host builds, once per step (``plan_sdpa_attention``), the cache slot of
 every key position each sequence reads, so a layer's work is:
 
-- decodes (one query token): one ``index_select`` of all their keys (and one
-  of their values) from the flat cache straight into ``[seqs x kv_heads,
-  max_len, head_dim]``, then two batched matmuls around a softmax, each KV
-  head's query group as the rows of one small matrix (SDPA's CPU kernel is
-  built for long queries: 2-4x slower at one query token); padding keys get
-  a -inf bias;
+- decodes (one query token), float32: one call of the C kernel
+  ``csrc/paged_decode.c`` (built here at first use, ``kernels.native``), which
+  reads each sequence's keys and values in place through its block table;
+- decodes otherwise (another dtype, or no C compiler): one ``index_select`` of
+  all their keys (and one of their values) from the flat cache straight into
+  ``[seqs x kv_heads, max_len, head_dim]``, then two batched matmuls around a
+  softmax, each KV head's query group as the rows of one small matrix (SDPA's
+  CPU kernel is built for long queries: 2-4x slower at one query token);
+  padding keys get a -inf bias;
 - fresh prefills (no cached prefix): causal SDPA on the step's own K/V, with no
   cache read at all;
 - chunks on a cached prefix: their slots gathered, SDPA with the causal mask
@@ -20,12 +23,20 @@ every key position each sequence reads, so a layer's work is:
 The KV write is one ``index_copy_`` per cache. Shapes and arguments follow
 ``paged_attention.py``.
 """
+import ctypes
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
+
+from pagedbackend.kernels import native
+
+# Decodes through csrc/paged_decode.c where it builds (tests turn it off to
+# check the gather path).
+USE_NATIVE_DECODE = True
+_native_decode = None   # the kernel's paged_decode once loaded; False: it cannot be built
 
 
 @dataclass
@@ -55,7 +66,9 @@ class SdpaPlan:
     viewed as ``[slots * kv_heads, head_dim]``, (sequence, head, position)
     in that order, padding repeating the sequence's first key; ``decode_bias``: fp32
     ``[n * kv_heads, 1, max_len]``, -inf on padding, None when no sequence
-    is shorter than ``max_len``. ``write_slots``: the new tokens' slots when
+    is shorter than ``max_len``; ``decode_tables`` (int32 ``[n, max_blocks]``)
+    and ``decode_lens`` (int32 ``[n]``): the decodes' block tables and key
+    counts, for the C kernel (None off CPU). ``write_slots``: the new tokens' slots when
     every one is stored, else None (some negative).
     """
     decode_rows: Optional[torch.Tensor]
@@ -65,6 +78,8 @@ class SdpaPlan:
     decode_len: int
     chunks: List[Chunk]
     write_slots: Optional[torch.Tensor]
+    decode_tables: Optional[torch.Tensor] = None
+    decode_lens: Optional[torch.Tensor] = None
 
 
 def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -81,7 +96,7 @@ def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
     lens = seq_lens.tolist()
     q_lens = [cu[s + 1] - cu[s] for s in range(len(lens))]
     decodes = [s for s, n in enumerate(q_lens) if n == 1]
-    rows = decode_index = decode_bias = None
+    rows = decode_index = decode_bias = kernel_tables = kernel_lens = None
     decode_len = 0
     if decodes:
         if num_kv_heads < 1:
@@ -101,6 +116,9 @@ def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
         heads = torch.arange(num_kv_heads)
         decode_index = (slots.unsqueeze(1) * num_kv_heads + heads[None, :, None]).view(-1).to(device)
         rows = torch.tensor([cu[s] for s in decodes], device=device)
+        if torch.device(device).type == "cpu":
+            kernel_tables = block_tables[seqs].to(torch.int32).contiguous()
+            kernel_lens = decode_lens.to(torch.int32).contiguous()
     chunks = []
     for s, (q_len, kv_len) in enumerate(zip(q_lens, lens)):
         if q_len <= 1:
@@ -115,7 +133,8 @@ def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
     num_tokens = cu[-1] if cu else 0
     decode_all = len(decodes) == num_tokens and decodes == list(range(len(decodes)))
     write_slots = slot_mapping.long().to(device) if bool((slot_mapping >= 0).all()) else None
-    return SdpaPlan(rows, decode_all, decode_index, decode_bias, decode_len, chunks, write_slots)
+    return SdpaPlan(rows, decode_all, decode_index, decode_bias, decode_len, chunks, write_slots,
+                    kernel_tables, kernel_lens)
 
 
 def write_kv_sdpa(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -182,11 +201,39 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
                           plan=plan, key=k, value=v)
 
 
+def native_decode():
+    """The C decode kernel's function, or None where it cannot be built."""
+    global _native_decode
+    if _native_decode is None:
+        try:
+            kernel = native.load("paged_decode").paged_decode
+        except RuntimeError:
+            _native_decode = False
+        else:
+            kernel.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p]
+                               + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int])
+            kernel.restype = ctypes.c_int
+            _native_decode = kernel
+    return _native_decode or None
+
+
 def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: SdpaPlan,
              scale: float) -> torch.Tensor:
-    """Single-token queries ``[n, heads, dim]`` against their gathered keys,
-    in fp32 whatever the cache dtype (as the reference twin)."""
+    """Single-token queries ``[n, heads, dim]`` against their keys, in fp32
+    whatever the cache dtype (as the reference twin)."""
     n, num_heads, head_dim = q.shape
+    if (USE_NATIVE_DECODE and plan.decode_tables is not None and q.dtype == torch.float32
+            and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and native_decode() is not None):
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        failed = native_decode()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                                 plan.decode_tables.data_ptr(), plan.decode_tables.shape[1],
+                                 plan.decode_lens.data_ptr(), n, num_heads, k_cache.shape[2],
+                                 head_dim, k_cache.shape[1], scale, torch.get_num_threads())
+        if failed:
+            raise MemoryError("paged decode attention could not allocate its scratch memory")
+        return out
     dtype = q.dtype
     rows = n * k_cache.shape[2]   # one matrix per (sequence, KV head)
     shape = (rows, plan.decode_len, head_dim)

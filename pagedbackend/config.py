@@ -1,9 +1,17 @@
 """Engine configuration: one dataclass, the same names as ``LLM(...)`` and the
 ``parameters`` of ``config.pbtxt``."""
 import os
+import pathlib
 import typing
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
+
+
+def cache_root() -> pathlib.Path:
+    """Where prepared models, compiled kernels and the inductor cache live
+    (``$PAGEDBACKEND_CACHE``, else ``~/.cache/pagedbackend``)."""
+    return pathlib.Path(os.environ.get("PAGEDBACKEND_CACHE")
+                        or pathlib.Path.home() / ".cache" / "pagedbackend").expanduser()
 
 # Environment variables PAGEDBACKEND_<FIELD> override config.pbtxt parameters.
 ENV_PREFIX = "PAGEDBACKEND_"

@@ -113,12 +113,36 @@ def assert_matches_sdpa(batch: PagedBatch, scale: Optional[float] = None) -> Non
     got = pa.paged_attention(*batch.args(), scale=scale)
     ref = pa.paged_attention_ref(*batch.args(), scale=scale)
     served = sa.sdpa_attention(*batch.args(), scale=scale)
+    gathered = gather_path_attention(batch, scale)   # the decodes' fallback path
     assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
+    torch.testing.assert_close(gathered.float(), expected, atol=atol, rtol=rtol)
     assert served.dtype == batch.q.dtype and served.shape == batch.q.shape
     torch.testing.assert_close(got.float(), expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(ref.float(), expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(served.float(), expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def gather_path_attention(batch: PagedBatch, scale: Optional[float] = None) -> torch.Tensor:
+    """The CPU serving path with its C decode kernel turned off."""
+    saved, sa.USE_NATIVE_DECODE = sa.USE_NATIVE_DECODE, False
+    try:
+        return sa.sdpa_attention(*batch.args(), scale=scale)
+    finally:
+        sa.USE_NATIVE_DECODE = saved
+
+
+@pytest.mark.skipif(sa.native_decode() is None, reason="no C compiler here for the decode kernel")
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_kernel_over_many_long_sequences_matches_sdpa(seed):
+    # Enough sequences that each kernel item is a whole sequence (the few-sequence
+    # case, one KV head per item, is in every batch above); lengths up to 700.
+    gen = torch.Generator().manual_seed(seed)
+    lens = [(1, int(n)) for n in torch.randint(1, 700, (9,), generator=gen)]
+    batch = make_batch(lens, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, seed=seed)
+    served = sa.sdpa_attention(*batch.args())
+    torch.testing.assert_close(served, sdpa_attention(batch), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(served, gather_path_attention(batch), atol=2e-5, rtol=2e-5)
 
 
 def random_lens(kind: str, n: int, seed: int) -> List[Tuple[int, int]]:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedbackend.config import EngineConfig
+from pagedbackend.kernels import native
 from pagedbackend.models import packed_linear
 from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
 
@@ -75,7 +76,7 @@ def test_a_compiler_that_fails_is_reported_with_its_message(tmp_path, monkeypatc
     failing.write_text("#!/bin/sh\necho 'cc: no such target' >&2\nexit 1\n")
     failing.chmod(0o755)
     with pytest.raises(RuntimeError, match="could not build packed_gemm.c: cc: no such target"):
-        packed_linear._build(str(failing))
+        native.build("packed_gemm", str(failing))
 
 
 def runner(model_dir, **overrides) -> ModelRunner:

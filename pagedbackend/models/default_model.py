@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 
+from pagedbackend.config import cache_root  # noqa: F401  (re-exported: callers use default_model.cache_root)
 from pagedbackend.models import SUPPORTED_MODEL_TYPES
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -32,11 +33,6 @@ def resolve_model_path(model: str) -> pathlib.Path:
     path = pathlib.Path(model).expanduser()
     check_model_folder(path)
     return path
-
-
-def cache_root() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("PAGEDBACKEND_CACHE")
-                        or pathlib.Path.home() / ".cache" / "pagedbackend").expanduser()
 
 
 def check_model_folder(path: pathlib.Path) -> dict:

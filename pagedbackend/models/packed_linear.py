@@ -3,109 +3,43 @@
 A decode step multiplies a few dozen rows by every weight matrix of the model.
 At 4 to 64 rows torch's ``F.linear`` (MKL sgemm) reaches a fraction of the
 machine's peak: each call repacks the weight and the weight streams from
-memory while the cores wait. ``csrc/packed_gemm.c`` reads a weight packed once,
-at load, in blocks of output columns, keeps each block in L2 while every chunk
-of rows multiplies it, prefetches the next one, and splits the blocks over
-torch's OpenMP threads (BENCHMARKS.md, section 13).
-
-The kernel is compiled here, at first use, with ``-march=native`` (AVX-512 or
-AVX2 as the machine has), into the cache beside the prepared model
-(``$PAGEDBACKEND_CACHE/kernels``); a build is keyed by the source, the compiler
-and the CPU's flags. Above ``KERNEL_MAX_ROWS`` rows (long prefills) torch's
-GEMM wins even after unpacking the weight for the call, so it is used there and
-one packed copy serves every step.
+memory while the cores wait. ``kernels/csrc/packed_gemm.c`` reads a weight
+packed once, at load, in blocks of output columns, keeps each block in L2
+while every chunk of rows multiplies it, prefetches the next one, and splits
+the blocks over torch's OpenMP threads (BENCHMARKS.md, section 13). It is
+compiled on this machine at first use (``kernels.native``). Above
+``KERNEL_MAX_ROWS`` rows (long prefills) torch's GEMM wins even after
+unpacking the weight for the call, so it is used there and one packed copy
+serves every step.
 
 The call is a ``torch.library`` operator, so a compiled step keeps it in its
 graph as an opaque call, as it keeps torch's own GEMM.
 """
 import ctypes
-import hashlib
-import logging
-import os
-import pathlib
-import shutil
-import subprocess
-import tempfile
-import threading
 from typing import Optional
 
 import torch
 from torch import nn
 
-logger = logging.getLogger("pagedbackend")
+from pagedbackend.kernels import native
 
-SOURCE = pathlib.Path(__file__).with_name("csrc") / "packed_gemm.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # Rows above which torch's GEMM on a weight unpacked for the call beats the
 # kernel (BENCHMARKS.md, section 13).
 KERNEL_MAX_ROWS = 192
 
-_lock = threading.Lock()
-_library: Optional[ctypes.CDLL] = None
-_gemm = None   # _library.packed_gemm once loaded
-_failure: Optional[str] = None
-
-
-def _compiler() -> Optional[str]:
-    for name in (os.environ.get("CC"), "gcc", "cc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
-
-
-def _build(compiler: str) -> pathlib.Path:
-    from pagedbackend.models.default_model import cache_root   # imports models/__init__
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join(part.encode() if isinstance(part, str) else part for part in
-                                    (SOURCE.read_bytes(), version, " ".join(FLAGS), _cpu_flags())))
-    target = cache_root() / "kernels" / f"packed_gemm-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = pathlib.Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: "
-                               f"{(result.stderr or result.stdout).strip()[:500]}")
-        os.replace(built, target)   # atomic: another process may be building the same file
-    return target
+_gemm = None   # the kernel's packed_gemm, once loaded
 
 
 def load_library() -> ctypes.CDLL:
-    """The compiled kernel, built on first use; raises RuntimeError saying why not."""
-    global _library, _gemm, _failure
-    with _lock:
-        if _library is None and _failure is None:
-            compiler = _compiler()
-            try:
-                if compiler is None:
-                    raise RuntimeError("the packed linear kernel needs a C compiler (gcc or cc) "
-                                       "on PATH, and none is there")
-                # torch first, so the kernel binds to the libgomp torch already loaded.
-                library = ctypes.CDLL(str(_build(compiler)))
-                library.packed_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-                library.packed_gemm.restype = None
-                library.packed_gemm_block_cols.restype = ctypes.c_int
-                _library, _gemm = library, library.packed_gemm
-            except (RuntimeError, OSError) as exc:
-                _failure = str(exc)
-        if _library is None:
-            raise RuntimeError(_failure)
-        return _library
+    """The compiled kernel (``kernels/csrc/packed_gemm.c``); raises RuntimeError saying why not."""
+    global _gemm
+    library = native.load("packed_gemm")
+    if _gemm is None:
+        library.packed_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+        library.packed_gemm.restype = None
+        library.packed_gemm_block_cols.restype = ctypes.c_int
+        _gemm = library.packed_gemm
+    return library
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> Optional[str]:
