@@ -301,3 +301,20 @@ def test_plots_write_a_png(tmp_path):
 def test_every_registered_benchmark_has_a_main():
     for name in BENCHMARKS:
         assert callable(importlib.import_module(f"loadtest.bench.{name}").main), name
+
+
+def test_cpu_kernels_bench_times_each_kernel_beside_what_it_replaces(tmp_path):
+    from pagedbackend.kernels import sdpa_attention as sa
+    from pagedbackend.models import packed_linear
+    if packed_linear.unavailable(torch.device("cpu"), torch.float32) or sa.native_decode() is None:
+        pytest.skip("no C compiler here for the CPU kernels")
+    from loadtest.bench import cpu_kernels
+    result = cpu_kernels.main(["--quick", "--threads", "1", "--out", str(tmp_path)])
+    assert [r["m"] for r in result["matmuls"]] == [1, 8]
+    for r in result["matmuls"]:
+        assert r["packed_ms"] > 0 and r["F.linear_ms"] > 0
+        assert r["max_rel_error_lm_head"] < 1e-5   # the same product, rounded differently
+    assert [(r["seqs"], r["mean_len"]) for r in result["attention"]] == [(1, 64), (4, 64)]
+    assert all(r["max_abs_error"] < 1e-4 and r["kernel_us"] > 0 for r in result["attention"])
+    assert sa.USE_NATIVE_DECODE   # the comparison leaves the kernel on
+    assert (tmp_path / "cpu_kernels.json").exists()

@@ -20,6 +20,7 @@ BENCHMARKS = {
     "gpu": "on a CUDA machine: Triton-lang kernel checks, decode attention timing, offline run",
     "quant_kernels": "weight-only int8 / int4 and bf16 matmuls vs fp32 on SmolLM2's linear shapes",
     "quant_quality": "quantization none / int8 / int4: perplexity, greedy agreement, offline tokens/s",
+    "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
 }
 NEEDS_CUDA = {"gpu"}
 

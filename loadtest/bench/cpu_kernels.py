@@ -1,0 +1,202 @@
+"""The CPU path's C kernels against what they replace, on SmolLM2-135M's shapes.
+
+Three parts, each with its variants interleaved round after round (so they
+share the machine's drift; figures are medians over rounds):
+
+- ``matmuls``: one decode step's linear layers alone: 30 layers of distinct
+  weights (qkv, o, gate_up, down; read from memory, as in a step) and the LM
+  head, at M rows: ``F.linear`` against ``linear_backend=packed``
+  (``kernels/csrc/packed_gemm.c``; above ``KERNEL_MAX_ROWS`` the weight
+  unpacked for torch's GEMM).
+- ``attention``: decode attention of one layer for N sequences with context
+  lengths drawn (seeded) up to twice the given mean: the gather path
+  (``index_select`` + batched matmuls) against the C kernel
+  (``kernels/csrc/paged_decode.c``).
+- ``steps``: whole decode steps of the real engine (default model) with N
+  sequences running, 100 tokens past their prompts: ``linear_backend=torch``
+  with the gather path (before), ``packed`` with the gather path, and
+  ``packed`` with the C attention kernel (the default), one step of each per
+  round. Greedy, EOS ignored.
+"""
+import argparse
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from .common import add_common_args, set_threads, write_result
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
+LAYER_SHAPES = {"qkv": (960, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN),
+                "down": (HIDDEN, INTERMEDIATE)}
+
+
+def interleaved(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, float]:
+    """Median seconds of one call of each, the calls taken in turn each round."""
+    for fn in fns.values():
+        fn()
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_matmuls(ms: List[int], rounds: int) -> List[dict]:
+    from pagedbackend.models.packed_linear import PackedLinear
+    torch.manual_seed(0)
+    layers = [{name: torch.randn(*shape) * shape[1] ** -0.5 for name, shape in LAYER_SHAPES.items()}
+              for _ in range(LAYERS)]
+    head = torch.randn(VOCAB, HIDDEN) * HIDDEN ** -0.5
+    packed_layers = [{name: PackedLinear(w) for name, w in layer.items()} for layer in layers]
+    packed_head = PackedLinear(head)
+
+    def walk(linear, lm_head, x):
+        for i in range(LAYERS):
+            linear(x, i, "qkv")
+            linear(x, i, "o")
+            up = linear(x, i, "gate_up")
+            linear(up[:, :INTERMEDIATE].contiguous(), i, "down")
+        return lm_head(x)
+
+    rows = []
+    for m in ms:
+        x = torch.randn(m, HIDDEN)
+        fns = {"F.linear": lambda: walk(lambda x, i, n: F.linear(x, layers[i][n]),
+                                        lambda x: F.linear(x, head), x),
+               "packed": lambda: walk(lambda x, i, n: packed_layers[i][n](x), packed_head, x)}
+        with torch.inference_mode():
+            error = ((fns["packed"]() - fns["F.linear"]()).abs().max()
+                     / fns["F.linear"]().abs().max()).item()
+            medians = interleaved(fns, rounds)
+        flops = 2 * m * (LAYERS * sum(a * b for a, b in LAYER_SHAPES.values()) + VOCAB * HIDDEN)
+        rows.append({"m": m, **{f"{name}_ms": s * 1e3 for name, s in medians.items()},
+                     "speedup": medians["F.linear"] / medians["packed"],
+                     "packed_gflops": flops / medians["packed"] / 1e9,
+                     "F.linear_gflops": flops / medians["F.linear"] / 1e9,
+                     "max_rel_error_lm_head": error})
+    return rows
+
+
+def bench_attention(seq_counts: List[int], mean_lens: List[int], rounds: int,
+                    seed: int) -> List[dict]:
+    from pagedbackend.kernels import sdpa_attention as sa
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    rows = []
+    for n in seq_counts:
+        for mean_len in mean_lens:
+            gen = torch.Generator().manual_seed(seed + n + mean_len)
+            lens = torch.randint(1, 2 * mean_len, (n,), generator=gen, dtype=torch.int32)
+            max_blocks = int(-(-int(lens.max()) // block_size))
+            num_blocks = n * max_blocks + 1
+            tables = (torch.randperm(num_blocks - 1, generator=gen)[: n * max_blocks] + 1)
+            tables = tables.view(n, max_blocks).to(torch.int32)
+            k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+            v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+            q = torch.randn(n, heads, dim, generator=gen)
+            plan = sa.plan_sdpa_attention(torch.arange(n + 1, dtype=torch.int32), lens,
+                                          block_tables=tables,
+                                          slot_mapping=torch.zeros(n, dtype=torch.long),
+                                          block_size=block_size, num_heads=heads,
+                                          num_kv_heads=kv_heads)
+
+            def run(native: bool):
+                sa.USE_NATIVE_DECODE = native
+                try:
+                    return sa._decodes(q, k_cache, v_cache, plan, dim ** -0.5)
+                finally:
+                    sa.USE_NATIVE_DECODE = True
+
+            error = (run(True) - run(False)).abs().max().item()
+            medians = interleaved({"gather": lambda: run(False), "C kernel": lambda: run(True)}, rounds)
+            rows.append({"seqs": n, "mean_len": mean_len, "keys": int(lens.sum()),
+                         "gather_us": medians["gather"] * 1e6, "kernel_us": medians["C kernel"] * 1e6,
+                         "speedup": medians["gather"] / medians["C kernel"], "max_abs_error": error})
+    return rows
+
+
+def bench_steps(seq_counts: List[int], rounds: int, compile_step: bool, seed: int) -> List[dict]:
+    from loadtest import workloads
+    from pagedbackend import LLMEngine, SamplingParams
+    from pagedbackend.config import EngineConfig
+    from pagedbackend.kernels import sdpa_attention as sa
+    engines = {backend: LLMEngine(EngineConfig(model="default", max_num_seqs=64, compile=compile_step,
+                                               enable_prefix_caching=False, linear_backend=backend))
+               for backend in ("torch", "packed")}
+    variants = {"before (F.linear, gather)": ("torch", False), "packed, gather": ("packed", False),
+                "packed, C attention": ("packed", True)}
+    rows = []
+    for n in seq_counts:
+        prompts = workloads.make_prompt_token_ids(workloads.alpaca_like(n, seed), 49152, seed)
+        params = SamplingParams(temperature=0.0, max_tokens=100 + 2 * rounds + 8, ignore_eos=True)
+        for engine in engines.values():
+            for i, ids in enumerate(prompts):
+                engine.add_request(f"{n}-{i}", ids, params)
+            for _ in range(100):
+                engine.step()
+
+        def step(backend: str, native: bool):
+            sa.USE_NATIVE_DECODE = native
+            try:
+                engines[backend].step()
+            finally:
+                sa.USE_NATIVE_DECODE = True
+
+        medians = interleaved({name: (lambda b=b, nat=nat: step(b, nat))
+                               for name, (b, nat) in variants.items()}, rounds)
+        for engine in engines.values():
+            while engine.has_unfinished_requests():
+                engine.step()
+        before = medians["before (F.linear, gather)"]
+        rows.append({"seqs": n, **{f"{name}_ms": s * 1e3 for name, s in medians.items()},
+                     **{f"{name}_speedup": before / s for name, s in medians.items()}})
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m loadtest.bench cpu_kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="matmuls,attention,steps")
+    ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256", help="rows of the matmul walk")
+    ap.add_argument("--seqs", default="1,8,30", help="sequence counts (attention and steps)")
+    ap.add_argument("--mean-lens", default="64,256", help="mean context lengths (attention)")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--no-compile", action="store_true", help="steps: run the model step eager")
+    add_common_args(ap, threads=2)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.ms, args.seqs, args.mean_lens, args.rounds = "1,8", "1,4", "64", 3
+        args.parts = "matmuls,attention"
+    set_threads(args.threads)
+    parts = args.parts.split(",")
+    result = {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "rounds": args.rounds}
+    seqs = [int(s) for s in args.seqs.split(",")]
+    if "matmuls" in parts:
+        result["matmuls"] = bench_matmuls([int(m) for m in args.ms.split(",")], args.rounds)
+        print(f"{'M':>4s} {'F.linear ms':>12s} {'packed ms':>10s} {'x':>6s} {'GFLOP/s':>8s}")
+        for r in result["matmuls"]:
+            print(f"{r['m']:>4d} {r['F.linear_ms']:12.1f} {r['packed_ms']:10.1f} {r['speedup']:6.2f} "
+                  f"{r['packed_gflops']:8.1f}")
+    if "attention" in parts:
+        result["attention"] = bench_attention(seqs, [int(s) for s in args.mean_lens.split(",")],
+                                              args.rounds, args.seed)
+        print(f"{'seqs':>4s} {'mean len':>8s} {'gather us':>10s} {'kernel us':>10s} {'x':>6s}")
+        for r in result["attention"]:
+            print(f"{r['seqs']:>4d} {r['mean_len']:>8d} {r['gather_us']:10.0f} {r['kernel_us']:10.0f} "
+                  f"{r['speedup']:6.2f}")
+    if "steps" in parts:
+        result["steps"] = bench_steps(seqs, args.rounds, not args.no_compile, args.seed)
+        for r in result["steps"]:
+            print(f"{r['seqs']:>4d} seqs: " + ", ".join(
+                f"{k[:-3]} {v:.1f} ms" for k, v in r.items() if k.endswith("_ms")))
+    print(f"wrote {write_result(args.out, 'cpu_kernels', result)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
