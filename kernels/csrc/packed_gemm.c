@@ -71,9 +71,62 @@ static inline __attribute__((always_inline)) void chunk_times_block(
     }
 }
 
+/* Decode steps of one or two rows are bound by memory bandwidth, and one
+ * sequential stream per thread does not reach it: these rows multiply GB
+ * consecutive blocks at once, GB streams side by side (4 streams: 1.12x at
+ * one row on SmolLM2's layers, BENCHMARKS.md section 13). */
+#define GB 4
+static inline __attribute__((always_inline)) void rows_times_blocks(
+        const float *x, const float *wp, float *y, int rows, int K, int N, int b, int count) {
+    vf acc[2][GB][2];
+    const float *w[GB];
+    for (int j = 0; j < GB; j++) {
+        w[j] = wp + (size_t)(b + (j < count ? j : 0)) * K * NB;
+        for (int r = 0; r < 2; r++) acc[r][j][0] = acc[r][j][1] = (vf){0};
+    }
+    for (int k = 0; k < K; k++) {
+#pragma GCC unroll 4
+        for (int j = 0; j < GB; j++) {
+            if (j < count) {
+                vf w0 = *(const vf *)(w[j] + (size_t)k * NB);
+                vf w1 = *(const vf *)(w[j] + (size_t)k * NB + VW);
+                for (int r = 0; r < rows; r++) {
+                    float xs = x[(size_t)r * K + k];
+                    acc[r][j][0] += xs * w0;
+                    acc[r][j][1] += xs * w1;
+                }
+            }
+        }
+    }
+    for (int j = 0; j < count; j++) {
+        int ncols = N - (b + j) * NB;
+        if (ncols > NB) ncols = NB;
+        for (int r = 0; r < rows; r++) {
+            float tmp[NB];
+            *(vf *)tmp = acc[r][j][0];
+            *(vf *)(tmp + VW) = acc[r][j][1];
+            memcpy(y + (size_t)r * N + (size_t)(b + j) * NB, tmp, (size_t)ncols * sizeof(float));
+        }
+    }
+}
+
 static void run_blocks(const float *x, const float *wp, float *y, int M, int K, int N,
                        int first, int last) {
     int C = (M + MR - 1) / MR;
+    if (M <= 2) {
+        for (int b = first; b < last; b += GB) {
+            int count = last - b < GB ? last - b : GB;
+            /* constant row and block counts keep the accumulators in registers */
+#define BLOCKS(rows, n) case n: rows_times_blocks(x, wp, y, rows, K, N, b, n); break;
+            if (M == 1) {
+                switch (count) { BLOCKS(1, 1) BLOCKS(1, 2) BLOCKS(1, 3) BLOCKS(1, 4) }
+            } else {
+                switch (count) { BLOCKS(2, 1) BLOCKS(2, 2) BLOCKS(2, 3) BLOCKS(2, 4) }
+            }
+#undef BLOCKS
+        }
+        return;
+    }
     for (int b = first; b < last; b++) {
         const float *wb = wp + (size_t)b * K * NB;
         const float *next = b + 1 < last ? wb + (size_t)K * NB : NULL;
@@ -104,6 +157,7 @@ static void run_blocks(const float *x, const float *wp, float *y, int M, int K, 
 
 void packed_gemm(const float *x, const float *wp, float *y, int M, int K, int N, int threads) {
     int blocks = (N + NB - 1) / NB;
+    if (M <= 0 || blocks <= 0) return;
     if (threads < 1) threads = 1;
     if (threads > blocks) threads = blocks;
 #ifdef _OPENMP
