@@ -23,9 +23,11 @@ from torch import nn
 
 from pagedbackend.kernels import native
 
-# Rows above which torch's GEMM on a weight unpacked for the call beats the
-# kernel (BENCHMARKS.md, section 13).
-KERNEL_MAX_ROWS = 192
+# Rows above which torch's GEMM on a weight unpacked for the call is the
+# faster of the two (BENCHMARKS.md, section 13): from 128 to 512 rows the
+# kernel runs at 0.8-0.95x of F.linear on the original weight and the
+# unpacking copy costs more than that; at 1024 rows the copy is cheaper.
+KERNEL_MAX_ROWS = 768
 
 _gemm = None   # the kernel's packed_gemm, once loaded
 
