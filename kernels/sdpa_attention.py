@@ -68,7 +68,9 @@ class SdpaPlan:
     ``[n * kv_heads, 1, max_len]``, -inf on padding, None when no sequence
     is shorter than ``max_len``; ``decode_tables`` (int32 ``[n, max_blocks]``)
     and ``decode_lens`` (int32 ``[n]``): the decodes' block tables and key
-    counts, for the C kernel (None off CPU). ``write_slots``: the new tokens' slots when
+    counts, for the C kernel (None off CPU), and the largest block number they
+    reach (the kernel reads the cache only when it holds that block).
+    ``write_slots``: the new tokens' slots when
     every one is stored, else None (some negative).
     """
     decode_rows: Optional[torch.Tensor]
@@ -80,6 +82,7 @@ class SdpaPlan:
     write_slots: Optional[torch.Tensor]
     decode_tables: Optional[torch.Tensor] = None
     decode_lens: Optional[torch.Tensor] = None
+    decode_max_block: int = -1
 
 
 def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -97,6 +100,7 @@ def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
     q_lens = [cu[s + 1] - cu[s] for s in range(len(lens))]
     decodes = [s for s, n in enumerate(q_lens) if n == 1]
     rows = decode_index = decode_bias = kernel_tables = kernel_lens = None
+    kernel_max_block = -1
     decode_len = 0
     if decodes:
         if num_kv_heads < 1:
@@ -119,6 +123,9 @@ def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
         if torch.device(device).type == "cpu":
             kernel_tables = block_tables[seqs].to(torch.int32).contiguous()
             kernel_lens = decode_lens.to(torch.int32).contiguous()
+            used = kernel_tables[:, :-(-decode_len // block_size)]
+            # a negative block number counts as out of range: the gather path reports it
+            kernel_max_block = int(used.max()) if int(used.min()) >= 0 else 1 << 62
     chunks = []
     for s, (q_len, kv_len) in enumerate(zip(q_lens, lens)):
         if q_len <= 1:
@@ -134,7 +141,7 @@ def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
     decode_all = len(decodes) == num_tokens and decodes == list(range(len(decodes)))
     write_slots = slot_mapping.long().to(device) if bool((slot_mapping >= 0).all()) else None
     return SdpaPlan(rows, decode_all, decode_index, decode_bias, decode_len, chunks, write_slots,
-                    kernel_tables, kernel_lens)
+                    kernel_tables, kernel_lens, kernel_max_block)
 
 
 def write_kv_sdpa(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -222,7 +229,8 @@ def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
     """Single-token queries ``[n, heads, dim]`` against their keys, in fp32
     whatever the cache dtype (as the reference twin)."""
     n, num_heads, head_dim = q.shape
-    if (USE_NATIVE_DECODE and plan.decode_tables is not None and q.dtype == torch.float32
+    if (USE_NATIVE_DECODE and plan.decode_tables is not None
+            and plan.decode_max_block < k_cache.shape[0] and q.dtype == torch.float32
             and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
             and v_cache.is_contiguous() and native_decode() is not None):
         q = q.contiguous()

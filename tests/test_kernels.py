@@ -145,6 +145,16 @@ def test_decode_kernel_over_many_long_sequences_matches_sdpa(seed):
     torch.testing.assert_close(served, gather_path_attention(batch), atol=2e-5, rtol=2e-5)
 
 
+def test_decode_through_a_block_the_cache_lacks_raises_instead_of_reading_past_it():
+    batch = make_batch([(1, 20), (1, 7)], block_size=16, num_heads=4, num_kv_heads=2, head_dim=64, seed=3)
+    tables = batch.block_tables.clone()
+    tables[0, 1] = batch.k_cache.shape[0] + 5   # a corrupt table: no such block
+    args = list(batch.args())
+    args[3] = tables
+    with pytest.raises(IndexError):
+        sa.sdpa_attention(*args)
+
+
 def random_lens(kind: str, n: int, seed: int) -> List[Tuple[int, int]]:
     """(q_len, seq_len) pairs: fresh prefills, prefills on a cached prefix, or decodes."""
     gen = torch.Generator().manual_seed(seed)

@@ -124,3 +124,10 @@ def test_packed_backend_where_it_cannot_run_is_refused_by_name(tiny_model_dir):
         runner(tiny_model_dir, linear_backend="packed", dtype="bfloat16")
     auto = runner(tiny_model_dir, dtype="bfloat16")   # auto falls back to F.linear
     assert auto.linear_backend == "torch"
+
+
+@pytest.mark.parametrize("x", [torch.randn(2, 15), torch.randn(2, 16, dtype=torch.float64)], ids=["width", "dtype"])
+def test_an_input_that_does_not_fit_the_weight_is_refused_by_name(x):
+    layer = packed_linear.PackedLinear(torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"packed_linear takes float32 \[rows, 16\] inputs"):
+        torch.ops.pagedbackend.packed_linear(x, layer.packed, 8)

@@ -88,6 +88,9 @@ _ops.define("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor"
 def _packed_linear_cpu(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x @ W^T`` for a 2-D float32 ``x`` and ``packed = pack(W)``."""
     rows, k = x.shape
+    if x.dtype != torch.float32 or packed.dtype != torch.float32 or packed.shape[1] != k:
+        raise ValueError(f"packed_linear takes float32 [rows, {packed.shape[1]}] inputs for this "
+                         f"weight; got {x.dtype} {tuple(x.shape)}")
     if rows > KERNEL_MAX_ROWS:   # a prefill: torch's GEMM on the weight unpacked for this call
         return torch.nn.functional.linear(x, unpack(packed, out_features))
     x = x.contiguous()

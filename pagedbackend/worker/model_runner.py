@@ -20,8 +20,8 @@ from pagedbackend.kernels import get_attention_ops
 from pagedbackend.models import MODEL_CLASSES, LlamaArgs
 from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
-from pagedbackend.models.linear import Reduce
 from pagedbackend.models import packed_linear
+from pagedbackend.models.linear import Reduce
 from pagedbackend.models.quant import INT8_KERNEL_MAX_ROWS, quantize_model
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
 from pagedbackend.worker.compiled import CompiledStep, compile_unavailable
@@ -54,6 +54,7 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_class(args, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
+        self.linear_backend = "torch"   # what serves the float32 linear layers
         if config.quantization != "none":
             quantize_model(self.model, config, self.device)
         else:
@@ -68,7 +69,6 @@ class ModelRunner:
     def _choose_linear_backend(self) -> None:
         """Pack the float32 weights for the packed kernel when the config asks
         (or leaves it to us and it can run here)."""
-        self.linear_backend = "torch"
         if self.config.linear_backend == "torch":
             return
         reason = packed_linear.unavailable(self.device, self.dtype)
