@@ -1,8 +1,9 @@
 """C kernels for the CPU path, compiled on this machine at first use.
 
-Each kernel is one C file in ``csrc/``, built with ``-O3 -march=native
--fopenmp`` (AVX-512 or AVX2, whichever the CPU has) into the cache beside the
-prepared model (``$PAGEDBACKEND_CACHE/kernels``) and loaded with ``ctypes``. A
+Each kernel is one C file in ``csrc/``, compiled with ``-O3 -march=native
+-fopenmp`` (AVX-512 or AVX2, whichever the CPU has), linked separately (see
+``EXTRA_FLAGS``) into the cache beside the prepared model
+(``$PAGEDBACKEND_CACHE/kernels``) and loaded with ``ctypes``. A
 build is keyed by the source, the compiler and the CPU's flags, so a changed
 file, compiler or machine gets its own build; the file is written atomically,
 so processes starting together do not clash. The kernels use OpenMP through
@@ -22,9 +23,12 @@ from typing import Dict, Optional
 from pagedbackend.config import cache_root
 
 CSRC = pathlib.Path(__file__).with_name("csrc")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-# Flags of single kernels (said in their sources), after FLAGS; libm last.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
+# Compile flags of single kernels (said in their sources), after FLAGS. They
+# apply to compiling only: linked with -ffast-math, gcc would add
+# crtfastmath.o, which flushes subnormals to zero in the whole process.
 EXTRA_FLAGS = {"paged_decode": ["-ffast-math"]}
+LINK = ["-shared", "-fopenmp"]
 LIBS = ["-lm"]
 
 _lock = threading.Lock()
@@ -58,18 +62,20 @@ def build(name: str, cc: str) -> pathlib.Path:
     flags = FLAGS + EXTRA_FLAGS.get(name, [])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(),
-                                     " ".join(flags + LIBS).encode(), _cpu_flags().encode()]))
+                                     " ".join(flags + LINK + LIBS).encode(), _cpu_flags().encode()]))
     target = cache_root() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = pathlib.Path(scratch) / target.name
-        result = subprocess.run([cc, *flags, str(source), "-o", str(built), *LIBS],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{cc} could not build {source.name}: "
-                               f"{(result.stderr or result.stdout).strip()[:500]}")
+        obj = built.with_suffix(".o")
+        for command in ([cc, *flags, "-c", str(source), "-o", str(obj)],
+                        [cc, *LINK, str(obj), "-o", str(built), *LIBS]):
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{cc} could not build {source.name}: "
+                                   f"{(result.stderr or result.stdout).strip()[:500]}")
         os.replace(built, target)
     return target
 

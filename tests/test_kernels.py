@@ -457,3 +457,15 @@ def test_compiled_kernels_match_sdpa_on_gpu(dtype):
     kv_write.write_kv(key, value, k_cache, v_cache, slots)
     kv_write.write_kv_ref(key, value, k_ref, v_ref, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.skipif(sa.native_decode() is None, reason="no C compiler here for the decode kernel")
+def test_loading_the_cpu_kernels_keeps_subnormal_floats():
+    # A library linked with -ffast-math would flush subnormals to zero in the
+    # whole process (crtfastmath.o), changing every float computation after it.
+    from pagedbackend.models import packed_linear
+    packed_linear.load_library()
+    assert sa.native_decode() is not None
+    assert torch.tensor([1e-40], dtype=torch.float32).item() != 0.0
+    assert (torch.tensor([1e-38]) / 1000).item() != 0.0
+    assert float("1e-310") * 1.0 != 0.0

@@ -10,7 +10,7 @@
  * with its query heads: their scores against all its keys, an exact softmax
  * (max, exp, sum), then the weighted sum of the value rows; each cache row is
  * read once. Items are spread over OpenMP threads (torch's libgomp, as for
- * packed_gemm.c). Built with -ffast-math (kernels.native) so that expf is
+ * packed_gemm.c). Compiled (not linked) with -ffast-math (kernels.native) so that expf is
  * vectorised; nothing here relies on infinities or NaNs.
  */
 #include <math.h>
