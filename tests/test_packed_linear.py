@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from greedy import default_model_greedy
 from pagedbackend.config import EngineConfig
 from pagedbackend.kernels import native
 from pagedbackend.models import packed_linear
@@ -97,14 +98,10 @@ def test_runner_packs_every_projection_and_the_tied_lm_head(tiny_model_dir):
 
 
 def test_packed_engine_picks_the_greedy_tokens_of_f_linear(default_model_dir):
-    from pagedbackend import LLM, SamplingParams
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at",
                "A haiku about autumn:", "Once upon a time,"]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    outputs = {}
-    for backend in ("torch", "packed"):
-        with LLM(model="default", linear_backend=backend, compile=False, num_kv_blocks=64) as llm:
-            outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    outputs = {backend: default_model_greedy(prompts, 24, linear_backend=backend)
+               for backend in ("torch", "packed")}
     assert outputs["packed"] == outputs["torch"]
 
 

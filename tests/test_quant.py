@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from greedy import default_model_greedy
 from pagedbackend.config import EngineConfig, engine_config
 from pagedbackend.models import default_model
 from pagedbackend.models.gguf_q4 import cached_q4_1_weights, unpack_q4_1
@@ -115,15 +116,10 @@ def test_compiled_int8_step_computes_what_the_eager_one_does(tiny_model_dir):
 
 
 def test_int8_engine_mostly_picks_fp32_greedy_tokens(default_model_dir):
-    from pagedbackend import LLM, SamplingParams
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at",
                "A haiku about autumn:", "The three primary colours are", "import numpy as np\n",
                "Once upon a time,", "The speed of light is"]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    outputs = {}
-    for mode in ("none", "int8"):
-        with LLM(model="default", quantization=mode, compile=False, num_kv_blocks=64) as llm:
-            outputs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    outputs = {mode: default_model_greedy(prompts, 16, quantization=mode) for mode in ("none", "int8")}
     matches = sum(a == b for ref, got in zip(outputs["none"], outputs["int8"]) for a, b in zip(ref, got))
     total = sum(len(ref) for ref in outputs["none"])
     # int8 diverges here and there after a near-tie; broken weights match almost nothing.
