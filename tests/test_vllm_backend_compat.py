@@ -244,8 +244,11 @@ def test_vllm_metric_names_count_the_same_requests_as_ours(server):
     outputs.append(infer(server, {"n": 2, "temperature": 0.7, "max_tokens": 5, "ignore_eos": True},
                          False, True, FLAGS))
     prompt_tokens = sum(int(o[-1]["num_input_tokens"][0]) for o in outputs)
-    after = wait_for(server, lambda v: get(v, "vllm:request_params_n_count") - get(before, "vllm:request_params_n_count") >= 4
-                     and get(v, "vllm:num_requests_running") == 0)
+    wait_for(server, lambda v: get(v, "vllm:request_params_n_count") - get(before, "vllm:request_params_n_count") >= 4
+             and get(v, "vllm:num_requests_running") == 0)
+    # A scrape can fall between two metric updates of one refresh: take the
+    # figures once they stand still.
+    after = settled(server)
     delta = {name: get(after, name) - get(before, name) for name, model in after if model == "paged_llm"}
 
     assert delta["vllm:generation_tokens_total"] == delta["pagedbackend:generation_tokens_total"] == 3 * 5 + 2 * 5

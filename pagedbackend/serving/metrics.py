@@ -128,8 +128,8 @@ class Metrics:
             self.gauges, self.counters, self.histograms = [], [], {}
 
     def update(self, stats):
-        for key, gauge in self.gauges:
-            gauge.set(float(getattr(stats, key)))
+        """Counters first, then gauges: a scrape that sees a gauge of this
+        refresh also sees its counters."""
         increments = {}
         for key, _ in self.counters:
             value = getattr(stats, key)
@@ -140,6 +140,8 @@ class Metrics:
                 counter.increment(float(increments[key]))
         for key, amount in increments.items():
             self.last[key] += amount
+        for key, gauge in self.gauges:
+            gauge.set(float(getattr(stats, key)))
 
     def observe(self, key: str, value: float):
         for histogram in self.histograms.get(key, ()):
