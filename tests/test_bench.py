@@ -269,6 +269,10 @@ def test_peers_bench_runs_our_system_alone_when_no_peer_is_installed(tiny_model_
     assert serving["system"] == "ours" and serving["finished"] == serving["requests"] == 4
     assert serving["output_tokens"] == serving["requested_tokens"]
     assert 0 < serving["ttft_ms_p50"] and serving["tpot_ms_p50"] is not None
+    # the server's own step counters, scraped from /metrics around the run
+    assert serving["server_steps"] > 0
+    assert serving["server_step_ms_mean"] >= serving["server_forward_ms_mean"] > 0
+    assert serving["server_tokens_per_step"] > 0
     assert (tmp_path / "peers.png").read_bytes()[:4] == b"\x89PNG"
 
 

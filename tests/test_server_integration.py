@@ -263,7 +263,8 @@ def test_metrics_are_exported_with_model_and_version_labels(server):
              "kv_blocks_shared", "kv_blocks_cached_free", "prompt_tokens_total", "generation_tokens_total",
              "num_preemptions_total", "prefix_cache_hits_total", "prefix_cache_queries_total",
              "time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
-             "e2e_request_latency_seconds_count"]
+             "e2e_request_latency_seconds_count", "engine_steps_total", "engine_step_seconds_total",
+             "engine_forward_seconds_total", "engine_sample_seconds_total"]
 
     values = {name: wait_for_metric(server, name, lambda v: True) for name in names}
 
@@ -272,3 +273,6 @@ def test_metrics_are_exported_with_model_and_version_labels(server):
     assert values["time_to_first_token_seconds_count"] >= 1
     assert values["e2e_request_latency_seconds_count"] >= 1
     assert 0.0 <= values["kv_cache_usage_ratio"] <= 1.0
+    assert values["engine_steps_total"] >= 4  # a prefill and three decodes at least
+    assert values["engine_step_seconds_total"] >= values["engine_forward_seconds_total"] > 0
+    assert values["engine_step_seconds_total"] >= values["engine_sample_seconds_total"] > 0

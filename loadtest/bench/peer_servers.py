@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 HOST = "127.0.0.1"
 
@@ -55,6 +55,7 @@ class Server:
         self.log = tempfile.NamedTemporaryFile(prefix=f"peers-{name}-", suffix=".log", delete=False)
         self.process: Optional[subprocess.Popen] = None
         self.ready_s: Optional[float] = None
+        self.engine_counters: Optional[Callable[[], Dict[str, float]]] = None  # ours only
 
     def __enter__(self) -> "Server":
         self.start()
@@ -101,11 +102,44 @@ def ours(model: str, port: int, threads: int, settings: Dict[str, object], repo_
     copy of the model repository."""
     from pagedbackend.serving.launcher import free_port, make_model_repository
     repo = make_model_repository(repo_dir, {"model": model, **settings})
+    metrics_port = free_port()
     command = [sys.executable, "-m", "pagedbackend.serve", "--model-repository", str(repo),
                "--http-port", str(port), "--grpc-port", str(free_port()),
-               "--metrics-port", str(free_port())]
+               "--metrics-port", str(metrics_port)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    return Server("ours", command, port, "/v2/health/ready", env)
+    server = Server("ours", command, port, "/v2/health/ready", env)
+    server.engine_counters = lambda: engine_counters(f"http://{HOST}:{metrics_port}/metrics")
+    return server
+
+
+ENGINE_COUNTERS = ("engine_steps_total", "engine_step_seconds_total", "engine_forward_seconds_total",
+                   "engine_sample_seconds_total", "generation_tokens_total")
+
+
+def engine_counters(url: str) -> Dict[str, float]:
+    """Our engine's step counters from tritonserver's ``/metrics``, summed over models."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    values = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        name = name.removeprefix("pagedbackend:")
+        if name in values and line.startswith("pagedbackend:"):
+            values[name] += float(rest.rsplit(" ", 1)[-1])
+    return values
+
+
+def step_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float]:
+    """Mean step, forward and sampling time inside the server between two scrapes."""
+    delta = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
+    steps = delta["engine_steps_total"]
+    if steps <= 0:
+        return {}
+    return {"server_steps": int(steps),
+            "server_step_ms_mean": round(1000 * delta["engine_step_seconds_total"] / steps, 2),
+            "server_forward_ms_mean": round(1000 * delta["engine_forward_seconds_total"] / steps, 2),
+            "server_sample_ms_mean": round(1000 * delta["engine_sample_seconds_total"] / steps, 2),
+            "server_tokens_per_step": round(delta["generation_tokens_total"] / steps, 2)}
 
 
 def vllm(python: str, model_dir: str, port: int, threads: int, max_num_seqs: int,

@@ -206,8 +206,14 @@ def serve_one(system: str, server: peer_servers.Server, stream, prompts, lengths
     with server:
         for _ in stream(0, 4):   # warm-up, not timed
             pass
+        before = server.engine_counters() if server.engine_counters else None
         records = drive(lambda i: stream(i, lengths[i]), arrivals, time_limit_s)
+        if before is not None:
+            time.sleep(0.5)   # the server refreshes its counters every 0.2 s
+            breakdown = peer_servers.step_breakdown(before, server.engine_counters())
     out = summarise(system, records, lengths)
+    if before is not None:
+        out.update(breakdown)
     out["ready_s"] = round(server.ready_s or 0.0, 1)
     return out
 
@@ -346,6 +352,9 @@ def serving(args, model: str, model_dir: str, peers: dict) -> dict:
         r = rows[-1]
         print(f"serving {system}: " + (f"TTFT p50 {r['ttft_ms_p50']} ms, TPOT p50 {r['tpot_ms_p50']} ms, "
               f"ITL p50 {r['itl_ms_p50']} ms, {r['finished']}/{r['requests']} finished"
+              + (f"; in the server a step took {r['server_step_ms_mean']} ms (forward "
+                 f"{r['server_forward_ms_mean']} ms) for {r['server_tokens_per_step']} tokens"
+                 if "server_step_ms_mean" in r else "")
               if "error" not in r else r["error"][:300]), flush=True)
 
     with tempfile.TemporaryDirectory(prefix="peers-repo-") as repo_dir:

@@ -227,6 +227,9 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.last_step_tokens = sched.num_batched_tokens
         self.last_step_seconds = time.perf_counter() - start
+        self.stats.step_seconds += self.last_step_seconds
+        self.stats.forward_seconds += self.last_forward_seconds
+        self.stats.sample_seconds += self.last_sample_seconds
         return [o for o in outputs if o is not None]
 
     def _sample_and_update(self, logits: torch.Tensor, completing: Seq[ScheduledSeq],

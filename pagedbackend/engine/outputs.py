@@ -63,6 +63,9 @@ class EngineStats:
     prompt_tokens: int = 0           # total prompt tokens admitted
     generation_tokens: int = 0       # total tokens generated
     num_steps: int = 0
+    step_seconds: float = 0.0        # wall time in steps that ran the model, total
+    forward_seconds: float = 0.0     # of which in the model's forward pass
+    sample_seconds: float = 0.0      # of which sampling and applying tokens
     last_step_tokens: int = 0        # tokens computed in the latest step
     finished_requests: int = 0
     aborted_requests: int = 0
