@@ -59,10 +59,11 @@ class EngineConfig:
     # Q4_1 blocks). The LM head is int8 in both. CPU only, tensor_parallel_size
     # 1, dtype float32 or bfloat16. See BENCHMARKS.md for speed and quality.
     quantization: str = "none"
-    # Kernel of the float32 linear layers: "packed" (weights packed at load for
-    # a C kernel built on this machine, fastest at decode-sized steps; CPU,
-    # float32, needs gcc), "torch" (F.linear) or "auto" (packed where it can
-    # run, else torch with one log line). See BENCHMARKS.md, section 13.
+    # Kernel of the float32 and int8 linear layers: "packed" (weights packed at
+    # load for a C kernel built on this machine, fastest at decode-sized steps;
+    # CPU, float32 activations, needs gcc), "torch" (F.linear, or torch's int8
+    # kernel) or "auto" (packed where it can run, else torch with one log
+    # line). See BENCHMARKS.md, sections 13 and 14.
     linear_backend: str = "auto"
     # "cpu", "cuda" or "auto" (cuda when available).
     device: str = "auto"
@@ -89,9 +90,9 @@ class EngineConfig:
         choice("device", ("auto", "cpu", "cuda"))
         choice("quantization", ("none", "int8", "int4"))
         choice("linear_backend", ("auto", "torch", "packed"))
-        if self.linear_backend == "packed" and self.quantization != "none":
-            raise ValueError(f"linear_backend=packed serves float32 weights; it cannot be combined "
-                             f"with quantization={self.quantization}")
+        if self.linear_backend == "packed" and self.quantization == "int4":
+            raise ValueError("linear_backend=packed serves float32 and int8 weights; it cannot be "
+                             "combined with quantization=int4")
         if self.quantization != "none":
             if self.tensor_parallel_size > 1:
                 raise ValueError(f"quantization={self.quantization} does not support "

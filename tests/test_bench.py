@@ -256,23 +256,26 @@ def test_peers_bench_runs_our_system_alone_when_no_peer_is_installed(tiny_model_
 
     result = peers.main(["--model", str(tiny_model_dir), "--quick", "--no-compile", "--threads", "1",
                          "--max-output", "6", "--vllm-python", str(tmp_path / "absent-python"),
-                         "--out", str(tmp_path)])
+                         "--int8", "--out", str(tmp_path)])
 
     printed = capsys.readouterr().out
     assert "skipped: vLLM" in printed and "skipped: llama.cpp" in printed
     saved = json.loads((tmp_path / "peers.json").read_text())
     assert saved["offline"] == result["offline"] and len(saved["peers_skipped"]) == 2
-    (offline,) = saved["offline"]["rows"]
+    offline, offline_int8 = saved["offline"]["rows"]
     assert offline["system"] == "ours" and offline["output_tokens"] == saved["offline"]["output_tokens"]
     assert offline["output_tokens_per_s"] > 0 and offline["vs_ours"] == 1.0
-    (serving,) = saved["serving"]["rows"]
-    assert serving["system"] == "ours" and serving["finished"] == serving["requests"] == 4
-    assert serving["output_tokens"] == serving["requested_tokens"]
-    assert 0 < serving["ttft_ms_p50"] and serving["tpot_ms_p50"] is not None
-    # the server's own step counters, scraped from /metrics around the run
-    assert serving["server_steps"] > 0
-    assert serving["server_step_ms_mean"] >= serving["server_forward_ms_mean"] > 0
-    assert serving["server_tokens_per_step"] > 0
+    assert offline_int8["system"] == "ours int8" and offline_int8["output_tokens"] == offline["output_tokens"]
+    assert 0 <= offline_int8["same_first_8_tokens_as_ours"] <= 1
+    assert [r["system"] for r in saved["serving"]["rows"]] == ["ours", "ours int8"]
+    for serving in saved["serving"]["rows"]:
+        assert serving["finished"] == serving["requests"] == 4
+        assert serving["output_tokens"] == serving["requested_tokens"]
+        assert 0 < serving["ttft_ms_p50"] and serving["tpot_ms_p50"] is not None
+        # the server's own step counters, scraped from /metrics around the run
+        assert serving["server_steps"] > 0
+        assert serving["server_step_ms_mean"] >= serving["server_forward_ms_mean"] > 0
+        assert serving["server_tokens_per_step"] > 0
     assert (tmp_path / "peers.png").read_bytes()[:4] == b"\x89PNG"
 
 

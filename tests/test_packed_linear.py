@@ -1,7 +1,9 @@
-"""Packed float32 linear layers (``linear_backend``): the C kernel computes
-``x W^T`` for every row count, output width and input width, compiled or not,
-whatever the thread count; an engine serving through it picks the same greedy
-tokens as one on ``F.linear``; a setting it cannot serve is refused by name."""
+"""Packed linear layers (``linear_backend``): the C kernels compute ``x W^T``
+(float32 W) and ``x (q s)^T`` (int8 q, a scale per output) for every row
+count, output width and input width, compiled or not, whatever the thread
+count; an engine serving through them picks the same greedy tokens as one on
+``F.linear`` (float32) or computes the model of its dequantised weights
+(int8); a setting they cannot serve is refused by name."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from greedy import default_model_greedy
 from pagedbackend.config import EngineConfig
 from pagedbackend.kernels import native
 from pagedbackend.models import packed_linear
+from pagedbackend.models.quant import Int8Linear
 from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
 
 REASON = packed_linear.unavailable(torch.device("cpu"), torch.float32)
@@ -34,6 +37,49 @@ def test_packed_linear_computes_x_times_w_transposed(rows, out_features, in_feat
     assert got.shape == (rows, out_features)
     if rows:
         assert relative_error(got, F.linear(x, weight)) < 1e-5
+
+
+# int8: one row and two (four blocks side by side), one chunk of rows
+# (widened in registers), several chunks (each block widened once into a
+# float copy), both sides of KERNEL_MAX_ROWS.
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 17, 64, packed_linear.KERNEL_MAX_ROWS,
+                                  packed_linear.KERNEL_MAX_ROWS + 1])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 37), (7, 130), (300, 1536)])
+def test_packed_int8_linear_computes_x_times_its_dequantised_weight(rows, out_features, in_features):
+    torch.manual_seed(rows + 1)
+    weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
+    layer = packed_linear.PackedInt8Linear(weight)
+    dequantized = layer.dequantized()
+    assert torch.equal(dequantized, Int8Linear(weight).dequantized())   # the same int8 values
+    assert relative_error(dequantized, weight) < 0.01
+    got = layer(x)
+    assert got.shape == (rows, out_features)
+    if rows:
+        assert relative_error(got, F.linear(x, dequantized)) < 1e-5
+
+
+def test_packed_int8_results_do_not_depend_on_the_thread_count():
+    torch.manual_seed(6)
+    layer = packed_linear.PackedInt8Linear(torch.randn(200, 64))
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 5, 20):
+            x = torch.randn(rows, 64)
+            outputs = []
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                outputs.append(layer(x))
+            assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_packed_int8_refuses_inputs_it_was_not_built_for():
+    layer = packed_linear.PackedInt8Linear(torch.randn(40, 32))
+    with pytest.raises(ValueError, match=r"packed_linear_int8 takes float32 \[rows, 32\] inputs"):
+        layer(torch.randn(3, 33))
+    with pytest.raises(ValueError, match="packed_linear_int8 takes float32"):
+        layer(torch.randn(3, 32, dtype=torch.bfloat16))
 
 
 def test_packed_linear_keeps_leading_dimensions_and_reads_strided_input():
@@ -107,8 +153,8 @@ def test_packed_engine_picks_the_greedy_tokens_of_f_linear(default_model_dir):
 
 @pytest.mark.parametrize("settings,named", [
     (dict(linear_backend="mkl"), "linear_backend must be one of auto, torch, packed"),
-    (dict(linear_backend="packed", quantization="int8"),
-     "linear_backend=packed serves float32 weights; it cannot be combined with quantization=int8"),
+    (dict(linear_backend="packed", quantization="int4"),
+     "linear_backend=packed serves float32 and int8 weights; it cannot be combined with quantization=int4"),
 ])
 def test_unsupported_linear_backend_is_refused_by_name(settings, named):
     with pytest.raises(ValueError, match=named):
@@ -128,3 +174,24 @@ def test_an_input_that_does_not_fit_the_weight_is_refused_by_name(x):
     layer = packed_linear.PackedLinear(torch.randn(8, 16))
     with pytest.raises(ValueError, match=r"packed_linear takes float32 \[rows, 16\] inputs"):
         torch.ops.pagedbackend.packed_linear(x, layer.packed, 8)
+
+
+def test_int8_runner_serves_every_layer_through_the_packed_kernel(tiny_untied_model_dir):
+    quantised = runner(tiny_untied_model_dir, quantization="int8")   # linear_backend auto
+    assert quantised.linear_backend == "packed"
+    layers = list(quantised.model.projections())
+    assert layers and all(isinstance(layer.matmul, packed_linear.PackedInt8Linear) for layer in layers)
+    assert isinstance(quantised.model.lm_head_matmul, packed_linear.PackedInt8Linear)
+    reference = runner(tiny_untied_model_dir, linear_backend="torch")
+    with torch.no_grad():   # the fp32 model of exactly the weights the int8 one holds
+        for name, module in quantised.model.named_modules():
+            if getattr(module, "matmul", None) is not None:
+                reference.model.get_submodule(name).weight.copy_(module.matmul.dequantized())
+        reference.model.lm_head.weight.copy_(quantised.model.lm_head_matmul.dequantized())
+    prompt = [int(t) for t in torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(2))]
+    for entries in ([SeqEntry(prompt, 0, [1, 2, 3])], [SeqEntry([prompt[0]], 40, [1, 2, 3])]):
+        assert relative_error(quantised.execute_model(entries), reference.execute_model(entries)) < 1e-4
+    torch_int8 = runner(tiny_untied_model_dir, quantization="int8", linear_backend="torch")
+    assert torch_int8.linear_backend == "torch"
+    assert isinstance(torch_int8.model.lm_head_matmul, Int8Linear)
+

@@ -46,14 +46,19 @@ def interleaved(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def bench_matmuls(ms: List[int], rounds: int) -> List[dict]:
-    from pagedbackend.models.packed_linear import PackedLinear
+def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False) -> List[dict]:
+    from pagedbackend.models.packed_linear import PackedInt8Linear, PackedLinear
+    from pagedbackend.models.quant import Int8Linear
     torch.manual_seed(0)
     layers = [{name: torch.randn(*shape) * shape[1] ** -0.5 for name, shape in LAYER_SHAPES.items()}
               for _ in range(LAYERS)]
     head = torch.randn(VOCAB, HIDDEN) * HIDDEN ** -0.5
     packed_layers = [{name: PackedLinear(w) for name, w in layer.items()} for layer in layers]
     packed_head = PackedLinear(head)
+    int8 = {"packed int8": PackedInt8Linear, "torch int8": Int8Linear} if with_int8 else {}
+    int8_layers = {v: [{name: make(w) for name, w in layer.items()} for layer in layers]
+                   for v, make in int8.items()}
+    int8_heads = {v: make(head) for v, make in int8.items()}
 
     def walk(linear, lm_head, x):
         for i in range(LAYERS):
@@ -69,6 +74,9 @@ def bench_matmuls(ms: List[int], rounds: int) -> List[dict]:
         fns = {"F.linear": lambda: walk(lambda x, i, n: F.linear(x, layers[i][n]),
                                         lambda x: F.linear(x, head), x),
                "packed": lambda: walk(lambda x, i, n: packed_layers[i][n](x), packed_head, x)}
+        for variant in int8:
+            fns[variant] = (lambda v: lambda: walk(lambda x, i, n: int8_layers[v][i][n](x),
+                                                   int8_heads[v], x))(variant)
         with torch.inference_mode():
             error = ((fns["packed"]() - fns["F.linear"]()).abs().max()
                      / fns["F.linear"]().abs().max()).item()
@@ -78,7 +86,8 @@ def bench_matmuls(ms: List[int], rounds: int) -> List[dict]:
                      "speedup": medians["F.linear"] / medians["packed"],
                      "packed_gflops": flops / medians["packed"] / 1e9,
                      "F.linear_gflops": flops / medians["F.linear"] / 1e9,
-                     "max_rel_error_lm_head": error})
+                     "max_rel_error_lm_head": error,
+                     **{f"{v}_speedup": medians["F.linear"] / medians[v] for v in int8}})
     return rows
 
 
@@ -166,6 +175,8 @@ def main(argv=None):
     ap.add_argument("--mean-lens", default="64,256", help="mean context lengths (attention)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--no-compile", action="store_true", help="steps: run the model step eager")
+    ap.add_argument("--int8", action="store_true",
+                    help="matmuls: also int8 weights, packed (packed_gemm_i8) and torch's (quantization=int8)")
     add_common_args(ap, threads=2)
     args = ap.parse_args(argv)
     if args.quick:
@@ -177,11 +188,14 @@ def main(argv=None):
               "rounds": args.rounds}
     seqs = [int(s) for s in args.seqs.split(",")]
     if "matmuls" in parts:
-        result["matmuls"] = bench_matmuls([int(m) for m in args.ms.split(",")], args.rounds)
-        print(f"{'M':>4s} {'F.linear ms':>12s} {'packed ms':>10s} {'x':>6s} {'GFLOP/s':>8s}")
+        result["matmuls"] = bench_matmuls([int(m) for m in args.ms.split(",")], args.rounds, args.int8)
+        extra = ("packed int8", "torch int8") if args.int8 else ()
+        print(f"{'M':>4s} {'F.linear ms':>12s} {'packed ms':>10s} {'x':>6s} {'GFLOP/s':>8s}"
+              + "".join(f" {v + ' ms':>15s} {'x':>6s}" for v in extra))
         for r in result["matmuls"]:
             print(f"{r['m']:>4d} {r['F.linear_ms']:12.1f} {r['packed_ms']:10.1f} {r['speedup']:6.2f} "
-                  f"{r['packed_gflops']:8.1f}")
+                  f"{r['packed_gflops']:8.1f}"
+                  + "".join(f" {r[v + '_ms']:15.1f} {r[v + '_speedup']:6.2f}" for v in extra))
     if "attention" in parts:
         result["attention"] = bench_attention(seqs, [int(s) for s in args.mean_lens.split(",")],
                                               args.rounds, args.seed)

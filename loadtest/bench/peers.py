@@ -97,10 +97,11 @@ def row(system: str, seconds: float, tokens: List[List[int]], lengths, reference
 
 # ---------------------------------------------------------------- offline
 
-def offline_ours(model: str, prompts, lengths, max_num_seqs: int, compile_step: bool) -> dict:
+def offline_ours(model: str, prompts, lengths, max_num_seqs: int, compile_step: bool,
+                 quantization: str = "none") -> dict:
     from pagedbackend import LLM, SamplingParams
     started = time.perf_counter()
-    llm = LLM(model=model, max_num_seqs=max_num_seqs, compile=compile_step)
+    llm = LLM(model=model, max_num_seqs=max_num_seqs, compile=compile_step, quantization=quantization)
     init_s = time.perf_counter() - started
     llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
@@ -108,6 +109,7 @@ def offline_ours(model: str, prompts, lengths, max_num_seqs: int, compile_step: 
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outs]
+    llm.shutdown()
     return {"seconds": seconds, "tokens": tokens, "init_s": round(init_s, 1)}
 
 
@@ -253,6 +255,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=64, help="batch cap for ours and vLLM")
     ap.add_argument("--llama-slots", type=int, default=32, help="llama-server -np")
     ap.add_argument("--no-compile", action="store_true", help="our engine without torch.compile")
+    ap.add_argument("--int8", action="store_true",
+                    help="also our engine with int8 weights (quantization=int8), offline and serving")
     ap.add_argument("--offline-only", action="store_true")
     ap.add_argument("--vllm-python", default=env("BENCH_VLLM_PYTHON"), help="Python of vLLM's venv")
     ap.add_argument("--vllm-env", default=env("BENCH_VLLM_ENV"),
@@ -290,6 +294,11 @@ def main(argv=None):
     ours = offline_ours(model, prompts, lengths, args.max_num_seqs, not args.no_compile)
     rows.append(row("ours", ours["seconds"], ours["tokens"], lengths, init_s=ours["init_s"]))
     print(f"offline ours: {rows[-1]['output_tokens_per_s']:.1f} tokens/s", flush=True)
+    if args.int8:
+        res = offline_ours(model, prompts, lengths, args.max_num_seqs, not args.no_compile, "int8")
+        rows.append(row("ours int8", res["seconds"], res["tokens"], lengths, ours["tokens"],
+                        init_s=res["init_s"]))
+        print(f"offline ours int8: {rows[-1]['output_tokens_per_s']:.1f} tokens/s", flush=True)
     if "vllm" in peers["found"]:
         try:
             res = offline_vllm(peers["found"]["vllm"], model_dir, prompts, lengths, args.threads,
@@ -357,10 +366,11 @@ def serving(args, model: str, model_dir: str, peers: dict) -> dict:
                  if "server_step_ms_mean" in r else "")
               if "error" not in r else r["error"][:300]), flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="peers-repo-") as repo_dir:
-        port = free_port()
-        attempt("ours", lambda: peer_servers.ours(model, port, args.threads, settings, repo_dir),
-                lambda i, n: peer_servers.stream_ours(f"http://127.0.0.1:{port}", prompts[i], n, timeout))
+    for system, extra in [("ours", {})] + ([("ours int8", {"quantization": "int8"})] if args.int8 else []):
+        with tempfile.TemporaryDirectory(prefix="peers-repo-") as repo_dir:
+            port = free_port()
+            attempt(system, lambda: peer_servers.ours(model, port, args.threads, {**settings, **extra}, repo_dir),
+                    lambda i, n: peer_servers.stream_ours(f"http://127.0.0.1:{port}", prompts[i], n, timeout))
     if "vllm" in peers["found"]:
         vport = free_port()
         attempt("vLLM CPU", lambda: peer_servers.vllm(peers["found"]["vllm"], model_dir, vport, args.threads,

@@ -94,8 +94,9 @@ def common_prefix(a, b) -> int:
 def measure(mode: str, args, agree_prompts, text_ids, work_prompts, work_lengths) -> dict:
     from pagedbackend import LLM
     start = time.perf_counter()
-    llm = LLM(model=args.model, quantization=mode, compile=args.compile, max_num_seqs=64,
-              enable_prefix_caching=False, seed=args.seed)
+    quantization, _, backend = mode.partition("/")
+    llm = LLM(model=args.model, quantization=quantization, linear_backend=backend or "auto",
+              compile=args.compile, max_num_seqs=64, enable_prefix_caching=False, seed=args.seed)
     load_s = time.perf_counter() - start
     ppl = perplexity(llm, text_ids)
     tokens, agree_s = greedy(llm, agree_prompts, [args.new_tokens] * len(agree_prompts))
@@ -105,12 +106,13 @@ def measure(mode: str, args, agree_prompts, text_ids, work_prompts, work_lengths
     _, work_s = greedy(llm, work_prompts, work_lengths, exact=True)
     print(f"{mode}: load {load_s:.0f} s, perplexity {ppl:.3f}, agreement run {agree_s:.0f} s, "
           f"workload {warm_s:.1f} s then {work_s:.1f} s", flush=True)
+    llm_backend = llm.engine.runner.linear_backend
     params = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in llm.engine.runner.model.buffers())
     llm.shutdown()
     del llm
     gc.collect()
-    return {"quantization": mode, "load_s": round(load_s, 1), "perplexity": ppl,
+    return {"quantization": mode, "linear_backend": llm_backend, "load_s": round(load_s, 1), "perplexity": ppl,
             "tokens": tokens, "agreement_seconds": round(agree_s, 1),
             "offline_first_pass_seconds": round(warm_s, 2), "offline_seconds": round(work_s, 2), "offline_tokens_per_s": sum(work_lengths) / work_s,
             "weight_bytes": params + buffers}
@@ -120,7 +122,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m loadtest.bench quant_quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--order", default="none,int8,int4", help="settings, in run order")
+    ap.add_argument("--order", default="none,int8,int4",
+                    help="settings, in run order; SETTING/BACKEND also sets linear_backend (int8/torch)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--ppl-tokens", type=int, default=1024)
     ap.add_argument("--requests", type=int, default=32, help="offline workload size")

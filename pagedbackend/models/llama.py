@@ -23,7 +23,7 @@ from torch import nn
 from pagedbackend.models.attention import PagedAttention
 from pagedbackend.models.linear import (ColumnParallelLinear, QKVParallelLinear, Reduce,
                                         RowParallelLinear)
-from pagedbackend.models.packed_linear import PackedLinear
+from pagedbackend.models.packed_linear import PackedInt8Linear, PackedLinear
 from pagedbackend.models.quant import Int8Linear, quantized_linear
 from pagedbackend.models.rotary import (CosSin, RotaryEmbedding, apply_rotary, inverse_frequencies,
                                         rope_parameters)
@@ -206,12 +206,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def quantize(self, mode: str, int4_weights: Optional[Dict[str, Tuple[torch.Tensor, ...]]] = None,
-                 group_size: int = 32) -> None:
+                 group_size: int = 32, packed: bool = False) -> None:
         """Weight-only quantisation (``models.quant``) of every projection, after
         ``load_weights``. int4 takes ready (q, scale, minimum) HF-named tensors
         from ``int4_weights`` when given (the GGUF's Q4_1 blocks), else rounds
         the loaded weights in groups of ``group_size``. The LM head is int8 in
-        both modes, as the GGUF keeps it at 8 bits; the embedding stays as loaded."""
+        both modes, as the GGUF keeps it at 8 bits; the embedding stays as loaded.
+        ``packed``: int8 layers (and the int8 LM head of int8 mode) through
+        the packed C kernel instead of torch's."""
+        int8_layer = PackedInt8Linear if packed and mode == "int8" else Int8Linear
         for i, layer in enumerate(self.layers):
             for merged, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
                                   ("self_attn.o_proj", ("o_proj",)),
@@ -225,9 +228,10 @@ class LlamaForCausalLM(nn.Module):
                     if given[0].shape != linear.weight.shape:
                         raise ValueError(f"int4 weights for layer {i} {'/'.join(parts)} have shape "
                                          f"{tuple(given[0].shape)}, the model {tuple(linear.weight.shape)}")
-                linear.use_matmul(quantized_linear(linear.weight, mode, group_size, given))
+                linear.use_matmul(int8_layer(linear.weight) if mode == "int8"
+                                  else quantized_linear(linear.weight, mode, group_size, given))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head_matmul = Int8Linear(head)
+        self.lm_head_matmul = int8_layer(head)
         self.lm_head = None
 
     def projections(self) -> Iterator[nn.Module]:

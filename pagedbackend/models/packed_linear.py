@@ -30,17 +30,20 @@ from pagedbackend.kernels import native
 KERNEL_MAX_ROWS = 768
 
 _gemm = None   # the kernel's packed_gemm, once loaded
+_gemm_i8 = None   # and its packed_gemm_i8
 
 
 def load_library() -> ctypes.CDLL:
     """The compiled kernel (``kernels/csrc/packed_gemm.c``); raises RuntimeError saying why not."""
-    global _gemm
+    global _gemm, _gemm_i8
     library = native.load("packed_gemm")
     if _gemm is None:
         library.packed_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
         library.packed_gemm.restype = None
+        library.packed_gemm_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        library.packed_gemm_i8.restype = ctypes.c_int
         library.packed_gemm_block_cols.restype = ctypes.c_int
-        _gemm = library.packed_gemm
+        _gemm, _gemm_i8 = library.packed_gemm, library.packed_gemm_i8
     return library
 
 
@@ -129,3 +132,67 @@ class PackedLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The ``[N, K]`` weight (same name as the quantised layers' for tests)."""
         return unpack(self.packed, self.out_features)
+
+
+# ---------------------------------------------------------------- int8
+
+_ops.define("packed_linear_int8(Tensor x, Tensor qpacked, Tensor scales, int out_features) -> Tensor")
+
+
+def _packed_linear_int8_cpu(x: torch.Tensor, qpacked: torch.Tensor, scales: torch.Tensor,
+                            out_features: int) -> torch.Tensor:
+    """``x @ (q * scales)^T`` for a 2-D float32 ``x``, ``qpacked = pack(q)`` of int8
+    ``q`` and ``scales`` per output column, zero-padded to the packed width."""
+    rows, k = x.shape
+    blocks, _, cols = qpacked.shape
+    if (x.dtype != torch.float32 or qpacked.dtype != torch.int8 or qpacked.shape[1] != k
+            or scales.dtype != torch.float32 or scales.numel() != blocks * cols):
+        raise ValueError(f"packed_linear_int8 takes float32 [rows, {qpacked.shape[1]}] inputs for "
+                         f"this weight; got {x.dtype} {tuple(x.shape)}")
+    if rows > KERNEL_MAX_ROWS:   # a prefill: torch's GEMM on the weight widened for this call
+        weight = unpack(qpacked, out_features).float() * scales[:out_features, None]
+        return torch.nn.functional.linear(x, weight)
+    x = x.contiguous()
+    y = x.new_empty((rows, out_features))
+    if rows:
+        gemm = _gemm_i8 or load_library().packed_gemm_i8
+        if gemm(x.data_ptr(), qpacked.data_ptr(), scales.data_ptr(), y.data_ptr(), rows, k,
+                out_features, torch.get_num_threads()):
+            raise MemoryError("packed_linear_int8: no memory for a widened weight block")
+    return y
+
+
+_ops.impl("packed_linear_int8", _packed_linear_int8_cpu, "CPU")
+
+
+@torch.library.register_fake("pagedbackend::packed_linear_int8")
+def _packed_linear_int8_fake(x, qpacked, scales, out_features):
+    return x.new_empty((x.shape[0], out_features))
+
+
+class PackedInt8Linear(nn.Module):
+    """``x W^T`` (no bias) with W int8 per output channel (``models.quant``'s
+    ``quantize_int8``: the same values as ``Int8Linear``), held packed."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        from pagedbackend.models.quant import quantize_int8
+        if weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(f"PackedInt8Linear takes a 2-D CPU weight; got {tuple(weight.shape)} "
+                             f"on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        q, scales = quantize_int8(weight.detach())
+        packed = pack(q)
+        padded = scales.new_zeros(packed.shape[0] * packed.shape[2])
+        padded[:self.out_features] = scales
+        self.register_buffer("qpacked", packed)
+        self.register_buffer("scales", padded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.ops.pagedbackend.packed_linear_int8(flat, self.qpacked, self.scales, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight ``q * scale`` (the reference of the kernel)."""
+        return unpack(self.qpacked, self.out_features).float() * self.scales[:self.out_features, None]

@@ -149,9 +149,11 @@ def quantized_linear(weight: torch.Tensor, mode: str, group_size: int = 32,
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {mode!r}")
 
 
-def quantize_model(model: nn.Module, config, device: torch.device) -> None:
+def quantize_model(model: nn.Module, config, device: torch.device, packed: bool = False) -> None:
     """Apply ``config.quantization`` to a loaded model; the default model's
-    int4 comes from its GGUF's Q4_1 blocks (cached once beside the prepared model)."""
+    int4 comes from its GGUF's Q4_1 blocks (cached once beside the prepared
+    model). ``packed``: int8 layers through the packed C kernel
+    (``models.packed_linear.PackedInt8Linear``, the same int8 values)."""
     mode = config.quantization
     if device.type != "cpu":
         raise ValueError(f"quantization={mode} runs on CPU only (torch's weight-only kernels used "
@@ -165,4 +167,4 @@ def quantize_model(model: nn.Module, config, device: torch.device) -> None:
             default_model.gguf_path(),
             default_model.cache_root() / f"{default_model.DEFAULT_MODEL_NAME}.Q4_1-int4.safetensors",
             args.num_heads, args.num_kv_heads)
-    model.quantize(mode, int4_weights)
+    model.quantize(mode, int4_weights, packed=packed)

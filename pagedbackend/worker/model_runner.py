@@ -54,11 +54,17 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_class(args, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
-        self.linear_backend = "torch"   # what serves the float32 linear layers
-        if config.quantization != "none":
+        self.linear_backend = "torch"   # what serves the float32 or int8 linear layers
+        if config.quantization == "int4":
             quantize_model(self.model, config, self.device)
-        else:
-            self._choose_linear_backend()
+        elif self._packed_usable():
+            if config.quantization == "int8":
+                quantize_model(self.model, config, self.device, packed=True)
+            else:
+                self.model.pack_linears()
+            self.linear_backend = "packed"
+        elif config.quantization == "int8":
+            quantize_model(self.model, config, self.device)
         self.model.eval()
         self.num_heads = self.model.layers[0].self_attn.num_heads
         self._allocate_kv_cache(args)
@@ -66,19 +72,18 @@ class ModelRunner:
         if tp_size == 1:   # a tensor-parallel step needs every rank: no lone warm-up
             self._compile_and_warm_up()
 
-    def _choose_linear_backend(self) -> None:
-        """Pack the float32 weights for the packed kernel when the config asks
-        (or leaves it to us and it can run here)."""
+    def _packed_usable(self) -> bool:
+        """Whether the linear layers go through the packed kernels: the config
+        asks (or leaves it to us) and they can run here."""
         if self.config.linear_backend == "torch":
-            return
+            return False
         reason = packed_linear.unavailable(self.device, self.dtype)
         if reason is not None:
             if self.config.linear_backend == "packed":
                 raise ValueError(f"linear_backend=packed cannot run here: {reason}")
-            logger.info("pagedbackend: linear layers use torch's F.linear: %s", reason)
-            return
-        self.model.pack_linears()
-        self.linear_backend = "packed"
+            logger.info("pagedbackend: linear layers use torch's kernels: %s", reason)
+            return False
+        return True
 
     def _compile_and_warm_up(self) -> None:
         """Compile the step when the config asks and this machine can (otherwise
@@ -99,10 +104,11 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Run a one-token and a two-token step with their logits: every graph
         (compiled or oneDNN's) is built now, not on the first request. Writes
-        only to slot 0, which holds no sequence yet. int8 weights take another
-        branch above INT8_KERNEL_MAX_ROWS rows (a graph of its own): one more
-        step with that many sequences plus one."""
-        sizes = [1, 2] + ([INT8_KERNEL_MAX_ROWS + 1] if self.config.quantization == "int8" else [])
+        only to slot 0, which holds no sequence yet. int8 weights in torch's
+        kernel take another branch above INT8_KERNEL_MAX_ROWS rows (a graph of
+        its own): one more step with that many sequences plus one."""
+        torch_int8 = self.config.quantization == "int8" and self.linear_backend == "torch"
+        sizes = [1, 2] + ([INT8_KERNEL_MAX_ROWS + 1] if torch_int8 else [])
         for size in sizes:
             self.execute_batch(self.prepare([SeqEntry([0], 0, [0]) for _ in range(size)]))
 
