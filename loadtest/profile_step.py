@@ -22,10 +22,12 @@ from torch.profiler import ProfilerActivity, profile
 from loadtest import workloads
 
 
-def make_engine(model: str, seqs: int, compile_step: bool):
+def make_engine(model: str, seqs: int, compile_step: bool, quantization: str = "none"):
     from pagedbackend import LLMEngine
     from pagedbackend.config import EngineConfig
     settings = dict(model=model, max_num_seqs=max(seqs, 64), enable_prefix_caching=False)
+    if quantization != "none":
+        settings["quantization"] = quantization
     if "compile" in {f.name for f in dataclasses.fields(EngineConfig)}:
         settings["compile"] = compile_step
     return LLMEngine(EngineConfig(**settings))
@@ -74,11 +76,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="decode steps timed, then profiled")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--quantization", default="none", help="the engine's quantization setting")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = make_engine(args.model, args.seqs, not args.no_compile)
+    engine = make_engine(args.model, args.seqs, not args.no_compile, args.quantization)
     add_batch(engine, args.seqs, seed=1, max_tokens=8, tag="warm")
     while engine.has_unfinished_requests():
         engine.step()
