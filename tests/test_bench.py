@@ -316,12 +316,32 @@ def test_cpu_kernels_bench_times_each_kernel_beside_what_it_replaces(tmp_path):
     if packed_linear.unavailable(torch.device("cpu"), torch.float32) or sa.native_decode() is None:
         pytest.skip("no C compiler here for the CPU kernels")
     from loadtest.bench import cpu_kernels
-    result = cpu_kernels.main(["--quick", "--threads", "1", "--out", str(tmp_path)])
+    result = cpu_kernels.main(["--quick", "--int8", "--threads", "1", "--out", str(tmp_path)])
     assert [r["m"] for r in result["matmuls"]] == [1, 8]
     for r in result["matmuls"]:
         assert r["packed_ms"] > 0 and r["F.linear_ms"] > 0
         assert r["max_rel_error_lm_head"] < 1e-5   # the same product, rounded differently
+        assert r["packed int8_ms"] > 0 and r["torch int8_ms"] > 0 and r["packed int8_speedup"] > 0
     assert [(r["seqs"], r["mean_len"]) for r in result["attention"]] == [(1, 64), (4, 64)]
     assert all(r["max_abs_error"] < 1e-4 and r["kernel_us"] > 0 for r in result["attention"])
     assert sa.USE_NATIVE_DECODE   # the comparison leaves the kernel on
     assert (tmp_path / "cpu_kernels.json").exists()
+
+
+def test_quant_quality_bench_compares_settings_and_kernels_with_fp32(default_model_dir, tmp_path):
+    from loadtest.bench import quant_quality
+    from pagedbackend.models import packed_linear
+    if packed_linear.unavailable(torch.device("cpu"), torch.float32):
+        pytest.skip("no C compiler here for the packed kernels")
+    result = quant_quality.main(["--quick", "--order", "none,int8,int8/torch", "--threads", "1",
+                                 "--out", str(tmp_path)])
+    rows = {r["quantization"]: r for r in result["rows"]}
+    assert list(rows) == ["none", "int8", "int8/torch"]
+    assert [rows[m]["linear_backend"] for m in rows] == ["packed", "packed", "torch"]
+    assert rows["none"]["identical_outputs"] == result["prompts"] and rows["none"]["position_match"] == 1.0
+    for mode in ("int8", "int8/torch"):
+        assert 0 <= rows[mode]["position_match"] <= 1 and rows[mode]["offline_tokens_per_s"] > 0
+        assert rows[mode]["weight_bytes"] < rows["none"]["weight_bytes"] / 2
+        # the same int8 weights: perplexity within a rounding of the activations
+        assert rows[mode]["perplexity"] == pytest.approx(rows["none"]["perplexity"], rel=0.05)
+    assert (tmp_path / "quant_quality.json").exists()
