@@ -208,6 +208,14 @@ def test_decode_batch_attends_to_whole_cached_sequence(block_size, num_heads, nu
     assert_matches_sdpa(batch)
 
 
+@pytest.mark.parametrize("head_dim", [32, 80])
+def test_decodes_of_other_head_sizes_match_sdpa(head_dim):
+    # The C decode kernel is specialised for head sizes 64 and 128; others take its generic loop.
+    lens = random_lens("decode", 5, seed=30 + head_dim)
+    batch = make_batch(lens, block_size=16, num_heads=6, num_kv_heads=2, head_dim=head_dim, seed=6)
+    assert_matches_sdpa(batch)
+
+
 MIXED = [(1, 37), (23, 23), (1, 5), (9, 50), (0, 12), (1, 1), (17, 33)]
 
 

@@ -22,8 +22,10 @@
 #endif
 
 /* Query heads [h0 * group, h1 * group) of one sequence against its keys
- * (KV heads h0..h1-1): every cache row of a position is read once, whole. */
-static void item(const float *q, const float *k_cache, const float *v_cache, float *out,
+ * (KV heads h0..h1-1): every cache row of a position is read once, whole.
+ * Inlined into each call site, so a constant head size (see paged_decode)
+ * gives loops of known length over whole vectors. */
+static inline __attribute__((always_inline)) void item(const float *q, const float *k_cache, const float *v_cache, float *out,
                  const int *table, int len, int group, int kv_heads, int dim, int block_size,
                  float scale, int h0, int h1, float *scores) {
     int rows = (h1 - h0) * group;   /* query heads of this item */
@@ -88,8 +90,14 @@ int paged_decode(const float *q, const float *k_cache, const float *v_cache, flo
             for (int i = 0; i < items; i++) {
                 int s = i / (kv_heads / per_item), h0 = i % (kv_heads / per_item) * per_item;
                 size_t row = (size_t)s * heads + (size_t)h0 * group;
-                item(q + row * dim, k_cache, v_cache, out + row * dim, tables + (size_t)s * max_blocks,
-                     lens[s], group, kv_heads, dim, block_size, scale, h0, h0 + per_item, scores);
+#define ITEM(d) item(q + row * (d), k_cache, v_cache, out + row * (d), tables + (size_t)s * max_blocks, \
+                     lens[s], group, kv_heads, d, block_size, scale, h0, h0 + per_item, scores)
+                switch (dim) {   /* the usual head sizes, specialised */
+                case 64: ITEM(64); break;
+                case 128: ITEM(128); break;
+                default: ITEM(dim);
+                }
+#undef ITEM
             }
             free(scores);
         }
