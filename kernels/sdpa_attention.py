@@ -37,6 +37,7 @@ from pagedbackend.kernels import native
 # check the gather path).
 USE_NATIVE_DECODE = True
 _native_decode = None   # the kernel's paged_decode once loaded; False: it cannot be built
+_native_write = None    # and its paged_write
 
 
 @dataclass
@@ -148,8 +149,22 @@ def write_kv_sdpa(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   plan: Optional[SdpaPlan] = None) -> None:
     """Store ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` in their
-    slots; negative slots are skipped."""
+    slots; negative slots are skipped. float32 on CPU: one call of the C
+    kernel's ``paged_write`` (a slot out of range falls through to
+    ``index_copy_``, which raises an IndexError)."""
     slots = plan.write_slots if plan is not None else None
+    if (slots is not None and USE_NATIVE_DECODE and key.dtype == torch.float32
+            and k_cache.dtype == torch.float32 and key.device.type == "cpu"
+            and value.dtype == torch.float32 and v_cache.dtype == torch.float32
+            and key.shape == value.shape and key.shape[1:] == k_cache.shape[2:]
+            and k_cache.shape == v_cache.shape and slots.shape == key.shape[:1]
+            and slots.is_contiguous() and key.is_contiguous() and value.is_contiguous()
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and native_write() is not None):
+        blocks, block_size, kv_heads, head_dim = k_cache.shape
+        if native_write()(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          slots.data_ptr(), slots.shape[0], kv_heads * head_dim,
+                          blocks * block_size) == 0:
+            return
     if slots is None:
         keep = slot_mapping >= 0
         slots, key, value = slot_mapping[keep].long(), key[keep], value[keep]
@@ -224,6 +239,21 @@ def native_decode():
             kernel.restype = ctypes.c_int
             _native_decode = kernel
     return _native_decode or None
+
+
+def native_write():
+    """The C kernel's ``paged_write``, or None where it cannot be built."""
+    global _native_write
+    if _native_write is None:
+        try:
+            kernel = native.load("paged_decode").paged_write
+        except RuntimeError:
+            _native_write = False
+        else:
+            kernel.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int, ctypes.c_longlong]
+            kernel.restype = ctypes.c_int
+            _native_write = kernel
+    return _native_write or None
 
 
 def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: SdpaPlan,

@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import List, Optional, Sequence, Tuple
 
 import pytest
@@ -477,3 +478,31 @@ def test_loading_the_cpu_kernels_keeps_subnormal_floats():
     assert torch.tensor([1e-40], dtype=torch.float32).item() != 0.0
     assert (torch.tensor([1e-38]) / 1000).item() != 0.0
     assert float("1e-310") * 1.0 != 0.0
+
+
+@pytest.mark.skipif(sa.native_write() is None, reason="no C compiler here for the write kernel")
+def test_the_c_kv_write_stores_what_index_copy_does_and_refuses_a_slot_past_the_cache():
+    torch.manual_seed(7)
+    caches = {native: (torch.zeros(10, 4, 2, 8), torch.zeros(10, 4, 2, 8)) for native in (True, False)}
+    key, value = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    slots = torch.tensor([39, 0, 5, 17, 4, 22])
+    plan = SimpleNamespace(write_slots=slots)
+    saved = sa.USE_NATIVE_DECODE
+    try:
+        for native, (k_cache, v_cache) in caches.items():
+            sa.USE_NATIVE_DECODE = native
+            sa.write_kv_sdpa(key, value, k_cache, v_cache, slots, plan)
+        assert torch.equal(caches[True][0], caches[False][0]) and torch.equal(caches[True][1], caches[False][1])
+        assert torch.equal(caches[True][0].view(-1, 2, 8)[slots], key)
+        sa.USE_NATIVE_DECODE = True
+        k_cache, v_cache = caches[True]
+        before = k_cache.clone()
+        bad = torch.tensor([3, 40])   # 40 slots in the cache: the second is past its end
+        refused = sa.native_write()(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                    bad.data_ptr(), 2, 16, 40)
+        assert refused == -1 and torch.equal(k_cache, before)   # the kernel writes nothing
+        with pytest.raises(IndexError):   # and the write falls through to index_copy_'s error
+            sa.write_kv_sdpa(key[:2], value[:2], k_cache, v_cache, bad, SimpleNamespace(write_slots=bad))
+    finally:
+        sa.USE_NATIVE_DECODE = saved
+
