@@ -36,8 +36,7 @@ from pagedbackend.kernels import native
 # Decodes through csrc/paged_decode.c where it builds (tests turn it off to
 # check the gather path).
 USE_NATIVE_DECODE = True
-_native_decode = None   # the kernel's paged_decode once loaded; False: it cannot be built
-_native_write = None    # and its paged_write
+_natives = {}   # function name -> the loaded C function, or False where it cannot be built
 
 
 @dataclass
@@ -225,35 +224,35 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
                           plan=plan, key=k, value=v)
 
 
+# ctypes signatures of the functions of csrc/paged_decode.c (each returns int)
+_SIGNATURES = {
+    "paged_decode": [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5
+                    + [ctypes.c_float, ctypes.c_int],
+    "paged_write": [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int, ctypes.c_longlong],
+}
+
+
+def _native(function: str):
+    """``function`` of the C kernel's library, or None where it cannot be built."""
+    if function not in _natives:
+        try:
+            kernel = getattr(native.load("paged_decode"), function)
+        except RuntimeError:
+            _natives[function] = False
+        else:
+            kernel.argtypes, kernel.restype = _SIGNATURES[function], ctypes.c_int
+            _natives[function] = kernel
+    return _natives[function] or None
+
+
 def native_decode():
     """The C decode kernel's function, or None where it cannot be built."""
-    global _native_decode
-    if _native_decode is None:
-        try:
-            kernel = native.load("paged_decode").paged_decode
-        except RuntimeError:
-            _native_decode = False
-        else:
-            kernel.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p]
-                               + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int])
-            kernel.restype = ctypes.c_int
-            _native_decode = kernel
-    return _native_decode or None
+    return _native("paged_decode")
 
 
 def native_write():
     """The C kernel's ``paged_write``, or None where it cannot be built."""
-    global _native_write
-    if _native_write is None:
-        try:
-            kernel = native.load("paged_decode").paged_write
-        except RuntimeError:
-            _native_write = False
-        else:
-            kernel.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int, ctypes.c_longlong]
-            kernel.restype = ctypes.c_int
-            _native_write = kernel
-    return _native_write or None
+    return _native("paged_write")
 
 
 def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: SdpaPlan,
