@@ -111,10 +111,14 @@ NO_COMPILER = compile_unavailable(torch.device("cpu"))
 
 
 @pytest.mark.skipif(NO_COMPILER is not None, reason=f"torch.compile cannot run here: {NO_COMPILER}")
-def test_compiled_step_matches_transformers_tiny(tiny_reference):
+@pytest.mark.parametrize("cpp_wrapper", ["1", "0"])
+def test_compiled_step_matches_transformers_tiny(tiny_reference, monkeypatch, cpp_wrapper):
+    # The graph's wrapper in C++ (the default) and in inductor's Python.
+    monkeypatch.setenv("PAGEDBACKEND_CPP_WRAPPER", cpp_wrapper)
     folder, prompts, expected = tiny_reference["untied"]
     runner = make_runner(folder, num_kv_blocks=96, attention_backend="sdpa", compile=True)
     assert runner.compiled is not None
+    assert runner.compiled.options == {"cpp_wrapper": cpp_wrapper == "1"}
     # Steps of one token (one decode) and of many use different graphs: both occur.
     assert greedy_paged(runner, prompts) == expected
     assert greedy_paged(runner, prompts[:1]) == expected[:1]

@@ -68,7 +68,13 @@ def current_step() -> StepContext:
     return step
 
 
-@torch.library.custom_op("pagedbackend::paged_attention", mutates_args=())
+# A plain ``torch.library`` definition with one kernel for every device (the
+# per-call cost of ``torch.library.custom_op``'s wrapper is about twice this,
+# and a step pays it once per layer).
+_ops = torch.library.Library("pagedbackend", "FRAGMENT")
+_ops.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                     scale: float) -> torch.Tensor:
     """Write ``k``/``v`` ``[T, kv_heads, d]`` into layer ``layer``'s cache
@@ -83,7 +89,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     return out.contiguous()
 
 
-@paged_attention.register_fake
+_ops.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pagedbackend::paged_attention")
 def _paged_attention_fake(q, k, v, layer, scale):
     return q.new_empty(q.shape)
 

@@ -49,6 +49,15 @@ def use_compile_cache() -> str:
     return folder
 
 
+def cpu_options() -> dict:
+    """Inductor's settings for a CPU step: the graph's wrapper in C++
+    (``cpp_wrapper``), which calls the fused loops and the custom ops without
+    a Python line per kernel; ``PAGEDBACKEND_CPP_WRAPPER=0`` keeps inductor's
+    Python wrapper (a first compile about 90 s shorter, each step slower;
+    BENCHMARKS.md section 15)."""
+    return {"cpp_wrapper": os.environ.get("PAGEDBACKEND_CPP_WRAPPER", "1") != "0"}
+
+
 class CompiledStep:
     """``forward(input_ids, positions)`` and ``logits(hidden)`` of a model, compiled."""
 
@@ -57,11 +66,14 @@ class CompiledStep:
     # would otherwise send the ninth engine to eager.
     RECOMPILE_LIMIT = 64
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, device: torch.device = torch.device("cpu")):
         use_compile_cache()
         import torch._dynamo.config as dynamo_config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, self.RECOMPILE_LIMIT)
         # The token dimension varies every step: compile for a dynamic size up front
         # instead of after a first recompile; fullgraph=True makes a graph break an error.
-        self.forward: Callable = torch.compile(model.forward, dynamic=True, fullgraph=True)
-        self.logits: Callable = torch.compile(model.compute_logits, dynamic=True, fullgraph=True)
+        self.options = options = cpu_options() if device.type == "cpu" else None
+        self.forward: Callable = torch.compile(model.forward, dynamic=True, fullgraph=True,
+                                               options=options)
+        self.logits: Callable = torch.compile(model.compute_logits, dynamic=True, fullgraph=True,
+                                              options=options)

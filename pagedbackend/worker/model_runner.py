@@ -91,7 +91,7 @@ class ModelRunner:
         if self.config.compile:
             reason = compile_unavailable(self.device)
             if reason is None:
-                self.compiled = CompiledStep(self.model)
+                self.compiled = CompiledStep(self.model, self.device)
                 try:
                     self.warm_up()
                     return
