@@ -276,3 +276,24 @@ def test_metrics_are_exported_with_model_and_version_labels(server):
     assert values["engine_steps_total"] >= 4  # a prefill and three decodes at least
     assert values["engine_step_seconds_total"] >= values["engine_forward_seconds_total"] > 0
     assert values["engine_step_seconds_total"] >= values["engine_sample_seconds_total"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_the_model_step_compiles_inside_the_stub(tmp_path, tiny_model_dir, offline):
+    # The stub's embedded interpreter starts in the C locale; inductor's compile
+    # failed there on the first non-ASCII byte it read and the step ran eager,
+    # with one warning and no error. The step must compile there and give the
+    # eager engine's greedy text.
+    from pagedbackend import SamplingParams
+    from pagedbackend.worker.compiled import compile_unavailable
+    import torch
+    reason = compile_unavailable(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"torch.compile cannot run here: {reason}")
+    repo = make_model_repository(tmp_path / "repo", {"model": tiny_model_dir, **SETTINGS, "compile": True})
+    with TritonServer(repo, ready_timeout_s=600) as running:
+        results = [generate(prompt, GREEDY, url=running.grpc_url, timeout=120) for prompt in PROMPTS]
+        log = running.log_path.read_text(errors="replace")
+    assert "runs eager" not in log, log[-3000:]
+    expected = [out.outputs[0].text for out in offline.generate(PROMPTS, SamplingParams(**GREEDY))]
+    assert [r.texts[0] for r in results] == expected

@@ -264,3 +264,21 @@ def test_a_failed_engine_ends_open_streams_and_the_model_stops_serving(tmp_path,
             with pytest.raises(ServerError, match="the engine has failed.*restart the server"):
                 generate("Hello", {"max_tokens": 2}, url=server.grpc_url, timeout=30)
         assert "the engine failed: RuntimeError('injected device fault')" in server.log_tail(400)
+
+
+def test_use_utf8_locale_makes_text_io_utf8_in_a_process_started_in_the_c_locale(tmp_path):
+    # What the Python backend's stub gets: an interpreter whose text I/O is ASCII.
+    sample = tmp_path / "sample.txt"
+    sample.write_text("attention \u2013 paged\n", encoding="utf-8")
+    code = ("import locale, sys\n"
+            "from pagedbackend.serving.lifecycle import use_utf8_locale\n"
+            "before = locale.getpreferredencoding(False)\n"
+            "after = use_utf8_locale()\n"
+            "print(before, after, open(sys.argv[1]).read().strip() == 'attention \\u2013 paged')\n")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    out = subprocess.run([sys.executable, "-c", code, str(sample)], env=env, capture_output=True,
+                         text=True, encoding="utf-8", timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, after, read = out.stdout.split()
+    assert before.lower().replace("-", "") != "utf8"   # the C locale really was in effect
+    assert after.lower().replace("-", "") == "utf8" and read == "True"

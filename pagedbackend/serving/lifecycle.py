@@ -15,7 +15,13 @@ down while our threads may still send, and crashes. The launcher therefore
 sends SIGTERM to the server's whole process group, and the model drains on it:
 refuse new requests, end every open stream with a final response, stop the
 engine. Then Triton finds nothing in flight, unloads the model and exits 0.
+
+``use_utf8_locale()``: the stub's embedded interpreter starts in the C locale
+whatever ``LANG`` says, so text files and subprocess output decode as ASCII
+there; inductor then fails on the first non-ASCII byte it reads and the step
+ran eager in every server (BENCHMARKS.md section 15).
 """
+import locale
 import os
 import signal
 import subprocess
@@ -44,6 +50,24 @@ if shm:                                           # the stub's teardown would ha
         pass
 os.kill(stub, signal.SIGKILL)
 """
+
+
+def _utf8() -> bool:
+    return locale.getpreferredencoding(False).lower().replace("-", "") == "utf8"
+
+
+def use_utf8_locale() -> str:
+    """Make text I/O of this process default to UTF-8 (``LC_CTYPE``) where it
+    defaults to something else; returns the encoding now in effect."""
+    if not _utf8():
+        for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8", ""):
+            try:
+                locale.setlocale(locale.LC_CTYPE, name)
+            except locale.Error:
+                continue
+            if _utf8():
+                break
+    return locale.getpreferredencoding(False)
 
 
 def shm_region_name() -> str:

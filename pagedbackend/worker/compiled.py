@@ -49,6 +49,19 @@ def use_compile_cache() -> str:
     return folder
 
 
+def compile_failure(exc: BaseException) -> str:
+    """One line naming why a compile failed: the innermost cause's type and
+    its message's first non-empty line (inductor wraps the real error in a
+    BackendCompilerFailed whose first line says only which backend raised)."""
+    for _ in range(8):
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__
+        if not isinstance(inner, BaseException) or inner is exc:
+            break
+        exc = inner
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {(lines[0] if lines else '')[:300]}"
+
+
 def cpu_options() -> dict:
     """Inductor's settings for a CPU step: the graph's wrapper in C++
     (``cpp_wrapper``), which calls the fused loops and the custom ops without

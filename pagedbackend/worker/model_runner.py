@@ -24,7 +24,7 @@ from pagedbackend.models import packed_linear
 from pagedbackend.models.linear import Reduce
 from pagedbackend.models.quant import INT8_KERNEL_MAX_ROWS, quantize_model
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
-from pagedbackend.worker.compiled import CompiledStep, compile_unavailable
+from pagedbackend.worker.compiled import CompiledStep, compile_failure, compile_unavailable
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -97,7 +97,8 @@ class ModelRunner:
                     return
                 except Exception as exc:   # a compiler that fails on this machine
                     self.compiled = None
-                    reason = f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+                    reason = f"torch.compile failed ({compile_failure(exc)})"
+                    logger.debug("pagedbackend: torch.compile failed", exc_info=True)
             logger.warning("pagedbackend: the model step runs eager: %s", reason)
         self.warm_up()
 

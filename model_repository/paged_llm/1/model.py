@@ -24,7 +24,7 @@ import triton_python_backend_utils as pb_utils
 from pagedbackend.config import engine_config
 from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
 from pagedbackend.serving.health import EngineFailurePolicy
-from pagedbackend.serving.lifecycle import on_sigterm, watch_server
+from pagedbackend.serving.lifecycle import on_sigterm, use_utf8_locale, watch_server
 from pagedbackend.serving.metrics import Metrics, metric_settings
 from pagedbackend.serving.triton_io import (FINAL, Job, accumulate, build_response, read_flags, read_prompt,
                                             read_sampling_params, send_error)
@@ -38,6 +38,7 @@ SHUTTING_DOWN = "the server is shutting down"
 class TritonPythonModel:
     def initialize(self, args):
         self.watcher = watch_server()  # first: this stub must never outlive tritonserver
+        use_utf8_locale()              # before anything reads text (inductor's compile does)
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("paged_llm needs model_transaction_policy { decoupled: true }")
