@@ -448,3 +448,21 @@ def test_failed_preparation_leaves_no_folder_behind(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         default_model.prepare_default_model()
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+
+def test_a_failed_compile_is_named_by_its_inner_error():
+    # inductor's BackendCompilerFailed says only which backend raised on its first line.
+    from torch._dynamo.exc import BackendCompilerFailed
+    from pagedbackend.worker.compiled import compile_failure
+    inner = UnicodeDecodeError("ascii", b"\xe2", 0, 1, "ordinal not in range(128)")
+    try:
+        try:
+            raise inner
+        except UnicodeDecodeError as exc:
+            raise BackendCompilerFailed(lambda: None, exc, None) from exc
+    except BackendCompilerFailed as wrapped:
+        assert str(wrapped).splitlines()[0].startswith("backend=")
+        assert compile_failure(wrapped) == (
+            "UnicodeDecodeError: 'ascii' codec can't decode byte 0xe2 in position 0: "
+            "ordinal not in range(128)")
+    assert compile_failure(RuntimeError("\n  no compiler\nmore")) == "RuntimeError: no compiler"
