@@ -19,7 +19,8 @@ engine. Then Triton finds nothing in flight, unloads the model and exits 0.
 ``use_utf8_locale()``: the stub's embedded interpreter starts in the C locale
 whatever ``LANG`` says, so text files and subprocess output decode as ASCII
 there; inductor then fails on the first non-ASCII byte it reads and the step
-ran eager in every server (BENCHMARKS.md section 15).
+ran eager in every server started with a cold inductor cache (BENCHMARKS.md
+section 15).
 """
 import locale
 import os
