@@ -13,8 +13,10 @@ that end early count as failures.
 Workloads are seeded synthetic traces (loadtest/workloads.py). Arrivals are
 either closed-loop (each user sends its next request when the last one ends:
 fixed concurrency) or Poisson at ``--rate`` requests/s over the whole run, sent
-without waiting for earlier replies. ``--max-requests`` bounds the run; so does
-locust's ``--run-time``. Only loopback addresses are used.
+without waiting for earlier replies. The run ends when the last of its
+``--max-requests`` requests has ended, or at locust's ``--run-time``, whichever
+comes first; ``--stats-json`` saves the complete statistics at the end
+(loadtest/final_stats.py). Only loopback addresses are used.
 
     locust -f loadtest/locustfile.py GrpcStreamUser --headless -u 4 -r 4 -t 30s \
         --host http://127.0.0.1:8000 --grpc-url 127.0.0.1:8001 --workload alpaca
@@ -30,12 +32,14 @@ import grpc.experimental.gevent as grpc_gevent
 grpc_gevent.init_gevent()  # gRPC's blocking calls must yield to other users
 
 import gevent  # noqa: E402
+import gevent.event  # noqa: E402
 import numpy as np  # noqa: E402
 from gevent.pool import Pool  # noqa: E402
 from locust import User, constant, events, task  # noqa: E402
+from locust.exception import StopUser  # noqa: E402
 
 from client.streaming import ServerError, collect, grpc_stream, http_stream, openai_stream  # noqa: E402
-from loadtest import workloads  # noqa: E402
+from loadtest import final_stats, workloads  # noqa: E402,F401  (final_stats: --stats-json)
 
 ALGORITHMS = {
     "greedy": {"temperature": 0.0},
@@ -80,7 +84,11 @@ class Workload:
         self.params = ALGORITHMS[opts.algorithm]
         self._next = itertools.count()
         self._lock = threading.Lock()
+        self._ended = 0
         self.pool = Pool()
+        self.all_ended = gevent.event.Event()  # every request has had its answer or its failure
+        if not self.prompts:
+            self.all_ended.set()
 
     def take(self):
         with self._lock:
@@ -90,6 +98,12 @@ class Workload:
         params = {**self.params, "max_tokens": self.output_lens[i], "ignore_eos": True, "seed": i}
         return self.prompts[i], params
 
+    def ended(self):
+        with self._lock:
+            self._ended += 1
+            if self._ended == len(self.prompts):
+                self.all_ended.set()
+
 
 WORKLOAD = None
 
@@ -98,6 +112,15 @@ WORKLOAD = None
 def _build_workload(environment, **_):
     global WORKLOAD
     WORKLOAD = Workload(environment.parsed_options)
+    gevent.spawn(_quit_when_all_ended, environment, WORKLOAD)
+
+
+def _quit_when_all_ended(environment, workload):
+    """End the run once the last request has ended. The run is stopped from
+    this greenlet, never from a user's: a user that stops the runner kills
+    itself, and with it whatever it was still waiting for."""
+    workload.all_ended.wait()
+    environment.runner.quit()
 
 
 class _StreamingUser(User):
@@ -113,9 +136,7 @@ class _StreamingUser(User):
             gevent.sleep(np.random.exponential(users / opts.rate))
         job = WORKLOAD.take()
         if job is None:
-            WORKLOAD.pool.join(timeout=600)  # let requests in flight finish, then stop
-            self.environment.runner.quit()
-            return
+            raise StopUser()  # the run ends when the requests in flight have ended
         if opts.arrival == "poisson":
             WORKLOAD.pool.spawn(self._request, *job)
         else:
@@ -130,6 +151,12 @@ class _StreamingUser(User):
         return http_stream(prompt, params, url=self.host, exclude_input=True)
 
     def _request(self, prompt, params):
+        try:
+            self._send_and_report(prompt, params)
+        finally:
+            WORKLOAD.ended()
+
+    def _send_and_report(self, prompt, params):
         fire = self.environment.events.request.fire
         start = time.perf_counter()
         try:

@@ -32,7 +32,7 @@ def run_locust(http_url: str, grpc_url: str, out_dir, users: int = 4, run_time: 
                arrival: str = "closed", rate: float = 1.0, algorithm: str = "greedy",
                max_output_tokens: int = 32, tokenizer: str = "", timeout: float = 900,
                openai_url: str = "") -> dict:
-    """Run locust headless against a running server and summarise its CSV output."""
+    """Run locust headless against a running server and summarise its final statistics."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     classes = {"grpc": ["GrpcStreamUser"], "http": ["HttpStreamUser"],
@@ -40,7 +40,8 @@ def run_locust(http_url: str, grpc_url: str, out_dir, users: int = 4, run_time: 
     users = max(users, len(classes))
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *classes, "--headless",
            "-u", str(users), "-r", str(users), "--run-time", run_time, "--stop-timeout", "120",
-           "--csv", str(out / "locust"), "--host", http_url, "--grpc-url", grpc_url,
+           "--csv", str(out / "locust"), "--stats-json", str(out / "locust_final.json"),
+           "--host", http_url, "--grpc-url", grpc_url,
            "--workload", workload, "--algorithm", algorithm, "--arrival", arrival, "--rate", str(rate),
            "--max-requests", str(max_requests), "--max-output-tokens", str(max_output_tokens),
            "--only-summary", "--loglevel", "WARNING"]
@@ -53,7 +54,7 @@ def run_locust(http_url: str, grpc_url: str, out_dir, users: int = 4, run_time: 
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     seconds = time.perf_counter() - start
     (out / "locust.log").write_text(proc.stdout + proc.stderr)
-    summary = summarise(out / "locust_stats.csv", seconds)
+    summary = summarise(out / "locust_final.json", seconds)
     summary.update(command=" ".join(cmd[1:]), locust_exit_code=proc.returncode, workload=workload,
                    protocol=protocol, users=users, arrival=arrival,
                    rate=rate if arrival == "poisson" else None)
@@ -68,28 +69,27 @@ def run_locust(http_url: str, grpc_url: str, out_dir, users: int = 4, run_time: 
     return summary
 
 
-def summarise(stats_csv, seconds: float) -> dict:
-    rows = {}
-    with open(stats_csv, newline="") as f:
-        for row in csv.DictReader(f):
-            rows[(row["Type"], row["Name"])] = row
-    metrics = {}
-    for name in METRICS:
-        row = rows.get(("metric", name))
-        if row and int(row["Request Count"]):
-            metrics[name] = {"count": int(row["Request Count"]), "p50_ms": float(row["50%"]),
-                             "p90_ms": float(row["90%"]), "p99_ms": float(row["99%"]),
-                             "mean_ms": float(row["Average Response Time"])}
+def read_final_stats(path) -> dict:
+    """{(type, name): row} from the file loadtest/final_stats.py writes."""
+    return {(row["type"], row["name"]): row for row in json.loads(pathlib.Path(path).read_text())}
+
+
+def summarise(stats_json, seconds: float) -> dict:
+    """The run's figures from the statistics locust held when it quit
+    (``--stats-json``; see loadtest/final_stats.py)."""
+    rows = read_final_stats(stats_json)
+    metrics = {name: {k: row[k] for k in ("count", "p50_ms", "p90_ms", "p99_ms", "mean_ms")}
+               for (kind, name), row in rows.items() if kind == "metric" and name in METRICS and row["count"]}
     requests = [r for (kind, name), r in rows.items() if name == "request" and kind != "metric"]
-    done = sum(int(r["Request Count"]) - int(r["Failure Count"]) for r in requests)
-    failures = sum(int(r["Failure Count"]) for r in requests)
+    done = sum(r["count"] - r["failures"] for r in requests)
+    failures = sum(r["failures"] for r in requests)
     e2e = rows.get(("metric", "e2e"))
-    tokens = float(e2e["Average Content Size"]) * int(e2e["Request Count"]) if e2e else 0.0
-    # Rates over locust's own test window (excludes start-up of the locust process).
-    rate = float(e2e["Requests/s"]) if e2e else 0.0
+    tokens = e2e["content_length"] if e2e else 0
+    # Rates over locust's own request window (excludes start-up of the locust process).
+    rate = e2e["rate"] if e2e else 0.0
     return {"metrics": metrics, "requests": done, "failures": failures, "seconds": round(seconds, 2),
             "requests_per_s": rate, "output_tokens": int(tokens),
-            "output_tokens_per_s": rate * float(e2e["Average Content Size"]) if e2e else 0.0}
+            "output_tokens_per_s": rate * tokens / e2e["count"] if e2e else 0.0}
 
 
 def main(argv=None) -> int:

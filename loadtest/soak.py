@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from loadtest.run_locust import summarise
+from loadtest.run_locust import read_final_stats, summarise
 
 USERS_FILE = pathlib.Path(__file__).with_name("soak_users.py")
 CRASH_MARKS = ("Signal (11)", "Signal (6)", "Signal (7)", "Segmentation fault", "terminate called",
@@ -104,7 +104,8 @@ def soak(server, limits: dict, out: pathlib.Path, minutes: float, users: int, se
     log_start = server.log_path.stat().st_size
     cmd = [sys.executable, "-m", "locust", "-f", str(USERS_FILE), "GrpcSoakUser", "HttpSoakUser",
            "--headless", "-u", str(users), "-r", str(users), "--run-time", f"{int(minutes * 60)}s",
-           "--stop-timeout", "120", "--csv", str(out / "locust"), "--host", server.http_url,
+           "--stop-timeout", "120", "--csv", str(out / "locust"), "--stats-json", str(out / "locust_final.json"),
+           "--host", server.http_url,
            "--grpc-url", server.grpc_url, "--seed", str(seed), "--max-output-tokens", str(max_output_tokens),
            "--max-num-seqs", str(limits["max_num_seqs"]), "--max-model-len", str(limits["max_model_len"]),
            "--max-prompt-chars", str(limits["max_prompt_chars"]), "--only-summary", "--loglevel", "WARNING"]
@@ -142,13 +143,12 @@ def soak(server, limits: dict, out: pathlib.Path, minutes: float, users: int, se
 def summarise_soak(out, seconds, locust_code, rss_start, rss_max, rss_end, idle, leaked,
                    idle_check_failures, serving, crash_marks, minutes, users, series=()) -> dict:
     import csv
-    base = summarise(out / "locust_stats.csv", seconds)
+    base = summarise(out / "locust_final.json", seconds)
     kinds = {}
-    with open(out / "locust_stats.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            if row["Type"] in ("grpc", "http"):
-                kind = "bad" if row["Name"].startswith("bad:") else row["Name"]
-                kinds[kind] = kinds.get(kind, 0) + int(row["Request Count"])
+    for (kind, name), row in read_final_stats(out / "locust_final.json").items():
+        if kind in ("grpc", "http"):
+            kind = "bad" if name.startswith("bad:") else name
+            kinds[kind] = kinds.get(kind, 0) + row["count"]
     failures = []
     failures_csv = out / "locust_failures.csv"
     if failures_csv.exists():

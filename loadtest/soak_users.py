@@ -27,6 +27,7 @@ grpc_gevent.init_gevent()  # gRPC's blocking calls must yield to other users
 from locust import User, constant, events, task  # noqa: E402
 
 from client.streaming import ServerError, collect, grpc_stream, http_stream  # noqa: E402
+from loadtest import final_stats  # noqa: E402,F401  (--stats-json)
 
 WORDS = ("the server keeps serving while clients come and go and some of them send "
          "strange things that it must refuse with a clear message").split()

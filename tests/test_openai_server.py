@@ -375,12 +375,14 @@ def test_a_client_that_hangs_up_cancels_its_request_and_frees_its_kv_blocks(trit
 def test_a_short_locust_run_through_the_openai_api_has_no_failures(triton, api, tmp_path, tiny_model_dir):
     from loadtest.run_locust import run_locust
 
-    summary = run_locust(triton.http_url, triton.grpc_url, tmp_path, users=2, run_time="20s", max_requests=6,
+    summary = run_locust(triton.http_url, triton.grpc_url, tmp_path, users=2, run_time="200s", max_requests=6,
                          workload="alpaca", protocol="openai", openai_url=api.url, max_output_tokens=8,
                          tokenizer=str(tiny_model_dir), timeout=240)
 
-    assert summary["failures"] == 0, (tmp_path / "locust.log").read_text()[-3000:]
-    assert summary["requests"] == 6
+    log = (tmp_path / "locust.log").read_text()[-3000:]
+    assert summary["failures"] == 0, log
+    assert summary["requests"] == 6, log
+    assert summary["seconds"] < 180, log  # it ended with its last request
     for name in ("ttft", "e2e"):
         m = summary["metrics"][name]
         assert m["count"] > 0 and 0 < m["p50_ms"] <= m["p99_ms"]
