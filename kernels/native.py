@@ -8,6 +8,11 @@ build is keyed by the source, the compiler and the CPU's flags, so a changed
 file, compiler or machine gets its own build; the file is written atomically,
 so processes starting together do not clash. The kernels use OpenMP through
 the libgomp that torch has already loaded, so they share torch's threads.
+
+A C++ file in ``csrc/`` defines ATen operators instead (``load_op_library``):
+it is compiled against the installed torch's headers and libraries (the build
+key holds torch's version) and loaded with ``torch.ops.load_library``, so
+that compiled graphs call its kernels through the dispatcher without Python.
 """
 import ctypes
 import hashlib
@@ -97,3 +102,70 @@ def load(name: str) -> ctypes.CDLL:
         if name in _failed:
             raise RuntimeError(_failed[name])
         return _loaded[name]
+
+
+# ---------------------------------------------------------------- ATen operators
+
+def cxx_compiler() -> Optional[str]:
+    """The C++ compiler for operator libraries: ``$CXX``, else g++, else c++."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _torch_build_flags():
+    import torch
+    from torch.utils import cpp_extension
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()[:1]]
+    libdir = cpp_extension.library_paths()[0]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compile_flags = ["-O2", "-std=c++20", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
+    link_flags = ["-shared", f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
+    return torch.__version__, compile_flags, link_flags
+
+
+def build_op_library(name: str, cxx: str) -> pathlib.Path:
+    """Compile ``csrc/<name>.cpp`` (ATen operators) against this torch unless
+    the build is cached; its path."""
+    source = CSRC / f"{name}.cpp"
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    torch_version, compile_flags, link_flags = _torch_build_flags()
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(), torch_version.encode(),
+                                     " ".join(compile_flags + link_flags).encode()]))
+    target = cache_root() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = pathlib.Path(scratch) / target.name
+        command = [cxx, *compile_flags, str(source), *link_flags, "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            errors = [line for line in (result.stderr or result.stdout).splitlines() if "error" in line]
+            raise RuntimeError(f"{cxx} could not build {source.name}: "
+                               f"{chr(10).join(errors or [(result.stderr or result.stdout).strip()])[:500]}")
+        os.replace(built, target)
+    return target
+
+
+def load_op_library(name: str) -> ctypes.CDLL:
+    """The operators of ``csrc/<name>.cpp``, built on first use and registered
+    with torch; raises RuntimeError saying why they cannot be, every time."""
+    import torch
+    key = f"{name}.cpp"
+    with _lock:
+        if key not in _loaded and key not in _failed:
+            cxx = cxx_compiler()
+            try:
+                if cxx is None:
+                    raise RuntimeError("the CPU operators need a C++ compiler (g++ or c++) on PATH, "
+                                       "and none is there")
+                path = build_op_library(name, cxx)
+                torch.ops.load_library(str(path))
+                _loaded[key] = ctypes.CDLL(str(path))
+            except (RuntimeError, OSError) as exc:
+                _failed[key] = str(exc)
+        if key in _failed:
+            raise RuntimeError(_failed[key])
+        return _loaded[key]

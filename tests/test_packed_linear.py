@@ -1,9 +1,11 @@
 """Packed linear layers (``linear_backend``): the C kernels compute ``x W^T``
 (float32 W) and ``x (q s)^T`` (int8 q, a scale per output) for every row
 count, output width and input width, compiled or not, whatever the thread
-count; an engine serving through them picks the same greedy tokens as one on
+count, called through the Python operators or the C++ ones; an engine serving through them picks the same greedy tokens as one on
 ``F.linear`` (float32) or computes the model of its dequantised weights
 (int8); a setting they cannot serve is refused by name."""
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,15 @@ REASON = packed_linear.unavailable(torch.device("cpu"), torch.float32)
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"packed kernel unavailable: {REASON}")
 
 
+@pytest.fixture(params=["python", "native"])
+def ops(request, monkeypatch):
+    """Layers calling the operators with Python kernels, then those with C++ kernels."""
+    if request.param == "native":
+        packed_linear.load_native_ops()   # raises, failing the test, where the C++ build fails
+    monkeypatch.setattr(packed_linear, "use_native_ops", request.param == "native")
+    return request.param
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
@@ -28,7 +39,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 8, 9, 17, 64, packed_linear.KERNEL_MAX_ROWS,
                                   packed_linear.KERNEL_MAX_ROWS + 1])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 37), (7, 130)])
-def test_packed_linear_computes_x_times_w_transposed(rows, out_features, in_features):
+def test_packed_linear_computes_x_times_w_transposed(rows, out_features, in_features, ops):
     torch.manual_seed(rows)
     weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
     layer = packed_linear.PackedLinear(weight)
@@ -45,7 +56,7 @@ def test_packed_linear_computes_x_times_w_transposed(rows, out_features, in_feat
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 17, 64, packed_linear.KERNEL_MAX_ROWS,
                                   packed_linear.KERNEL_MAX_ROWS + 1])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 37), (7, 130), (300, 1536)])
-def test_packed_int8_linear_computes_x_times_its_dequantised_weight(rows, out_features, in_features):
+def test_packed_int8_linear_computes_x_times_its_dequantised_weight(rows, out_features, in_features, ops):
     torch.manual_seed(rows + 1)
     weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
     layer = packed_linear.PackedInt8Linear(weight)
@@ -58,7 +69,7 @@ def test_packed_int8_linear_computes_x_times_its_dequantised_weight(rows, out_fe
         assert relative_error(got, F.linear(x, dequantized)) < 1e-5
 
 
-def test_packed_int8_results_do_not_depend_on_the_thread_count():
+def test_packed_int8_results_do_not_depend_on_the_thread_count(ops):
     torch.manual_seed(6)
     layer = packed_linear.PackedInt8Linear(torch.randn(200, 64))
     threads = torch.get_num_threads()
@@ -74,7 +85,7 @@ def test_packed_int8_results_do_not_depend_on_the_thread_count():
         torch.set_num_threads(threads)
 
 
-def test_packed_int8_refuses_inputs_it_was_not_built_for():
+def test_packed_int8_refuses_inputs_it_was_not_built_for(ops):
     layer = packed_linear.PackedInt8Linear(torch.randn(40, 32))
     with pytest.raises(ValueError, match=r"packed_linear_int8 takes float32 \[rows, 32\] inputs"):
         layer(torch.randn(3, 33))
@@ -82,7 +93,7 @@ def test_packed_int8_refuses_inputs_it_was_not_built_for():
         layer(torch.randn(3, 32, dtype=torch.bfloat16))
 
 
-def test_packed_linear_keeps_leading_dimensions_and_reads_strided_input():
+def test_packed_linear_keeps_leading_dimensions_and_reads_strided_input(ops):
     torch.manual_seed(3)
     weight = torch.randn(64, 48)
     wide = torch.randn(2, 5, 96)
@@ -92,7 +103,7 @@ def test_packed_linear_keeps_leading_dimensions_and_reads_strided_input():
     assert relative_error(got, F.linear(x, weight)) < 1e-5
 
 
-def test_results_do_not_depend_on_the_thread_count():
+def test_results_do_not_depend_on_the_thread_count(ops):
     torch.manual_seed(4)
     weight, x = torch.randn(200, 64), torch.randn(13, 64)
     layer = packed_linear.PackedLinear(weight)
@@ -108,7 +119,7 @@ def test_results_do_not_depend_on_the_thread_count():
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 
-def test_compiled_call_matches_the_eager_one():
+def test_compiled_call_matches_the_eager_one(ops):
     torch.manual_seed(5)
     layer = packed_linear.PackedLinear(torch.randn(100, 40))
     compiled = torch.compile(lambda x: torch.relu(layer(x)) * 2, dynamic=True, fullgraph=True)
@@ -170,10 +181,48 @@ def test_packed_backend_where_it_cannot_run_is_refused_by_name(tiny_model_dir):
 
 
 @pytest.mark.parametrize("x", [torch.randn(2, 15), torch.randn(2, 16, dtype=torch.float64)], ids=["width", "dtype"])
-def test_an_input_that_does_not_fit_the_weight_is_refused_by_name(x):
+@pytest.mark.parametrize("op", ["packed_linear", "packed_linear_native"])
+def test_an_input_that_does_not_fit_the_weight_is_refused_by_name(x, op):
+    packed_linear.load_native_ops()
     layer = packed_linear.PackedLinear(torch.randn(8, 16))
     with pytest.raises(ValueError, match=r"packed_linear takes float32 \[rows, 16\] inputs"):
-        torch.ops.pagedbackend.packed_linear(x, layer.packed, 8)
+        getattr(torch.ops.pagedbackend, op)(x, layer.packed, 8)
+
+
+def python_kernel_calls(fn, *args) -> int:
+    """How many times ``fn(*args)`` enters the Python kernel of ``packed_linear``."""
+    calls = []
+    code = packed_linear._packed_linear_cpu.__code__
+    sys.setprofile(lambda frame, event, arg: calls.append(1) if event == "call" and frame.f_code is code else None)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return len(calls)
+
+
+def test_layers_use_the_native_operators_and_a_compiled_call_stays_out_of_python(monkeypatch):
+    """Where the C++ operators build, layers use them by default, and a compiled
+    call runs their C++ kernel without entering Python."""
+    packed_linear.load_native_ops()
+    assert packed_linear._decide_native_ops() and packed_linear.use_native_ops
+    layer = packed_linear.PackedLinear(torch.randn(40, 24))
+    x = torch.randn(3, 24)
+    for native_ops, entered in ((False, True), (True, False)):
+        monkeypatch.setattr(packed_linear, "use_native_ops", native_ops)
+        compiled = torch.compile(lambda x: layer(x) + 1, dynamic=True, fullgraph=True)
+        compiled(x)
+        assert (python_kernel_calls(compiled, x) > 0) == entered
+        assert relative_error(compiled(x), F.linear(x, layer.dequantized()) + 1) < 1e-5
+
+
+def test_a_cxx_compiler_that_fails_is_reported_with_its_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDBACKEND_CACHE", str(tmp_path))
+    failing = tmp_path / "cxx"
+    failing.write_text("#!/bin/sh\necho 'packed_ops.cpp:1: error: no such header' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    with pytest.raises(RuntimeError, match="could not build packed_ops.cpp: packed_ops.cpp:1: error: no such header"):
+        native.build_op_library("packed_ops", str(failing))
 
 
 def test_int8_runner_serves_every_layer_through_the_packed_kernel(tiny_untied_model_dir):
@@ -195,3 +244,19 @@ def test_int8_runner_serves_every_layer_through_the_packed_kernel(tiny_untied_mo
     assert torch_int8.linear_backend == "torch"
     assert isinstance(torch_int8.model.lm_head_matmul, Int8Linear)
 
+
+
+def test_layers_fall_back_to_the_python_operators_when_the_native_ones_cannot_build(monkeypatch):
+    # A failed C++ build is simulated: this process has already loaded the real library.
+    def cannot_build(name):
+        raise RuntimeError("the CPU operators need a C++ compiler (g++ or c++) on PATH, and none is there")
+    monkeypatch.setattr(native, "load_op_library", cannot_build)
+    monkeypatch.setattr(packed_linear, "_native_ready", False)
+    monkeypatch.setattr(packed_linear, "use_native_ops", None)
+    monkeypatch.setattr(packed_linear, "native_ops_failure", None)
+    weight, x = torch.randn(30, 20), torch.randn(4, 20)
+    layer = packed_linear.PackedLinear(weight)
+    assert packed_linear.use_native_ops is False
+    assert "C++ compiler" in packed_linear.native_ops_failure
+    assert python_kernel_calls(layer, x) == 1
+    assert relative_error(layer(x), F.linear(x, weight)) < 1e-5

@@ -13,9 +13,19 @@ unpacking the weight for the call, so it is used there and one packed copy
 serves every step.
 
 The call is a ``torch.library`` operator, so a compiled step keeps it in its
-graph as an opaque call, as it keeps torch's own GEMM.
+graph as an opaque call, as it keeps torch's own GEMM. Two versions of each
+operator do the same: ``packed_linear`` (and ``packed_linear_int8``) has a
+Python kernel that calls the C function through ctypes; ``packed_linear_native``
+(and ``packed_linear_int8_native``) has a C++ kernel
+(``kernels/csrc/packed_ops.cpp``, built at first use against the installed
+torch) that calls the same C function. A compiled step calls the C++ kernel
+straight from its C++ wrapper, without entering Python: a step makes 121 such
+calls for SmolLM2. The layers use the C++ operators wherever they build
+(``PAGEDBACKEND_NATIVE_OPS=0`` keeps the Python ones).
 """
 import ctypes
+import os
+import threading
 from typing import Optional
 
 import torch
@@ -31,6 +41,10 @@ KERNEL_MAX_ROWS = 768
 
 _gemm = None   # the kernel's packed_gemm, once loaded
 _gemm_i8 = None   # and its packed_gemm_i8
+use_native_ops: Optional[bool] = None   # whether layers call the C++ operators (decided at first layer)
+native_ops_failure: Optional[str] = None   # why they could not be built, when they could not
+_native_ready = False
+_native_lock, _decide_lock = threading.Lock(), threading.Lock()
 
 
 def load_library() -> ctypes.CDLL:
@@ -45,6 +59,41 @@ def load_library() -> ctypes.CDLL:
         library.packed_gemm_block_cols.restype = ctypes.c_int
         _gemm, _gemm_i8 = library.packed_gemm, library.packed_gemm_i8
     return library
+
+
+def load_native_ops() -> None:
+    """Build and register the C++ operators (``packed_linear_native`` and
+    ``packed_linear_int8_native``) and hand them the C kernels; raises
+    RuntimeError saying why they cannot be."""
+    global _native_ready
+    library = load_library()
+    ops = native.load_op_library("packed_ops")
+    with _native_lock:
+        if not _native_ready:
+            ops.packed_ops_set_kernels.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
+            ops.packed_ops_set_kernels.restype = None
+            ops.packed_ops_set_kernels(ctypes.cast(library.packed_gemm, ctypes.c_void_p),
+                                       ctypes.cast(library.packed_gemm_i8, ctypes.c_void_p), KERNEL_MAX_ROWS)
+            torch.library.register_fake("pagedbackend::packed_linear_native")(_packed_linear_fake)
+            torch.library.register_fake("pagedbackend::packed_linear_int8_native")(_packed_linear_int8_fake)
+            _native_ready = True
+
+
+def _decide_native_ops() -> bool:
+    """Whether layers call the C++ operators: yes where they build, unless
+    ``PAGEDBACKEND_NATIVE_OPS=0``. Decided once, at the first packed layer."""
+    global use_native_ops, native_ops_failure
+    with _decide_lock:
+        if use_native_ops is None:
+            native_ops = False
+            if os.environ.get("PAGEDBACKEND_NATIVE_OPS", "1") != "0":
+                try:
+                    load_native_ops()
+                    native_ops = True
+                except RuntimeError as exc:
+                    native_ops_failure = str(exc)
+            use_native_ops = native_ops
+    return use_native_ops
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> Optional[str]:
@@ -123,10 +172,14 @@ class PackedLinear(nn.Module):
                              f"{tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed", pack(weight.detach()))
+        _decide_native_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        y = torch.ops.pagedbackend.packed_linear(flat, self.packed, self.out_features)
+        if use_native_ops:
+            y = torch.ops.pagedbackend.packed_linear_native(flat, self.packed, self.out_features)
+        else:
+            y = torch.ops.pagedbackend.packed_linear(flat, self.packed, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
@@ -187,10 +240,15 @@ class PackedInt8Linear(nn.Module):
         padded[:self.out_features] = scales
         self.register_buffer("qpacked", packed)
         self.register_buffer("scales", padded)
+        _decide_native_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        y = torch.ops.pagedbackend.packed_linear_int8(flat, self.qpacked, self.scales, self.out_features)
+        if use_native_ops:
+            y = torch.ops.pagedbackend.packed_linear_int8_native(flat, self.qpacked, self.scales,
+                                                                 self.out_features)
+        else:
+            y = torch.ops.pagedbackend.packed_linear_int8(flat, self.qpacked, self.scales, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:

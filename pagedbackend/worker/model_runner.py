@@ -83,6 +83,9 @@ class ModelRunner:
                 raise ValueError(f"linear_backend=packed cannot run here: {reason}")
             logger.info("pagedbackend: linear layers use torch's kernels: %s", reason)
             return False
+        if not packed_linear._decide_native_ops():
+            logger.info("pagedbackend: packed linear layers call their C kernels through Python: %s",
+                        packed_linear.native_ops_failure or "PAGEDBACKEND_NATIVE_OPS=0")
         return True
 
     def _compile_and_warm_up(self) -> None:

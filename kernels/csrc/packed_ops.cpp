@@ -1,0 +1,95 @@
+// The packed linear layers as ATen operators with C++ CPU kernels:
+// pagedbackend::packed_linear_native and pagedbackend::packed_linear_int8_native
+// do what packed_linear and packed_linear_int8 (models/packed_linear.py) do,
+// with the same checks and messages, but are called from the dispatcher
+// without entering Python. A compiled step calls them once per linear layer
+// (121 times a step for SmolLM2); each Python call costs the GIL, argument
+// boxing and a ctypes call.
+//
+// The GEMMs themselves are those of packed_gemm.c, loaded by Python, whose
+// addresses are handed over with packed_ops_set_kernels before first use.
+// Fake (meta) kernels are registered from Python.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <string>
+
+namespace {
+
+using gemm_f32 = void (*)(const float *, const float *, float *, int, int, int, int);
+using gemm_i8 = int (*)(const float *, const signed char *, const float *, float *, int, int, int, int);
+
+gemm_f32 kernel_f32 = nullptr;
+gemm_i8 kernel_i8 = nullptr;
+int64_t kernel_max_rows = 768;   // above this, torch's GEMM on the unpacked weight
+
+std::string shape_of(const at::Tensor &t) {
+    std::string s = "(";
+    for (int64_t i = 0; i < t.dim(); i++) s += (i ? ", " : "") + std::to_string(t.size(i));
+    return s + (t.dim() == 1 ? ",)" : ")");
+}
+
+// The [N, K] weight held in packed [blocks, K, cols] (models/packed_linear.py's unpack).
+at::Tensor unpack(const at::Tensor &packed, int64_t out_features) {
+    return packed.transpose(1, 2).reshape({packed.size(0) * packed.size(2), packed.size(1)})
+        .slice(0, 0, out_features);
+}
+
+at::Tensor packed_linear(const at::Tensor &x_in, const at::Tensor &packed, int64_t out_features) {
+    TORCH_CHECK_VALUE(x_in.dim() == 2 && packed.dim() == 3 && x_in.scalar_type() == at::kFloat &&
+                      packed.scalar_type() == at::kFloat && packed.size(1) == x_in.size(1),
+                      "packed_linear takes float32 [rows, ", packed.dim() == 3 ? packed.size(1) : -1,
+                      "] inputs for this weight; got ", x_in.scalar_type(), " ", shape_of(x_in));
+    TORCH_CHECK(kernel_f32 != nullptr, "packed_linear_native: the GEMM kernel was not handed over");
+    int64_t rows = x_in.size(0), k = x_in.size(1);
+    if (rows > kernel_max_rows) return at::linear(x_in, unpack(packed, out_features));
+    at::Tensor x = x_in.contiguous();
+    at::Tensor y = at::empty({rows, out_features}, x.options());
+    if (rows)
+        kernel_f32(x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), (int)rows,
+                   (int)k, (int)out_features, at::get_num_threads());
+    return y;
+}
+
+at::Tensor packed_linear_int8(const at::Tensor &x_in, const at::Tensor &qpacked, const at::Tensor &scales,
+                              int64_t out_features) {
+    TORCH_CHECK_VALUE(x_in.dim() == 2 && qpacked.dim() == 3 && x_in.scalar_type() == at::kFloat &&
+                      qpacked.scalar_type() == at::kChar && qpacked.size(1) == x_in.size(1) &&
+                      scales.scalar_type() == at::kFloat &&
+                      scales.numel() == qpacked.size(0) * qpacked.size(2),
+                      "packed_linear_int8 takes float32 [rows, ", qpacked.dim() == 3 ? qpacked.size(1) : -1,
+                      "] inputs for this weight; got ", x_in.scalar_type(), " ", shape_of(x_in));
+    TORCH_CHECK(kernel_i8 != nullptr, "packed_linear_int8_native: the GEMM kernel was not handed over");
+    int64_t rows = x_in.size(0), k = x_in.size(1);
+    if (rows > kernel_max_rows) {
+        at::Tensor weight = unpack(qpacked, out_features).to(at::kFloat) *
+                            scales.slice(0, 0, out_features).unsqueeze(1);
+        return at::linear(x_in, weight);
+    }
+    at::Tensor x = x_in.contiguous();
+    at::Tensor s = scales.contiguous();
+    at::Tensor y = at::empty({rows, out_features}, x.options());
+    if (rows && kernel_i8(x.data_ptr<float>(), qpacked.data_ptr<int8_t>(), s.data_ptr<float>(),
+                          y.data_ptr<float>(), (int)rows, (int)k, (int)out_features, at::get_num_threads()))
+        throw std::bad_alloc();   // a thread's float copy of a block could not be allocated
+    return y;
+}
+
+}  // namespace
+
+extern "C" void packed_ops_set_kernels(void *f32, void *i8, long long max_rows) {
+    kernel_f32 = reinterpret_cast<gemm_f32>(f32);
+    kernel_i8 = reinterpret_cast<gemm_i8>(i8);
+    kernel_max_rows = max_rows;
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedbackend, m) {
+    m.def("packed_linear_native(Tensor x, Tensor packed, int out_features) -> Tensor");
+    m.def("packed_linear_int8_native(Tensor x, Tensor qpacked, Tensor scales, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedbackend, CPU, m) {
+    m.impl("packed_linear_native", &packed_linear);
+    m.impl("packed_linear_int8_native", &packed_linear_int8);
+}
