@@ -43,7 +43,11 @@ _failed: Dict[str, str] = {}
 
 def compiler() -> Optional[str]:
     """The C compiler to build with: ``$CC``, else gcc, else cc (None when none is on PATH)."""
-    for name in (os.environ.get("CC"), "gcc", "cc"):
+    return _on_path(os.environ.get("CC"), "gcc", "cc")
+
+
+def _on_path(*names: Optional[str]) -> Optional[str]:
+    for name in names:
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -69,18 +73,29 @@ def build(name: str, cc: str) -> pathlib.Path:
     key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(),
                                      " ".join(flags + LINK + LIBS).encode(), _cpu_flags().encode()]))
     target = cache_root() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
+    return _build_into(target, cc, source, lambda built: [
+        [cc, *flags, "-c", str(source), "-o", str(built.with_suffix(".o"))],
+        [cc, *LINK, str(built.with_suffix(".o")), "-o", str(built), *LIBS]])
+
+
+def _build_into(target: pathlib.Path, tool: str, source: pathlib.Path, commands,
+                errors_only: bool = False) -> pathlib.Path:
+    """``target``, built unless it exists by running ``commands(built)`` in a
+    scratch folder beside it and moving the result in place (atomically, so
+    processes starting together do not clash). A failed command raises
+    RuntimeError with the compiler's output (its error lines, with ``errors_only``)."""
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = pathlib.Path(scratch) / target.name
-        obj = built.with_suffix(".o")
-        for command in ([cc, *flags, "-c", str(source), "-o", str(obj)],
-                        [cc, *LINK, str(obj), "-o", str(built), *LIBS]):
+        for command in commands(built):
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"{cc} could not build {source.name}: "
-                                   f"{(result.stderr or result.stdout).strip()[:500]}")
+                output = (result.stderr or result.stdout).strip()
+                errors = [line for line in output.splitlines() if "error" in line] if errors_only else []
+                raise RuntimeError(f"{tool} could not build {source.name}: "
+                                   f"{(chr(10).join(errors) or output)[:500]}")
         os.replace(built, target)
     return target
 
@@ -89,29 +104,33 @@ def load(name: str) -> ctypes.CDLL:
     """The compiled ``csrc/<name>.c``, built on first use; raises RuntimeError
     saying why it cannot be (no compiler, a failed build), every time it is asked."""
     importlib.import_module("torch")   # loaded first, so the kernel binds to torch's libgomp
+    return _load_once(name, compiler, "the CPU kernels need a C compiler (gcc or cc) on PATH, "
+                                      "and none is there",
+                      lambda cc: ctypes.CDLL(str(build(name, cc))))
+
+
+def _load_once(key: str, find_tool, missing: str, open_library) -> ctypes.CDLL:
+    """``open_library(tool)`` once per process for ``key``, remembering a failure
+    (raised again as RuntimeError at every later call)."""
     with _lock:
-        if name not in _loaded and name not in _failed:
-            cc = compiler()
+        if key not in _loaded and key not in _failed:
+            tool = find_tool()
             try:
-                if cc is None:
-                    raise RuntimeError("the CPU kernels need a C compiler (gcc or cc) on PATH, "
-                                       "and none is there")
-                _loaded[name] = ctypes.CDLL(str(build(name, cc)))
+                if tool is None:
+                    raise RuntimeError(missing)
+                _loaded[key] = open_library(tool)
             except (RuntimeError, OSError) as exc:
-                _failed[name] = str(exc)
-        if name in _failed:
-            raise RuntimeError(_failed[name])
-        return _loaded[name]
+                _failed[key] = str(exc)
+        if key in _failed:
+            raise RuntimeError(_failed[key])
+        return _loaded[key]
 
 
 # ---------------------------------------------------------------- ATen operators
 
 def cxx_compiler() -> Optional[str]:
     """The C++ compiler for operator libraries: ``$CXX``, else g++, else c++."""
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+    return _on_path(os.environ.get("CXX"), "g++", "c++")
 
 
 def _torch_build_flags():
@@ -134,38 +153,18 @@ def build_op_library(name: str, cxx: str) -> pathlib.Path:
     key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(), torch_version.encode(),
                                      " ".join(compile_flags + link_flags).encode()]))
     target = cache_root() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = pathlib.Path(scratch) / target.name
-        command = [cxx, *compile_flags, str(source), *link_flags, "-o", str(built)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            errors = [line for line in (result.stderr or result.stdout).splitlines() if "error" in line]
-            raise RuntimeError(f"{cxx} could not build {source.name}: "
-                               f"{chr(10).join(errors or [(result.stderr or result.stdout).strip()])[:500]}")
-        os.replace(built, target)
-    return target
+    return _build_into(target, cxx, source, lambda built: [
+        [cxx, *compile_flags, str(source), *link_flags, "-o", str(built)]], errors_only=True)
 
 
 def load_op_library(name: str) -> ctypes.CDLL:
     """The operators of ``csrc/<name>.cpp``, built on first use and registered
     with torch; raises RuntimeError saying why they cannot be, every time."""
     import torch
-    key = f"{name}.cpp"
-    with _lock:
-        if key not in _loaded and key not in _failed:
-            cxx = cxx_compiler()
-            try:
-                if cxx is None:
-                    raise RuntimeError("the CPU operators need a C++ compiler (g++ or c++) on PATH, "
-                                       "and none is there")
-                path = build_op_library(name, cxx)
-                torch.ops.load_library(str(path))
-                _loaded[key] = ctypes.CDLL(str(path))
-            except (RuntimeError, OSError) as exc:
-                _failed[key] = str(exc)
-        if key in _failed:
-            raise RuntimeError(_failed[key])
-        return _loaded[key]
+
+    def open_library(cxx: str) -> ctypes.CDLL:
+        path = build_op_library(name, cxx)
+        torch.ops.load_library(str(path))
+        return ctypes.CDLL(str(path))
+    return _load_once(f"{name}.cpp", cxx_compiler, "the CPU operators need a C++ compiler (g++ or c++) "
+                                                   "on PATH, and none is there", open_library)

@@ -139,13 +139,17 @@ def test_compiled_call_matches_the_eager_one(ops):
         assert torch.equal(compiled(x), torch.relu(layer(x)) * 2)
 
 
-def test_a_compiler_that_fails_is_reported_with_its_message(tmp_path, monkeypatch):
+@pytest.mark.parametrize("build,name,message", [
+    (native.build, "packed_gemm", "packed_gemm.c: cc: no such target"),
+    (native.build_op_library, "packed_ops", "packed_ops.cpp: packed_ops.cpp:1: error: no such header"),
+], ids=["c-kernel", "cxx-operators"])
+def test_a_compiler_that_fails_is_reported_with_its_message(tmp_path, monkeypatch, build, name, message):
     monkeypatch.setenv("PAGEDBACKEND_CACHE", str(tmp_path))
-    failing = tmp_path / "cc"
-    failing.write_text("#!/bin/sh\necho 'cc: no such target' >&2\nexit 1\n")
+    failing = tmp_path / "compiler"
+    failing.write_text(f"#!/bin/sh\necho '{message.split(': ', 1)[1]}' >&2\nexit 1\n")
     failing.chmod(0o755)
-    with pytest.raises(RuntimeError, match="could not build packed_gemm.c: cc: no such target"):
-        native.build("packed_gemm", str(failing))
+    with pytest.raises(RuntimeError, match=f"could not build {message}"):
+        build(name, str(failing))
 
 
 def runner(model_dir, **overrides) -> ModelRunner:
@@ -225,15 +229,6 @@ def test_layers_use_the_native_operators_and_a_compiled_call_stays_out_of_python
         compiled(x)
         assert (python_kernel_calls(compiled, x) > 0) == entered
         assert relative_error(compiled(x), F.linear(x, layer.dequantized()) + 1) < 1e-5
-
-
-def test_a_cxx_compiler_that_fails_is_reported_with_its_message(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGEDBACKEND_CACHE", str(tmp_path))
-    failing = tmp_path / "cxx"
-    failing.write_text("#!/bin/sh\necho 'packed_ops.cpp:1: error: no such header' >&2\nexit 1\n")
-    failing.chmod(0o755)
-    with pytest.raises(RuntimeError, match="could not build packed_ops.cpp: packed_ops.cpp:1: error: no such header"):
-        native.build_op_library("packed_ops", str(failing))
 
 
 def test_int8_runner_serves_every_layer_through_the_packed_kernel(tiny_untied_model_dir):
