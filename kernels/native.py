@@ -1,8 +1,9 @@
 """C kernels for the CPU path, compiled on this machine at first use.
 
 Each kernel is one C file in ``csrc/``, compiled with ``-O3 -march=native
--fopenmp`` (AVX-512 or AVX2, whichever the CPU has), linked separately (see
-``EXTRA_FLAGS``) into the cache beside the prepared model
+-fopenmp`` (AVX-512 or AVX2, whichever the CPU has; torch's own
+``ATEN_CPU_CAPABILITY=avx2`` or ``default`` narrows it, see ``isa_flags``),
+linked separately (see ``EXTRA_FLAGS``) into the cache beside the prepared model
 (``$PAGEDBACKEND_CACHE/kernels``) and loaded with ``ctypes``. A
 build is keyed by the source, the compiler and the CPU's flags, so a changed
 file, compiler or machine gets its own build; the file is written atomically,
@@ -28,7 +29,12 @@ from typing import Dict, Optional
 from pagedbackend.config import cache_root
 
 CSRC = pathlib.Path(__file__).with_name("csrc")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-fPIC"]
+# The instruction set of a build, by ATEN_CPU_CAPABILITY (the variable with
+# which torch and inductor are held to a narrower set than the CPU has): avx2
+# is x86-64-v3 (AVX2 and FMA, no AVX-512, as on the CPUs without it), default
+# is x86-64-v2 (SSE4.2). Tuning stays native.
+CAPABILITY_ISA = {"avx2": "x86-64-v3", "default": "x86-64-v2"}
 # Compile flags of single kernels (said in their sources), after FLAGS. They
 # apply to compiling only: linked with -ffast-math, gcc would add
 # crtfastmath.o, which flushes subnormals to zero in the whole process.
@@ -65,10 +71,20 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def isa_flags() -> list:
+    """``-march`` for the kernels: native, unless ``ATEN_CPU_CAPABILITY`` asks
+    an x86 CPU for less (``CAPABILITY_ISA``); other values leave it native."""
+    import platform
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if capability in CAPABILITY_ISA and platform.machine().lower() in ("x86_64", "amd64"):
+        return [f"-march={CAPABILITY_ISA[capability]}", "-mtune=native"]
+    return ["-march=native"]
+
+
 def build(name: str, cc: str) -> pathlib.Path:
     """Compile ``csrc/<name>.c`` with ``cc`` unless this build is cached; its path."""
     source = CSRC / f"{name}.c"
-    flags = FLAGS + EXTRA_FLAGS.get(name, [])
+    flags = FLAGS + isa_flags() + EXTRA_FLAGS.get(name, [])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(),
                                      " ".join(flags + LINK + LIBS).encode(), _cpu_flags().encode()]))
