@@ -118,10 +118,30 @@ def test_compiled_step_matches_transformers_tiny(tiny_reference, monkeypatch, cp
     folder, prompts, expected = tiny_reference["untied"]
     runner = make_runner(folder, num_kv_blocks=96, attention_backend="sdpa", compile=True)
     assert runner.compiled is not None
-    assert runner.compiled.options == {"cpp_wrapper": cpp_wrapper == "1"}
+    assert runner.compiled.options["cpp_wrapper"] == (cpp_wrapper == "1")
     # Steps of one token (one decode) and of many use different graphs: both occur.
     assert greedy_paged(runner, prompts) == expected
     assert greedy_paged(runner, prompts[:1]) == expected[:1]
+
+
+@pytest.mark.skipif(NO_COMPILER is not None, reason=f"torch.compile cannot run here: {NO_COMPILER}")
+def test_compiled_steps_of_two_models_in_one_process_each_run_their_own_graphs(tiny_reference):
+    """The guards on a model's modules are dropped (they never change after
+    load), so each compiled step keeps its graphs apart from another model's:
+    two models of different shapes, stepped in turn, each compute their own
+    logits, never the other's graphs."""
+    runners = {name: make_runner(tiny_reference[name][0], num_kv_blocks=96, attention_backend="sdpa",
+                                 compile=True) for name in ("tied", "untied")}
+    assert runners["tied"].compiled.forward is not runners["untied"].compiled.forward
+    eager = {name: make_runner(tiny_reference[name][0], num_kv_blocks=96, attention_backend="sdpa")
+             for name in runners}
+    for length in (1, 5, 1, 9):   # single-token and multi-token graphs, back and forth
+        for name, runner in runners.items():
+            prompt = tiny_reference[name][1][-1][:length]
+            entries = [SeqEntry(prompt, 0, list(range(-(-length // 16))), True)]
+            got, want = runner.execute_model(entries), eager[name].execute_model(entries)
+            assert got.shape == want.shape == (1, runner.vocab_size)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_without_a_compiler_the_step_runs_eager_and_says_so_once(tiny_reference, monkeypatch, caplog):

@@ -8,6 +8,16 @@ graph. Both, and the LM head's, are compiled at load (``warm_up``) so no
 request pays for a compile. Attention is the opaque custom op of
 ``models.attention``, so each forward is one graph.
 
+Dynamo checks guards before every call: about 5,000 for the default model
+(every attribute and parameter of every layer the forward reads), some 2 ms
+a step. The modules and parameters of a loaded model never change, so the
+guards on them are dropped (``skip_guard_on_all_nn_modules_unsafe``); those on
+the inputs, on globals and on torch's state stay. Dynamo keeps its graphs per
+code object, and every instance of a model class shares its ``forward``'s, so
+each compiled step calls a copy of the method with a code object of its own:
+its graphs are never offered to another model, whose layers differ in what
+the dropped guards checked.
+
 The inductor cache lives beside the prepared model (``$PAGEDBACKEND_CACHE/
 inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set): a restart reuses the
 generated code and skips the C++ compiler.
@@ -16,6 +26,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import types
 from typing import Callable, Optional
 
 import torch
@@ -71,22 +82,31 @@ def cpu_options() -> dict:
     return {"cpp_wrapper": os.environ.get("PAGEDBACKEND_CPP_WRAPPER", "1") != "0"}
 
 
+def own_code(method: Callable) -> Callable:
+    """A bound method, rebound to a copy of its function whose code object is
+    its own (dynamo's cache of compiled graphs is kept per code object)."""
+    func = method.__func__
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__,
+                              func.__defaults__, func.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
+    return types.MethodType(copy, method.__self__)
+
+
 class CompiledStep:
     """``forward(input_ids, positions)`` and ``logits(hidden)`` of a model, compiled."""
 
-    # Every model instance's forward shares one code object, so each engine
-    # built in a process adds graphs to the same dynamo cache, whose limit (8)
-    # would otherwise send the ninth engine to eager.
-    RECOMPILE_LIMIT = 64
-
-    def __init__(self, model: torch.nn.Module, device: torch.device = torch.device("cpu")):
+    def __init__(self, model: torch.nn.Module, device: torch.device = torch.device("cpu"),
+                 guard_model: bool = False):
         use_compile_cache()
-        import torch._dynamo.config as dynamo_config
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, self.RECOMPILE_LIMIT)
         # The token dimension varies every step: compile for a dynamic size up front
         # instead of after a first recompile; fullgraph=True makes a graph break an error.
-        self.options = options = cpu_options() if device.type == "cpu" else None
-        self.forward: Callable = torch.compile(model.forward, dynamic=True, fullgraph=True,
-                                               options=options)
-        self.logits: Callable = torch.compile(model.compute_logits, dynamic=True, fullgraph=True,
-                                              options=options)
+        options = cpu_options() if device.type == "cpu" else {}
+        if guard_model:
+            self.options = options
+        else:
+            self.options = options = {**options,
+                                      "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self.forward: Callable = torch.compile(own_code(model.forward), dynamic=True, fullgraph=True,
+                                               options=options or None)
+        self.logits: Callable = torch.compile(own_code(model.compute_logits), dynamic=True,
+                                              fullgraph=True, options=options or None)
