@@ -2,10 +2,11 @@
  *
  * W is packed once, at load, into column blocks of NB outputs: wp[N / NB][K][NB]
  * (the last block zero-padded). One block is read from memory once per call
- * and kept in L2 while every MR-row chunk of x multiplies it, with MR x 2
- * vector accumulators held in registers; while a block is in use the next one
- * is prefetched. Blocks are split evenly over OpenMP threads (the same libgomp
- * as torch's, so both share one thread team).
+ * and kept in cache while every MR-row chunk of x multiplies it, with MR x 2
+ * vector accumulators held in registers; with AVX-512 the next block is
+ * prefetched while one is in use (see chunk_times_block). Blocks are split
+ * evenly over OpenMP threads (the same libgomp as torch's, so both share one
+ * thread team).
  *
  * int8 weights (packed_gemm_i8) use the same layout, qp[N / NB][K][NB] int8,
  * with one float scale per output column (w = q * scale, symmetric per row
@@ -94,12 +95,16 @@ INLINE void store_row(vf a0, vf a1, const float *sc, float *y, int ncols) {
     }
 }
 
-/* One MR-row chunk (m rows) of x times one packed block. For float weights,
- * chunk c of C also prefetches its share of the next block, so all C chunks
- * together fetch it while this one is in use; a single chunk (and an int8
- * block, always a single chunk here) prefetches ahead in its own block (a
- * whole block ahead would leave L1 before it is read). Reads past the end of
- * the weight are prefetches only, which never fault. */
+/* One MR-row chunk (m rows) of x times one packed block. With AVX-512 and
+ * float weights, chunk c of C also prefetches its share of the next block, so
+ * all C chunks together fetch it while this one is in use. Otherwise (a single
+ * chunk, an int8 block, which is always a single chunk here, or AVX2) a chunk
+ * prefetches ahead in its own block, a line at a time. An AVX2 block (16
+ * columns) nearly fills L1 by itself, and fetching the next one there evicts
+ * it before the later chunks read it: at 16-32 rows that costs 1.3-1.8x the
+ * time of prefetching within the block (BENCHMARKS.md section 17). Reads past
+ * the end of the weight are prefetches only, which never fault. */
+#define PREFETCH_NEXT_BLOCK (VW == 16)
 INLINE void chunk_times_block(const float *x, const void *w, int q, const float *sc,
                               const float *next, float *y, int m, int K, int ldy, int ncols,
                               int c, int C) {
@@ -111,9 +116,10 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
     for (int k = 0; k < K; k++) {
         if (q) {
             __builtin_prefetch((const signed char *)w + (size_t)(k + PREFETCH_QK) * NB, 0, 3);
-        } else if (C == 1) {
+        } else if (C == 1 || !PREFETCH_NEXT_BLOCK) {
             __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_K) * NB, 0, 3);
-            __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_K) * NB + 16, 0, 3);
+            if (NB > 16)   /* a row of two 64-byte lines */
+                __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_K) * NB + 16, 0, 3);
         } else if (next) {
             __builtin_prefetch(next + ((size_t)c * K + k) * NB / C, 0, 3);
         }
