@@ -247,6 +247,22 @@ def test_peers_summary_splits_ttft_tpot_and_inter_token_gaps():
     assert summary["seconds"] == pytest.approx(0.7) and summary["errors"] == ["TimeoutError: late"]
 
 
+@pytest.mark.parametrize("capability,held", [("avx2", True), ("avx512", False), (None, False)])
+def test_vllm_is_held_to_avx2_by_onednn_not_by_torch(monkeypatch, capability, held):
+    from loadtest.bench import peer_servers
+    if capability is None:
+        monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    else:
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    env = peer_servers.vllm_env(2)
+    assert "ATEN_CPU_CAPABILITY" not in env
+    assert (env.get("ONEDNN_MAX_CPU_ISA"), env.get("MKL_ENABLE_INSTRUCTIONS")) == (("AVX2", "AVX2") if held
+                                                                                else (None, None))
+    assert env["OMP_NUM_THREADS"] == "2"
+
+
 def test_peers_bench_runs_our_system_alone_when_no_peer_is_installed(tiny_model_dir, tmp_path,
                                                                      monkeypatch, capsys):
     from loadtest.bench import peers

@@ -33,6 +33,13 @@ def vllm_env(threads: int, env_file: Optional[str] = None, offline: bool = False
                               check=True, capture_output=True).stdout
         env = dict(item.split("=", 1) for item in dump.decode().split("\0") if "=" in item)
     env.update({"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"})
+    # A run held to AVX2 (ATEN_CPU_CAPABILITY=avx2, as a CPU without AVX-512):
+    # vLLM 0.32's CPU build emits only token 0 when torch is held so, so its
+    # GEMMs are held by oneDNN's and MKL's own variables instead (the rest of
+    # vLLM keeps the CPU's instruction sets; BENCHMARKS.md section 17).
+    if env.pop("ATEN_CPU_CAPABILITY", "").strip().lower() == "avx2":
+        env.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+        env.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     for key, value in {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                        "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                        # vLLM 0.32's AOT compile cache never reloads on CPU; the inductor one does.
