@@ -1,15 +1,24 @@
-"""The packed layers' operators with Python kernels against those with C++
-kernels, paired in one process: one decode step of ``--rows`` sequences
-(contexts of 60, 100, 140, ... tokens) through the compiled model, the two
-graphs alternating step by step so that a noisy host weighs on both alike.
+"""Two variants of the compiled decode step, paired in one process: one decode
+step of ``--rows`` sequences (contexts of 60, 100, 140, ... tokens), the two
+variants alternating step by step so that a noisy host weighs on both alike.
 
-    python -m loadtest.native_ops_ab --rows 5 --steps 60
+- ``--compare ops`` (default): the packed layers' operators with Python
+  kernels against those with C++ kernels (one model, two graphs);
+- ``--compare guards``: a step that checks dynamo's guards on the model's
+  modules before every call against one that does not (the default; two
+  models, one compiled step each).
+
+    python -m loadtest.native_ops_ab --rows 5 --steps 60 [--compare guards]
 """
 import argparse
+import functools
 import statistics
 import time
 
 import torch
+
+VARIANTS = {"ops": ("Python kernels", "C++ kernels"),
+            "guards": ("module guards checked", "module guards dropped")}
 
 
 def main(argv=None) -> int:
@@ -19,37 +28,55 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=5)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare", choices=sorted(VARIANTS), default="ops")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     from pagedbackend.config import EngineConfig
     from pagedbackend.models import packed_linear
+    from pagedbackend.worker import model_runner
     from pagedbackend.worker.batch import SeqEntry
-    from pagedbackend.worker.model_runner import ModelRunner
+    from pagedbackend.worker.compiled import CompiledStep
 
-    runner = ModelRunner(EngineConfig(model=args.model, device="cpu", num_kv_blocks=400))
-    if not packed_linear.use_native_ops:
-        raise SystemExit(f"the C++ operators are not in use: {packed_linear.native_ops_failure}")
+    def make_runner(**compiled_options):
+        if compiled_options:
+            model_runner.CompiledStep = functools.partial(CompiledStep, **compiled_options)
+        try:
+            return model_runner.ModelRunner(EngineConfig(model=args.model, device="cpu", num_kv_blocks=400))
+        finally:
+            model_runner.CompiledStep = CompiledStep
+
+    if args.compare == "ops":
+        runner = make_runner()
+        if not packed_linear.use_native_ops:
+            raise SystemExit(f"the C++ operators are not in use: {packed_linear.native_ops_failure}")
+
+        def variant(second: bool):
+            packed_linear.use_native_ops = second
+            return runner
+    else:
+        runners = {False: make_runner(guard_model=True), True: make_runner(guard_model=False)}
+        variant = runners.__getitem__
     entries, next_block = [], 1
     for length in (60 + 40 * i for i in range(args.rows)):
         blocks = -(-(length + 1) // 16)
         entries.append(SeqEntry([100 + length], length, list(range(next_block, next_block + blocks))))
         next_block += blocks
     times = {False: [], True: []}
-    for native in (False, True):   # compile and warm both graphs
-        packed_linear.use_native_ops = native
+    for second in (False, True):   # compile and warm both
         for _ in range(3):
-            runner.execute_model(entries)
+            variant(second).execute_model(entries)
     for i in range(args.steps):
-        for native in ((False, True) if i % 2 else (True, False)):
-            packed_linear.use_native_ops = native
+        for second in ((False, True) if i % 2 else (True, False)):
+            runner = variant(second)
             start = time.perf_counter()
             runner.execute_model(entries)
-            times[native].append(1000 * (time.perf_counter() - start))
-    for native, name in ((False, "Python kernels"), (True, "C++ kernels")):
-        print(f"{name}: median step {statistics.median(times[native]):.2f} ms, min {min(times[native]):.2f} ms")
+            times[second].append(1000 * (time.perf_counter() - start))
+    first_name, second_name = VARIANTS[args.compare]
+    for second, name in ((False, first_name), (True, second_name)):
+        print(f"{name}: median step {statistics.median(times[second]):.2f} ms, min {min(times[second]):.2f} ms")
     diff = statistics.median(b - a for a, b in zip(times[False], times[True]))
-    print(f"paired difference (C++ - Python), median: {diff:.2f} ms")
+    print(f"paired difference ({second_name} - {first_name}), median: {diff:.2f} ms")
     return 0
 
 
