@@ -157,18 +157,24 @@ def write_kv_sdpa(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
             and value.dtype == torch.float32 and v_cache.dtype == torch.float32
             and key.shape == value.shape and key.shape[1:] == k_cache.shape[2:]
             and k_cache.shape == v_cache.shape and slots.shape == key.shape[:1]
-            and slots.is_contiguous() and key.is_contiguous() and value.is_contiguous()
+            and slots.is_contiguous() and _rows_contiguous(key) and _rows_contiguous(value)
             and k_cache.is_contiguous() and v_cache.is_contiguous() and native_write() is not None):
         blocks, block_size, kv_heads, head_dim = k_cache.shape
         if native_write()(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                           slots.data_ptr(), slots.shape[0], kv_heads * head_dim,
-                          blocks * block_size) == 0:
+                          blocks * block_size, key.stride(0), value.stride(0)) == 0:
             return
     if slots is None:
         keep = slot_mapping >= 0
         slots, key, value = slot_mapping[keep].long(), key[keep], value[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether each token's ``[kv_heads, head_dim]`` of ``t`` lies in one run
+    of memory (tokens may lie apart, as in a slice of the QKV output)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) >= 0
 
 
 def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -228,7 +234,7 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
 _SIGNATURES = {
     "paged_decode": [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5
                     + [ctypes.c_float, ctypes.c_int],
-    "paged_write": [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int, ctypes.c_longlong],
+    "paged_write": [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 3,
 }
 
 

@@ -7,6 +7,9 @@ variants alternating step by step so that a noisy host weighs on both alike.
 - ``--compare guards``: a step that checks dynamo's guards on the model's
   modules before every call against one that does not (the default; two
   models, one compiled step each).
+- ``--compare kv_write``: the step's K/V stored by ``index_copy_`` whenever V
+  is not contiguous (a slice of the QKV output, so always) against the C
+  ``paged_write``, which takes its rows where they lie (the default).
 
     python -m loadtest.native_ops_ab --rows 5 --steps 60 [--compare guards]
 """
@@ -18,7 +21,8 @@ import time
 import torch
 
 VARIANTS = {"ops": ("Python kernels", "C++ kernels"),
-            "guards": ("module guards checked", "module guards dropped")}
+            "guards": ("module guards checked", "module guards dropped"),
+            "kv_write": ("KV write by index_copy_", "KV write by the C kernel")}
 
 
 def main(argv=None) -> int:
@@ -54,9 +58,16 @@ def main(argv=None) -> int:
         def variant(second: bool):
             packed_linear.use_native_ops = second
             return runner
-    else:
+    elif args.compare == "guards":
         runners = {False: make_runner(guard_model=True), True: make_runner(guard_model=False)}
         variant = runners.__getitem__
+    else:
+        from pagedbackend.kernels import sdpa_attention
+        runner, rows_contiguous = make_runner(), sdpa_attention._rows_contiguous
+
+        def variant(second: bool):
+            sdpa_attention._rows_contiguous = rows_contiguous if second else torch.Tensor.is_contiguous
+            return runner
     entries, next_block = [], 1
     for length in (60 + 40 * i for i in range(args.rows)):
         blocks = -(-(length + 1) // 16)

@@ -484,7 +484,12 @@ def test_loading_the_cpu_kernels_keeps_subnormal_floats():
 def test_the_c_kv_write_stores_what_index_copy_does_and_refuses_a_slot_past_the_cache():
     torch.manual_seed(7)
     caches = {native: (torch.zeros(10, 4, 2, 8), torch.zeros(10, 4, 2, 8)) for native in (True, False)}
-    key, value = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    # V a slice of a fused QKV output, as in the model: its tokens' rows lie apart
+    key, value = torch.randn(6, 2, 8), torch.randn(6, 3 * 16)[:, 32:].view(6, 2, 8)
+    assert not value.is_contiguous() and sa._rows_contiguous(value)
+    calls = []
+    real_write = sa.native_write()
+    sa._natives["paged_write"] = lambda *args: calls.append(args) or real_write(*args)
     slots = torch.tensor([39, 0, 5, 17, 4, 22])
     plan = SimpleNamespace(write_slots=slots)
     saved = sa.USE_NATIVE_DECODE
@@ -498,11 +503,14 @@ def test_the_c_kv_write_stores_what_index_copy_does_and_refuses_a_slot_past_the_
         k_cache, v_cache = caches[True]
         before = k_cache.clone()
         bad = torch.tensor([3, 40])   # 40 slots in the cache: the second is past its end
-        refused = sa.native_write()(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                    bad.data_ptr(), 2, 16, 40)
+        assert len(calls) == 1   # the strided V went through the C kernel, not index_copy_
+        assert torch.equal(caches[True][1].view(-1, 2, 8)[slots], value)
+        refused = real_write(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                             bad.data_ptr(), 2, 16, 40, 16, 48)
         assert refused == -1 and torch.equal(k_cache, before)   # the kernel writes nothing
         with pytest.raises(IndexError):   # and the write falls through to index_copy_'s error
             sa.write_kv_sdpa(key[:2], value[:2], k_cache, v_cache, bad, SimpleNamespace(write_slots=bad))
     finally:
         sa.USE_NATIVE_DECODE = saved
+        sa._natives["paged_write"] = real_write
 

@@ -107,15 +107,19 @@ int paged_decode(const float *q, const float *k_cache, const float *v_cache, flo
 }
 
 /* Store the step's keys and values, rows of `row` floats, at their cache
- * slots (k_cache, v_cache [slots, row]). Returns 0, or -1 without writing
- * anything when a slot lies outside 0..num_slots-1 (the caller reports it). */
+ * slots (k_cache, v_cache [slots, row]). Token t's row starts at
+ * key + t * key_stride (value + t * value_stride): the step's V is a slice of
+ * the fused QKV projection's output, whose rows lie apart. Returns 0, or -1
+ * without writing anything when a slot lies outside 0..num_slots-1 (the
+ * caller reports it). */
 int paged_write(const float *key, const float *value, float *k_cache, float *v_cache,
-                const long long *slots, int tokens, int row, long long num_slots) {
+                const long long *slots, int tokens, int row, long long num_slots,
+                long long key_stride, long long value_stride) {
     for (int t = 0; t < tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
     for (int t = 0; t < tokens; t++) {
-        memcpy(k_cache + slots[t] * row, key + (size_t)t * row, sizeof(float) * (size_t)row);
-        memcpy(v_cache + slots[t] * row, value + (size_t)t * row, sizeof(float) * (size_t)row);
+        memcpy(k_cache + slots[t] * row, key + t * key_stride, sizeof(float) * (size_t)row);
+        memcpy(v_cache + slots[t] * row, value + t * value_stride, sizeof(float) * (size_t)row);
     }
     return 0;
 }
