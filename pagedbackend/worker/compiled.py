@@ -93,7 +93,9 @@ def own_code(method: Callable) -> Callable:
 
 
 class CompiledStep:
-    """``forward(input_ids, positions)`` and ``logits(hidden)`` of a model, compiled."""
+    """``forward(input_ids, positions)`` and ``logits(hidden)`` of a model,
+    compiled; ``guard_model=True`` keeps dynamo's guards on the model's
+    modules (``loadtest.native_ops_ab --compare guards`` measures them)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device = torch.device("cpu"),
                  guard_model: bool = False):
