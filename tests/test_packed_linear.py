@@ -4,6 +4,9 @@ count, output width and input width, compiled or not, whatever the thread
 count, called through the Python operators or the C++ ones; an engine serving through them picks the same greedy tokens as one on
 ``F.linear`` (float32) or computes the model of its dequantised weights
 (int8); a setting they cannot serve is refused by name."""
+import os
+import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -271,21 +274,19 @@ def test_layers_fall_back_to_the_python_operators_when_the_native_ones_cannot_bu
 AVX2_TESTS = ["computes", "thread_count", "strided", "compiled_call", "decode_kernel", "subnormal", "c_kv_write"]
 
 
-@pytest.mark.skipif("avx2" not in native._cpu_flags().split() or "fma" not in native._cpu_flags().split(),
+@pytest.mark.skipif(not {"avx2", "fma"} <= set(native._cpu_flags().split()),
                     reason="this CPU cannot run an AVX2 build")
 def test_kernels_built_for_avx2_only_compute_the_same():
     """``ATEN_CPU_CAPABILITY=avx2`` (torch's knob) builds the C kernels for
     x86-64-v3, the code a CPU without AVX-512 runs (16-column blocks, 6-row
     chunks): the layer and decode-kernel tests pass again in a process held to it."""
-    import os
-    import subprocess
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}   # a build of its own: the flags key it
     probe = subprocess.run([sys.executable, "-c", "from pagedbackend.models import packed_linear as p; "
                             "from pagedbackend.kernels import native as n; print(p.block_cols(), *n.isa_flags())"],
                            env=env, capture_output=True, text=True, timeout=600)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["16", "-march=x86-64-v3", "-mtune=native"]
-    tests = __import__("pathlib").Path(__file__).parent
+    tests = pathlib.Path(__file__).parent
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           str(tests / "test_packed_linear.py"), str(tests / "test_kernels.py"),
                           "-k", f"({' or '.join(AVX2_TESTS)}) and not avx2_only"], env=env, capture_output=True, text=True,

@@ -102,12 +102,9 @@ class CompiledStep:
         use_compile_cache()
         # The token dimension varies every step: compile for a dynamic size up front
         # instead of after a first recompile; fullgraph=True makes a graph break an error.
-        options = cpu_options() if device.type == "cpu" else {}
-        if guard_model:
-            self.options = options
-        else:
-            self.options = options = {**options,
-                                      "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self.options = options = cpu_options() if device.type == "cpu" else {}
+        if not guard_model:
+            options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         self.forward: Callable = torch.compile(own_code(model.forward), dynamic=True, fullgraph=True,
                                                options=options or None)
         self.logits: Callable = torch.compile(own_code(model.compute_logits), dynamic=True,
