@@ -48,11 +48,13 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-# Rows: none, one, around the 6- and 8-row chunks, a decode batch, both sides
-# of KERNEL_MAX_ROWS. Widths: whole blocks, a ragged last block, odd K.
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 8, 9, 17, 64, packed_linear.KERNEL_MAX_ROWS,
+# Rows: none, one to four (blocks side by side), around the 6- and 12-row
+# chunks, a decode batch, both sides of KERNEL_MAX_ROWS. Widths: whole blocks,
+# a ragged last block, odd K, enough blocks for a thread to take a group of
+# blocks and a smaller one.
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 17, 25, 64, packed_linear.KERNEL_MAX_ROWS,
                                   packed_linear.KERNEL_MAX_ROWS + 1])
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 37), (7, 130)])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 37), (7, 130), (300, 200)])
 def test_packed_linear_computes_x_times_w_transposed(rows, out_features, in_features, ops):
     torch.manual_seed(rows)
     weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
@@ -64,10 +66,10 @@ def test_packed_linear_computes_x_times_w_transposed(rows, out_features, in_feat
         assert relative_error(got, F.linear(x, weight)) < 1e-5
 
 
-# int8: one row and two (four blocks side by side), one chunk of rows
-# (widened in registers), several chunks (each block widened once into a
-# float copy), both sides of KERNEL_MAX_ROWS.
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 17, 64, packed_linear.KERNEL_MAX_ROWS,
+# int8: one to four rows (blocks side by side), one chunk of rows (widened in
+# registers), several chunks (each block widened once into a float copy),
+# both sides of KERNEL_MAX_ROWS.
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 12, 13, 17, 64, packed_linear.KERNEL_MAX_ROWS,
                                   packed_linear.KERNEL_MAX_ROWS + 1])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 37), (7, 130), (300, 1536)])
 def test_packed_int8_linear_computes_x_times_its_dequantised_weight(rows, out_features, in_features, ops):

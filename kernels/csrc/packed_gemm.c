@@ -17,9 +17,9 @@
  * each block once into a per-thread float copy, scale applied, and multiply
  * every chunk by it as for float32 weights.
  *
- * Built at run time with -march=native: NB is 32 and MR 8 with AVX-512, NB 16
- * and MR 6 with AVX2 (16 registers), and the same code falls back to whatever
- * vectors the target has. Each output is one fp32 sum over k in order, so
+ * Built at run time with -march=native: NB is 32 and MR 12 with AVX-512 (24 of
+ * its 32 registers accumulate), NB 16 and MR 6 with AVX2 (12 of 16), and the
+ * same code falls back to whatever vectors the target has. Each output is one fp32 sum over k in order, so
  * results differ from a BLAS sgemm only by rounding.
  *
  * Every function below takes the weight as `const void *` with `q` saying
@@ -33,7 +33,9 @@
 
 #if defined(__AVX512F__)
 #define VW 16
-#define MR 8
+/* Each chunk reads the whole block again from L2: 12-row chunks rather than 8
+ * take 0.75-0.9x the time at 10-32 rows (BENCHMARKS.md section 18). */
+#define MR 12
 #else
 #define VW 8
 #define MR 6
@@ -125,7 +127,7 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
         }
         vf w0, w1;
         load_row(w, q, k, &w0, &w1);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
         for (int r = 0; r < MR; r++) {
             if (r < m) {
                 float xs = x[(size_t)r * K + k];
@@ -138,18 +140,28 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
         store_row(acc[r][0], acc[r][1], sc, y + (size_t)r * ldy, ncols);
 }
 
-/* Decode steps of one or two rows are bound by memory bandwidth, and one
+/* Decode steps of a few rows are bound by memory bandwidth, and one
  * sequential stream per thread does not reach it: these rows multiply GB
  * consecutive blocks at once, GB streams side by side (4 streams: 1.12x at
- * one row on SmolLM2's layers, BENCHMARKS.md section 13). */
+ * one row on SmolLM2's layers, BENCHMARKS.md section 13). With AVX-512's 32
+ * registers, three or four rows take three streams (24 accumulators): 0.86-0.9x
+ * the time of one chunk at a time (BENCHMARKS.md section 18). With AVX2's 16
+ * registers that spills, so only one or two rows stream this way. */
 #define GB 4
+#if VW == 16
+#define STREAM_ROWS 4
+#define GB_WIDE 3    /* streams of three or four rows */
+#else
+#define STREAM_ROWS 2
+#define GB_WIDE GB
+#endif
 INLINE void rows_times_blocks(const float *x, const void *wp, int q, const float *scales, float *y,
                               int rows, int K, int N, int b, int count) {
-    vf acc[2][GB][2];
+    vf acc[STREAM_ROWS][GB][2];
     const void *w[GB];
     for (int j = 0; j < GB; j++) {
         w[j] = block(wp, q, b + (j < count ? j : 0), K);
-        for (int r = 0; r < 2; r++) acc[r][j][0] = acc[r][j][1] = (vf){0};
+        for (int r = 0; r < rows; r++) acc[r][j][0] = acc[r][j][1] = (vf){0};
     }
     for (int k = 0; k < K; k++) {
 #pragma GCC unroll 4
@@ -182,15 +194,19 @@ static __thread size_t widened_len = 0;
 INLINE int run_blocks(const float *x, const void *wp, int q, const float *scales, float *y,
                       int M, int K, int N, int first, int last) {
     int C = (M + MR - 1) / MR;
-    if (M <= 2) {
-        for (int b = first; b < last; b += GB) {
-            int count = last - b < GB ? last - b : GB;
+    if (M <= STREAM_ROWS) {
+        int streams = M <= 2 ? GB : GB_WIDE;
+        for (int b = first; b < last; b += streams) {
+            int count = last - b < streams ? last - b : streams;
             /* constant row and block counts keep the accumulators in registers */
 #define BLOCKS(rows, n) case n: rows_times_blocks(x, wp, q, scales, y, rows, K, N, b, n); break;
-            if (M == 1) {
-                switch (count) { BLOCKS(1, 1) BLOCKS(1, 2) BLOCKS(1, 3) BLOCKS(1, 4) }
-            } else {
-                switch (count) { BLOCKS(2, 1) BLOCKS(2, 2) BLOCKS(2, 3) BLOCKS(2, 4) }
+            switch (M) {
+            case 1: switch (count) { BLOCKS(1, 1) BLOCKS(1, 2) BLOCKS(1, 3) BLOCKS(1, 4) } break;
+            case 2: switch (count) { BLOCKS(2, 1) BLOCKS(2, 2) BLOCKS(2, 3) BLOCKS(2, 4) } break;
+#if STREAM_ROWS > 2
+            case 3: switch (count) { BLOCKS(3, 1) BLOCKS(3, 2) BLOCKS(3, 3) } break;
+            case 4: switch (count) { BLOCKS(4, 1) BLOCKS(4, 2) BLOCKS(4, 3) } break;
+#endif
             }
 #undef BLOCKS
         }
@@ -220,10 +236,10 @@ INLINE int run_blocks(const float *x, const void *wp, int q, const float *scales
             }
         }
         for (int c = 0; c < C; c++) {
-            int m = M - c * MR;
-            if (m > MR) m = MR;
-            const float *xc = x + (size_t)c * MR * K;
-            float *yc = y + (size_t)c * MR * N + (size_t)b * NB;
+            /* C chunks of as even sizes as can be (16 rows: 8 + 8, not 12 + 4) */
+            int m = M / C + (c < M % C), r0 = c * (M / C) + (c < M % C ? c : M % C);
+            const float *xc = x + (size_t)r0 * K;
+            float *yc = y + (size_t)r0 * N + (size_t)b * NB;
             /* A constant row count per case lets the compiler keep the
              * accumulators in registers. */
             switch (m) {
@@ -231,7 +247,7 @@ INLINE int run_blocks(const float *x, const void *wp, int q, const float *scales
                           else chunk_times_block(xc, wb, q, sc, next, yc, n, K, N, ncols, c, C); } break;
             ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
 #if MR > 6
-            ROWS(7) ROWS(8)
+            ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
 #endif
 #undef ROWS
             }
