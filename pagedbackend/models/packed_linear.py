@@ -34,10 +34,11 @@ from torch import nn
 from pagedbackend.kernels import native
 
 # Rows above which torch's GEMM on a weight unpacked for the call is the
-# faster of the two (BENCHMARKS.md, section 13): from 128 to 512 rows the
-# kernel runs at 0.8-0.95x of F.linear on the original weight and the
-# unpacking copy costs more than that; at 1024 rows the copy is cheaper.
-KERNEL_MAX_ROWS = 768
+# faster of the two. With AVX-512's 12-row chunks (BENCHMARKS.md, section 18)
+# the kernel is faster than unpacking and F.linear at every size up to 1536
+# rows and even with it at 2048 (the default max_num_batched_tokens); with
+# 8-row chunks it lost from 512 rows on (section 13).
+KERNEL_MAX_ROWS = 2048
 
 _gemm = None   # the kernel's packed_gemm, once loaded
 _gemm_i8 = None   # and its packed_gemm_i8
