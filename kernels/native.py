@@ -81,9 +81,11 @@ def isa_flags() -> list:
     return ["-march=native"]
 
 
-def build(name: str, cc: str) -> pathlib.Path:
-    """Compile ``csrc/<name>.c`` with ``cc`` unless this build is cached; its path."""
-    source = CSRC / f"{name}.c"
+def build(name: str, cc: str, source: Optional[pathlib.Path] = None) -> pathlib.Path:
+    """Compile ``csrc/<name>.c`` with ``cc`` unless this build is cached; its
+    path. ``source``: another version of that file (an older revision, for a
+    benchmark), built with the same flags."""
+    source = CSRC / f"{name}.c" if source is None else pathlib.Path(source)
     flags = FLAGS + isa_flags() + EXTRA_FLAGS.get(name, [])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(),

@@ -5,6 +5,8 @@ import asyncio
 import importlib
 import json
 import math
+import pathlib
+import subprocess
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from pagedbackend.accounting import reserved_positions, scheme_report
 from pagedbackend.config import EngineConfig
 
 Request = workloads.Request
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def make_engine(model_dir, **kw):
@@ -342,6 +346,24 @@ def test_cpu_kernels_bench_times_each_kernel_beside_what_it_replaces(tmp_path):
     assert all(r["max_abs_error"] < 1e-4 and r["kernel_us"] > 0 for r in result["attention"])
     assert sa.USE_NATIVE_DECODE   # the comparison leaves the kernel on
     assert (tmp_path / "cpu_kernels.json").exists()
+
+
+def test_cpu_kernels_bench_sets_the_kernel_beside_its_version_at_a_git_revision(tmp_path):
+    from pagedbackend.models import packed_linear
+    if packed_linear.unavailable(torch.device("cpu"), torch.float32):
+        pytest.skip("no C compiler here for the CPU kernels")
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: there is no revision to build the kernel of")
+    from loadtest.bench import cpu_kernels
+    result = cpu_kernels.main(["--parts", "matmuls", "--ms", "3,13", "--rounds", "1", "--int8",
+                               "--against", "HEAD", "--threads", "1", "--out", str(tmp_path)])
+    assert result["against"] == "HEAD"
+    for r in result["matmuls"]:
+        assert r["kernel_ms"] > 0 and r["kernel@HEAD_ms"] > 0 and r["against_ratio"] > 0
+        assert r["kernel int8@HEAD_ms"] > 0 and r["against_ratio_int8"] > 0
+    with pytest.raises(SystemExit, match="no-such-revision"):
+        cpu_kernels.main(["--parts", "matmuls", "--ms", "1", "--rounds", "1",
+                          "--against", "no-such-revision", "--out", str(tmp_path)])
 
 
 def test_quant_quality_bench_compares_settings_and_kernels_with_fp32(default_model_dir, tmp_path):

@@ -7,7 +7,10 @@ share the machine's drift; figures are medians over rounds):
   weights (qkv, o, gate_up, down; read from memory, as in a step) and the LM
   head, at M rows: ``F.linear`` against ``linear_backend=packed``
   (``kernels/csrc/packed_gemm.c``; above ``KERNEL_MAX_ROWS`` the weight
-  unpacked for torch's GEMM).
+  unpacked for torch's GEMM). ``--against REV`` adds the C kernel as it is
+  in this tree and as it was at git revision REV, both built with the same
+  flags and called the same way (ctypes) on the same packed weights: an A/B
+  of a kernel change in one process, round by round.
 - ``attention``: decode attention of one layer for N sequences with context
   lengths drawn (seeded) up to twice the given mean: the gather path
   (``index_select`` + batched matmuls) against the C kernel
@@ -19,9 +22,13 @@ share the machine's drift; figures are medians over rounds):
   round. Greedy, EOS ignored.
 """
 import argparse
+import ctypes
+import pathlib
 import statistics
+import subprocess
+import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +53,29 @@ def interleaved(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False) -> List[dict]:
+def kernel_at(rev: str) -> ctypes.CDLL:
+    """``kernels/csrc/packed_gemm.c`` as of git revision ``rev``, built with
+    the flags of this tree's kernel."""
+    from kernels import native
+    from pagedbackend.models import packed_linear
+    root = pathlib.Path(__file__).resolve().parents[2]
+    shown = subprocess.run(["git", "show", f"{rev}:kernels/csrc/packed_gemm.c"], cwd=root,
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"--against {rev}: {shown.stderr.strip()}")
+    cc = native.compiler()
+    if cc is None:
+        raise SystemExit("--against needs a C compiler (gcc or cc) on PATH")
+    with tempfile.TemporaryDirectory() as scratch:
+        source = pathlib.Path(scratch) / "packed_gemm.c"
+        source.write_text(shown.stdout)
+        library = ctypes.CDLL(str(native.build("packed_gemm", cc, source)))
+    return packed_linear.declare(library)
+
+
+def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False,
+                  against: Optional[str] = None) -> List[dict]:
+    from pagedbackend.models import packed_linear
     from pagedbackend.models.packed_linear import PackedInt8Linear, PackedLinear
     from pagedbackend.models.quant import Int8Linear
     torch.manual_seed(0)
@@ -59,6 +88,35 @@ def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False) -> List[d
     int8_layers = {v: [{name: make(w) for name, w in layer.items()} for layer in layers]
                    for v, make in int8.items()}
     int8_heads = {v: make(head) for v, make in int8.items()}
+    kernels = {}   # --against: the C kernel of this tree and of REV, called through ctypes
+    if against:
+        kernels = {"kernel": packed_linear.load_library(), f"kernel@{against}": kernel_at(against)}
+        cols = {name: lib.packed_gemm_block_cols() for name, lib in kernels.items()}
+        if len(set(cols.values())) != 1:
+            raise SystemExit(f"--against {against}: the kernels pack weights in blocks of "
+                             f"{cols} columns; they cannot share the packed weights")
+        if with_int8:   # the same packed int8 weights for both
+            int8_layers.setdefault("packed int8", [{name: PackedInt8Linear(w) for name, w in layer.items()}
+                                                   for layer in layers])
+            int8_heads.setdefault("packed int8", PackedInt8Linear(head))
+
+    def through(library, int8_weights: bool):
+        """A linear that calls ``library``'s kernel on a packed layer's weight."""
+        threads = torch.get_num_threads()
+
+        def call(layer, x):
+            y = torch.empty(x.shape[0], layer.out_features)
+            if int8_weights:
+                library.packed_gemm_i8(x.data_ptr(), layer.qpacked.data_ptr(), layer.scales.data_ptr(),
+                                       y.data_ptr(), x.shape[0], x.shape[1], layer.out_features, threads)
+            else:
+                library.packed_gemm(x.data_ptr(), layer.packed.data_ptr(), y.data_ptr(), x.shape[0],
+                                    x.shape[1], layer.out_features, threads)
+            return y
+
+        weights, head_layer = ((int8_layers["packed int8"], int8_heads["packed int8"]) if int8_weights
+                               else (packed_layers, packed_head))
+        return (lambda x, i, n: call(weights[i][n], x)), (lambda x: call(head_layer, x))
 
     def walk(linear, lm_head, x):
         for i in range(LAYERS):
@@ -77,9 +135,17 @@ def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False) -> List[d
         for variant in int8:
             fns[variant] = (lambda v: lambda: walk(lambda x, i, n: int8_layers[v][i][n](x),
                                                    int8_heads[v], x))(variant)
+        for name, library in kernels.items():
+            for int8_weights in (False, True) if with_int8 else (False,):
+                variant = name.replace("kernel", "kernel int8") if int8_weights else name
+                fns[variant] = (lambda calls: lambda: walk(*calls, x))(through(library, int8_weights))
         with torch.inference_mode():
             error = ((fns["packed"]() - fns["F.linear"]()).abs().max()
                      / fns["F.linear"]().abs().max()).item()
+            for name, fn in fns.items():   # each version of the kernel computes the same
+                if name.startswith("kernel") and not torch.allclose(
+                        fn(), fns["packed int8" if "int8" in name else "packed"](), rtol=1e-4, atol=1e-4):
+                    raise SystemExit(f"{name} computes another product than this tree's layers")
             medians = interleaved(fns, rounds)
         flops = 2 * m * (LAYERS * sum(a * b for a, b in LAYER_SHAPES.values()) + VOCAB * HIDDEN)
         rows.append({"m": m, **{f"{name}_ms": s * 1e3 for name, s in medians.items()},
@@ -88,6 +154,10 @@ def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False) -> List[d
                      "F.linear_gflops": flops / medians["F.linear"] / 1e9,
                      "max_rel_error_lm_head": error,
                      **{f"{v}_speedup": medians["F.linear"] / medians[v] for v in int8}})
+        if against:   # this tree's kernel / REV's: below 1, faster now
+            rows[-1]["against_ratio"] = medians["kernel"] / medians[f"kernel@{against}"]
+            if with_int8:
+                rows[-1]["against_ratio_int8"] = medians["kernel int8"] / medians[f"kernel int8@{against}"]
     return rows
 
 
@@ -177,6 +247,8 @@ def main(argv=None):
     ap.add_argument("--no-compile", action="store_true", help="steps: run the model step eager")
     ap.add_argument("--int8", action="store_true",
                     help="matmuls: also int8 weights, packed (packed_gemm_i8) and torch's (quantization=int8)")
+    ap.add_argument("--against", metavar="REV",
+                    help="matmuls: also this tree's C kernel against the one at git revision REV")
     add_common_args(ap, threads=2)
     args = ap.parse_args(argv)
     if args.quick:
@@ -188,14 +260,24 @@ def main(argv=None):
               "rounds": args.rounds}
     seqs = [int(s) for s in args.seqs.split(",")]
     if "matmuls" in parts:
-        result["matmuls"] = bench_matmuls([int(m) for m in args.ms.split(",")], args.rounds, args.int8)
+        result["matmuls"] = bench_matmuls([int(m) for m in args.ms.split(",")], args.rounds, args.int8,
+                                          args.against)
+        result["against"] = args.against
         extra = ("packed int8", "torch int8") if args.int8 else ()
+        versions = []
+        if args.against:
+            versions = [("kernel", f"kernel@{args.against}", "against_ratio")]
+            if args.int8:
+                versions.append(("kernel int8", f"kernel int8@{args.against}", "against_ratio_int8"))
         print(f"{'M':>4s} {'F.linear ms':>12s} {'packed ms':>10s} {'x':>6s} {'GFLOP/s':>8s}"
-              + "".join(f" {v + ' ms':>15s} {'x':>6s}" for v in extra))
+              + "".join(f" {v + ' ms':>15s} {'x':>6s}" for v in extra)
+              + "".join(f" {now + ' ms':>15s} {then + ' ms':>18s} {'ratio':>6s}" for now, then, _ in versions))
         for r in result["matmuls"]:
             print(f"{r['m']:>4d} {r['F.linear_ms']:12.1f} {r['packed_ms']:10.1f} {r['speedup']:6.2f} "
                   f"{r['packed_gflops']:8.1f}"
-                  + "".join(f" {r[v + '_ms']:15.1f} {r[v + '_speedup']:6.2f}" for v in extra))
+                  + "".join(f" {r[v + '_ms']:15.1f} {r[v + '_speedup']:6.2f}" for v in extra)
+                  + "".join(f" {r[now + '_ms']:15.1f} {r[then + '_ms']:18.1f} {r[ratio]:6.2f}"
+                            for now, then, ratio in versions))
     if "attention" in parts:
         result["attention"] = bench_attention(seqs, [int(s) for s in args.mean_lens.split(",")],
                                               args.rounds, args.seed)

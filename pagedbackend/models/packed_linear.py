@@ -34,11 +34,10 @@ from torch import nn
 from pagedbackend.kernels import native
 
 # Rows above which torch's GEMM on a weight unpacked for the call is the
-# faster of the two. With AVX-512's 12-row chunks (BENCHMARKS.md, section 18)
-# the kernel is faster than unpacking and F.linear at every size up to 1536
-# rows and even with it at 2048 (the default max_num_batched_tokens); with
-# 8-row chunks it lost from 512 rows on (section 13).
-KERNEL_MAX_ROWS = 2048
+# faster of the two. Over SmolLM2's 120 layer weights (BENCHMARKS.md, section
+# 18) the kernel took 0.73-0.90x the time of unpacking and F.linear at 256-519
+# rows, 1.01-1.16x at 768 and 1.10-1.33x from 1024 on.
+KERNEL_MAX_ROWS = 640
 
 _gemm = None   # the kernel's packed_gemm, once loaded
 _gemm_i8 = None   # and its packed_gemm_i8
@@ -53,12 +52,18 @@ def load_library() -> ctypes.CDLL:
     global _gemm, _gemm_i8
     library = native.load("packed_gemm")
     if _gemm is None:
-        library.packed_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-        library.packed_gemm.restype = None
-        library.packed_gemm_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-        library.packed_gemm_i8.restype = ctypes.c_int
-        library.packed_gemm_block_cols.restype = ctypes.c_int
+        declare(library)
         _gemm, _gemm_i8 = library.packed_gemm, library.packed_gemm_i8
+    return library
+
+
+def declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    """Give a build of ``packed_gemm.c`` its functions' ctypes signatures."""
+    library.packed_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    library.packed_gemm.restype = None
+    library.packed_gemm_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    library.packed_gemm_i8.restype = ctypes.c_int
+    library.packed_gemm_block_cols.restype = ctypes.c_int
     return library
 
 
