@@ -356,10 +356,13 @@ def test_cpu_kernels_bench_sets_the_kernel_beside_its_version_at_a_git_revision(
         pytest.skip("not a git checkout: there is no revision to build the kernel of")
     from loadtest.bench import cpu_kernels
     result = cpu_kernels.main(["--parts", "matmuls", "--ms", "3,13", "--rounds", "1", "--int8",
-                               "--against", "HEAD", "--threads", "1", "--out", str(tmp_path)])
-    assert result["against"] == "HEAD"
+                               "--against", "HEAD", "--head-rows", "2", "--unpacked", "--threads", "1",
+                               "--out", str(tmp_path)])
+    assert result["against"] == "HEAD" and result["head_rows"] == 2
     for r in result["matmuls"]:
         assert r["kernel_ms"] > 0 and r["kernel@HEAD_ms"] > 0 and r["against_ratio"] > 0
+        assert r["max_rel_error_lm_head"] < 1e-5
+        assert r["unpacked_ms"] > 0 and r["kernel_vs_unpacked"] > 0
         assert r["kernel int8@HEAD_ms"] > 0 and r["against_ratio_int8"] > 0
     with pytest.raises(SystemExit, match="no-such-revision"):
         cpu_kernels.main(["--parts", "matmuls", "--ms", "1", "--rounds", "1",

@@ -10,7 +10,10 @@ share the machine's drift; figures are medians over rounds):
   unpacked for torch's GEMM). ``--against REV`` adds the C kernel as it is
   in this tree and as it was at git revision REV, both built with the same
   flags and called the same way (ctypes) on the same packed weights: an A/B
-  of a kernel change in one process, round by round.
+  of a kernel change in one process, round by round. ``--head-rows N``
+  gives the LM head only the last N rows, as a prefill of N prompts does;
+  ``--unpacked`` adds torch's GEMM on each weight unpacked for the call (what
+  a layer does above ``KERNEL_MAX_ROWS``), to place that threshold.
 - ``attention``: decode attention of one layer for N sequences with context
   lengths drawn (seeded) up to twice the given mean: the gather path
   (``index_select`` + batched matmuls) against the C kernel
@@ -74,7 +77,8 @@ def kernel_at(rev: str) -> ctypes.CDLL:
 
 
 def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False,
-                  against: Optional[str] = None) -> List[dict]:
+                  against: Optional[str] = None, head_rows: Optional[int] = None,
+                  unpacked: bool = False) -> List[dict]:
     from pagedbackend.models import packed_linear
     from pagedbackend.models.packed_linear import PackedInt8Linear, PackedLinear
     from pagedbackend.models.quant import Int8Linear
@@ -99,6 +103,8 @@ def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False,
             int8_layers.setdefault("packed int8", [{name: PackedInt8Linear(w) for name, w in layer.items()}
                                                    for layer in layers])
             int8_heads.setdefault("packed int8", PackedInt8Linear(head))
+    elif unpacked:   # the kernel itself at every size, beside the unpacked weights
+        kernels = {"kernel": packed_linear.load_library()}
 
     def through(library, int8_weights: bool):
         """A linear that calls ``library``'s kernel on a packed layer's weight."""
@@ -124,7 +130,7 @@ def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False,
             linear(x, i, "o")
             up = linear(x, i, "gate_up")
             linear(up[:, :INTERMEDIATE].contiguous(), i, "down")
-        return lm_head(x)
+        return lm_head(x[-head_rows:] if head_rows else x)
 
     rows = []
     for m in ms:
@@ -132,6 +138,9 @@ def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False,
         fns = {"F.linear": lambda: walk(lambda x, i, n: F.linear(x, layers[i][n]),
                                         lambda x: F.linear(x, head), x),
                "packed": lambda: walk(lambda x, i, n: packed_layers[i][n](x), packed_head, x)}
+        if unpacked:
+            fns["unpacked"] = lambda: walk(lambda x, i, n: F.linear(x, packed_layers[i][n].dequantized()),
+                                           lambda x: F.linear(x, packed_head.dequantized()), x)
         for variant in int8:
             fns[variant] = (lambda v: lambda: walk(lambda x, i, n: int8_layers[v][i][n](x),
                                                    int8_heads[v], x))(variant)
@@ -147,13 +156,17 @@ def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False,
                         fn(), fns["packed int8" if "int8" in name else "packed"](), rtol=1e-4, atol=1e-4):
                     raise SystemExit(f"{name} computes another product than this tree's layers")
             medians = interleaved(fns, rounds)
-        flops = 2 * m * (LAYERS * sum(a * b for a, b in LAYER_SHAPES.values()) + VOCAB * HIDDEN)
+        flops = 2 * (m * LAYERS * sum(a * b for a, b in LAYER_SHAPES.values())
+                     + min(m, head_rows or m) * VOCAB * HIDDEN)
         rows.append({"m": m, **{f"{name}_ms": s * 1e3 for name, s in medians.items()},
                      "speedup": medians["F.linear"] / medians["packed"],
                      "packed_gflops": flops / medians["packed"] / 1e9,
                      "F.linear_gflops": flops / medians["F.linear"] / 1e9,
                      "max_rel_error_lm_head": error,
                      **{f"{v}_speedup": medians["F.linear"] / medians[v] for v in int8}})
+        if unpacked:   # the kernel / torch's GEMM on each weight unpacked for the call
+            rows[-1]["unpacked_ms"] = medians["unpacked"] * 1e3
+            rows[-1]["kernel_vs_unpacked"] = medians["kernel"] / medians["unpacked"]
         if against:   # this tree's kernel / REV's: below 1, faster now
             rows[-1]["against_ratio"] = medians["kernel"] / medians[f"kernel@{against}"]
             if with_int8:
@@ -247,6 +260,12 @@ def main(argv=None):
     ap.add_argument("--no-compile", action="store_true", help="steps: run the model step eager")
     ap.add_argument("--int8", action="store_true",
                     help="matmuls: also int8 weights, packed (packed_gemm_i8) and torch's (quantization=int8)")
+    ap.add_argument("--head-rows", type=int, metavar="N",
+                    help="matmuls: the LM head on the last N rows only, as in a prefill of N "
+                         "sequences (default: every row, as in a decode step)")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="matmuls: also torch's GEMM on each packed weight unpacked for the call "
+                         "(what a layer does above KERNEL_MAX_ROWS rows)")
     ap.add_argument("--against", metavar="REV",
                     help="matmuls: also this tree's C kernel against the one at git revision REV")
     add_common_args(ap, threads=2)
@@ -261,8 +280,8 @@ def main(argv=None):
     seqs = [int(s) for s in args.seqs.split(",")]
     if "matmuls" in parts:
         result["matmuls"] = bench_matmuls([int(m) for m in args.ms.split(",")], args.rounds, args.int8,
-                                          args.against)
-        result["against"] = args.against
+                                          args.against, args.head_rows, args.unpacked)
+        result["against"], result["head_rows"] = args.against, args.head_rows
         extra = ("packed int8", "torch int8") if args.int8 else ()
         versions = []
         if args.against:
@@ -272,6 +291,10 @@ def main(argv=None):
         print(f"{'M':>4s} {'F.linear ms':>12s} {'packed ms':>10s} {'x':>6s} {'GFLOP/s':>8s}"
               + "".join(f" {v + ' ms':>15s} {'x':>6s}" for v in extra)
               + "".join(f" {now + ' ms':>15s} {then + ' ms':>18s} {'ratio':>6s}" for now, then, _ in versions))
+        if args.unpacked:
+            print("unpacked for the call: " + ", ".join(
+                f"{r['m']} rows {r['unpacked_ms']:.1f} ms (kernel {r['kernel_vs_unpacked']:.2f}x its time)"
+                for r in result["matmuls"]))
         for r in result["matmuls"]:
             print(f"{r['m']:>4d} {r['F.linear_ms']:12.1f} {r['packed_ms']:10.1f} {r['speedup']:6.2f} "
                   f"{r['packed_gflops']:8.1f}"

@@ -35,8 +35,8 @@ from pagedbackend.kernels import native
 
 # Rows above which torch's GEMM on a weight unpacked for the call is the
 # faster of the two. Over SmolLM2's 120 layer weights (BENCHMARKS.md, section
-# 18) the kernel took 0.73-0.90x the time of unpacking and F.linear at 256-519
-# rows, 1.01-1.16x at 768 and 1.10-1.33x from 1024 on.
+# 18) the kernel took 0.76x the time of unpacking and F.linear at 256 rows,
+# 0.88-0.93x at 519-640, 1.28x at 768 and 1.33x at 1024.
 KERNEL_MAX_ROWS = 640
 
 _gemm = None   # the kernel's packed_gemm, once loaded
