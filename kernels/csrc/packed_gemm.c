@@ -19,8 +19,9 @@
  *
  * Built at run time with -march=native: NB is 32 and MR 12 with AVX-512 (24 of
  * its 32 registers accumulate), NB 16 and MR 6 with AVX2 (12 of 16), and the
- * same code falls back to whatever vectors the target has. Each output is one fp32 sum over k in order, so
- * results differ from a BLAS sgemm only by rounding.
+ * same code falls back to whatever vectors the target has. Each output is one
+ * fp32 sum over k in order, so results differ from a BLAS sgemm only by
+ * rounding.
  *
  * Every function below takes the weight as `const void *` with `q` saying
  * whether it is int8; they are inlined into the two entry points, where `q`
@@ -34,7 +35,9 @@
 #if defined(__AVX512F__)
 #define VW 16
 /* Each chunk reads the whole block again from L2: 12-row chunks rather than 8
- * take 0.75-0.9x the time at 10-32 rows (BENCHMARKS.md section 18). */
+ * take 0.88-0.95x the time at 10-28 rows, and int8 steps of 9-12 rows read
+ * their blocks in one chunk instead of through a float copy, 0.63-0.69x
+ * (BENCHMARKS.md section 18). */
 #define MR 12
 #else
 #define VW 8
@@ -144,9 +147,9 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
  * sequential stream per thread does not reach it: these rows multiply GB
  * consecutive blocks at once, GB streams side by side (4 streams: 1.12x at
  * one row on SmolLM2's layers, BENCHMARKS.md section 13). With AVX-512's 32
- * registers, three or four rows take three streams (24 accumulators): 0.86-0.9x
- * the time of one chunk at a time (BENCHMARKS.md section 18). With AVX2's 16
- * registers that spills, so only one or two rows stream this way. */
+ * registers, three or four rows take three streams (24 accumulators): 0.85x
+ * and 0.92x the time of one chunk at a time (BENCHMARKS.md section 18). With
+ * AVX2's 16 registers that spills, so only one or two rows stream this way. */
 #define GB 4
 #if VW == 16
 #define STREAM_ROWS 4

@@ -291,16 +291,16 @@ def main(argv=None):
         print(f"{'M':>4s} {'F.linear ms':>12s} {'packed ms':>10s} {'x':>6s} {'GFLOP/s':>8s}"
               + "".join(f" {v + ' ms':>15s} {'x':>6s}" for v in extra)
               + "".join(f" {now + ' ms':>15s} {then + ' ms':>18s} {'ratio':>6s}" for now, then, _ in versions))
-        if args.unpacked:
-            print("unpacked for the call: " + ", ".join(
-                f"{r['m']} rows {r['unpacked_ms']:.1f} ms (kernel {r['kernel_vs_unpacked']:.2f}x its time)"
-                for r in result["matmuls"]))
         for r in result["matmuls"]:
             print(f"{r['m']:>4d} {r['F.linear_ms']:12.1f} {r['packed_ms']:10.1f} {r['speedup']:6.2f} "
                   f"{r['packed_gflops']:8.1f}"
                   + "".join(f" {r[v + '_ms']:15.1f} {r[v + '_speedup']:6.2f}" for v in extra)
                   + "".join(f" {r[now + '_ms']:15.1f} {r[then + '_ms']:18.1f} {r[ratio]:6.2f}"
                             for now, then, ratio in versions))
+        if args.unpacked:
+            print("unpacked for the call: " + ", ".join(
+                f"{r['m']} rows {r['unpacked_ms']:.1f} ms (kernel {r['kernel_vs_unpacked']:.2f}x its time)"
+                for r in result["matmuls"]))
     if "attention" in parts:
         result["attention"] = bench_attention(seqs, [int(s) for s in args.mean_lens.split(",")],
                                               args.rounds, args.seed)
