@@ -28,6 +28,7 @@ _LAZY = {
     "sdpa_attention": "sdpa_attention",
     "plan_sdpa_attention": "sdpa_attention",
     "sdpa_forward": "sdpa_attention",
+    "decode_step": "sdpa_attention",
 }
 
 __all__ = ["AttentionOps", "BACKENDS", "get_attention_ops", *_LAZY]
@@ -39,11 +40,14 @@ class AttentionOps(NamedTuple):
     scale=, plan=)`` and ``plan(cu_seqlens_q, seq_lens, *, block_tables,
     slot_mapping, block_size, num_heads, num_kv_heads, device)``, which lays
     out a step once, from host copies of its metadata, for every layer.
-    ``fused``: the backend's own write-then-attend, when it has one."""
+    ``fused``: the backend's own write-then-attend, when it has one;
+    ``step``: ``(plan, kv_caches)`` -> a faster write-then-attend for every
+    layer of that step, or None (see ``sdpa_attention.decode_step``)."""
     write_kv: Callable
     attention: Callable
     plan: Callable
     fused: Optional[Callable] = None
+    step: Optional[Callable] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -80,6 +84,7 @@ def get_attention_ops(backend: str, device: Union[str, torch.device]) -> Attenti
                             __getattr__("plan_paged_attention"))
     if backend == "sdpa":
         return AttentionOps(__getattr__("write_kv_sdpa"), __getattr__("sdpa_attention"),
-                            __getattr__("plan_sdpa_attention"), __getattr__("sdpa_forward"))
+                            __getattr__("plan_sdpa_attention"), __getattr__("sdpa_forward"),
+                            __getattr__("decode_step"))
     return AttentionOps(__getattr__("write_kv_ref"), __getattr__("paged_attention_ref"),
                         __getattr__("plan_paged_attention_ref"))

@@ -26,7 +26,7 @@ The KV write is one ``index_copy_`` per cache. Shapes and arguments follow
 import ctypes
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,9 @@ from pagedbackend.kernels import native
 # Decodes through csrc/paged_decode.c where it builds (tests turn it off to
 # check the gather path).
 USE_NATIVE_DECODE = True
+# Steps of decodes only go through decode_step's per-step function (False:
+# every layer takes the general path, for comparisons).
+USE_DECODE_STEP = True
 _natives = {}   # function name -> the loaded C function, or False where it cannot be built
 
 
@@ -293,3 +296,51 @@ def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
         scores = torch.baddbmm(plan.decode_bias, q, k.transpose(1, 2), alpha=scale)
     out = torch.bmm(torch.softmax(scores, dim=-1), v)
     return out.view(n, num_heads, head_dim).to(dtype)
+
+
+def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
+    """For a step of decodes only, float32 on CPU with the C kernels: a
+    function ``(q, k, v, layer, scale) -> out`` that stores a layer's K/V and
+    attends with two C calls. What is the same for every layer (the plan,
+    the caches' dtype, shape and layout) is checked here, once per step, not
+    by each layer; a layer whose tensors do not fit gets None back and takes
+    the general path (``sdpa_forward``), as does a slot out of range (which
+    that path reports). None when the step does not qualify."""
+    if not (USE_DECODE_STEP and USE_NATIVE_DECODE and plan.decode_all and plan.write_slots is not None
+            and plan.decode_tables is not None and kv_caches and native_write() is not None
+            and native_decode() is not None):
+        return None
+    shape = kv_caches[0][0].shape
+    if not all(c.dtype == torch.float32 and c.device.type == "cpu" and c.shape == shape
+               and c.is_contiguous() for pair in kv_caches for c in pair):
+        return None
+    blocks, block_size, kv_heads, head_dim = shape
+    slots, tables, lens = plan.write_slots, plan.decode_tables, plan.decode_lens
+    n = tables.shape[0]
+    if (plan.decode_max_block >= blocks or slots.shape != (n,) or not slots.is_contiguous()
+            or lens.shape != (n,)):
+        return None
+    write, decode = native_write(), native_decode()
+    kv_shape = (n, kv_heads, head_dim)
+    row, num_slots, max_blocks = kv_heads * head_dim, blocks * block_size, tables.shape[1]
+    slots_ptr, tables_ptr, lens_ptr = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()
+    threads = torch.get_num_threads()
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+             scale: float) -> Optional[torch.Tensor]:
+        if not (q.dtype == torch.float32 and k.dtype == torch.float32 and v.dtype == torch.float32
+                and k.shape == kv_shape and v.shape == kv_shape and q.dim() == 3
+                and q.shape[0] == n and q.shape[2] == head_dim and q.shape[1] % kv_heads == 0
+                and q.is_contiguous() and _rows_contiguous(k) and _rows_contiguous(v)):
+            return None
+        k_cache, v_cache = kv_caches[layer]
+        if write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots_ptr, n, row,
+                 num_slots, k.stride(0), v.stride(0)) != 0:
+            return None
+        out = torch.empty_like(q)
+        if decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables_ptr,
+                  max_blocks, lens_ptr, n, q.shape[1], kv_heads, head_dim, block_size, scale, threads):
+            raise MemoryError("paged decode attention could not allocate its scratch memory")
+        return out
+
+    return step

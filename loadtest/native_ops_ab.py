@@ -10,6 +10,10 @@ variants alternating step by step so that a noisy host weighs on both alike.
 - ``--compare kv_write``: the step's K/V stored by ``index_copy_`` whenever V
   is not contiguous (a slice of the QKV output, so always) against the C
   ``paged_write``, which takes its rows where they lie (the default).
+- ``--compare decode_step``: every layer's attention through the general
+  path (``sdpa_forward``: its checks, then the C kernels) against the step's
+  own function, checked once per step (``sdpa_attention.decode_step``, the
+  default).
 
     python -m loadtest.native_ops_ab --rows 5 --steps 60 [--compare guards]
 """
@@ -22,7 +26,8 @@ import torch
 
 VARIANTS = {"ops": ("Python kernels", "C++ kernels"),
             "guards": ("module guards checked", "module guards dropped"),
-            "kv_write": ("KV write by index_copy_", "KV write by the C kernel")}
+            "kv_write": ("KV write by index_copy_", "KV write by the C kernel"),
+            "decode_step": ("attention by the general path", "attention by the step's function")}
 
 
 def main(argv=None) -> int:
@@ -61,6 +66,13 @@ def main(argv=None) -> int:
     elif args.compare == "guards":
         runners = {False: make_runner(guard_model=True), True: make_runner(guard_model=False)}
         variant = runners.__getitem__
+    elif args.compare == "decode_step":
+        from pagedbackend.kernels import sdpa_attention
+        runner = make_runner()
+
+        def variant(second: bool):
+            sdpa_attention.USE_DECODE_STEP = second
+            return runner
     else:
         from pagedbackend.kernels import sdpa_attention
         runner, rows_contiguous = make_runner(), sdpa_attention._rows_contiguous

@@ -418,19 +418,20 @@ def test_sdpa_write_skips_negative_slots():
 # ---------------------------------------------------------------- dispatch
 
 def test_torch_backend_gives_the_reference_twins():
-    expected = (kv_write.write_kv_ref, pa.paged_attention_ref, pa.plan_paged_attention_ref, None)
+    expected = (kv_write.write_kv_ref, pa.paged_attention_ref, pa.plan_paged_attention_ref, None, None)
     assert kernels.get_attention_ops("torch", "cpu") == expected
     assert kernels.get_attention_ops("torch", "cuda") == expected
 
 
 def test_sdpa_backend_and_auto_on_cpu_give_the_cpu_serving_path():
-    expected = (sa.write_kv_sdpa, sa.sdpa_attention, sa.plan_sdpa_attention, sa.sdpa_forward)
+    expected = (sa.write_kv_sdpa, sa.sdpa_attention, sa.plan_sdpa_attention, sa.sdpa_forward,
+                sa.decode_step)
     assert kernels.get_attention_ops("sdpa", "cpu") == expected
     assert kernels.get_attention_ops("auto", torch.device("cpu")) == expected
 
 
 def test_triton_backend_and_auto_on_cuda_give_the_kernels():
-    expected = (kv_write.write_kv, pa.paged_attention, pa.plan_paged_attention, None)
+    expected = (kv_write.write_kv, pa.paged_attention, pa.plan_paged_attention, None, None)
     assert kernels.get_attention_ops("triton", "cpu") == expected
     assert kernels.get_attention_ops("auto", "cuda:0") == expected
 
@@ -514,3 +515,90 @@ def test_the_c_kv_write_stores_what_index_copy_does_and_refuses_a_slot_past_the_
         sa.USE_NATIVE_DECODE = saved
         sa._natives["paged_write"] = real_write
 
+
+
+def _decode_step_inputs(layers: int, seed: int):
+    """A decode-only step over `layers` layers' caches: the plan, the slots of
+    the new tokens, and per layer q, k and v (v a slice of a fused QKV output,
+    as in the model)."""
+    batch = make_batch([(1, 9), (1, 33), (1, 17)], block_size=8, num_heads=6, num_kv_heads=2,
+                       head_dim=16, seed=seed)
+    slots = sa._slots(batch.block_tables.long(), batch.seq_lens.long() - 1, 8)
+    slots = torch.stack([slots[s, s] for s in range(3)])
+    plan = sa.plan_sdpa_attention(batch.cu_seqlens_q, batch.seq_lens, block_tables=batch.block_tables,
+                                  slot_mapping=slots, block_size=8, num_heads=6, num_kv_heads=2)
+    gen = torch.Generator().manual_seed(seed)
+    inputs = []
+    for _ in range(layers):
+        qkv = torch.randn(3, 6 * 16 + 2 * 2 * 16, generator=gen)
+        q = qkv[:, :96].reshape(3, 6, 16).contiguous()
+        k = qkv[:, 96:128].reshape(3, 2, 16).contiguous()
+        v = qkv[:, 128:].view(3, 2, 16)
+        inputs.append((q, k, v))
+    caches = [(batch.k_cache.clone(), batch.v_cache.clone()) for _ in range(layers)]
+    return batch, slots, plan, inputs, caches
+
+
+def test_a_decode_step_function_stores_and_attends_as_the_general_path_does():
+    from pagedbackend.models.attention import AttentionMetadata, step_context
+    if sa.native_decode() is None or sa.native_write() is None:
+        pytest.skip("no C compiler here for the CPU kernels")
+    ops = kernels.get_attention_ops("sdpa", "cpu")
+    results = {}
+    for fast in (True, False):
+        batch, slots, plan, inputs, caches = _decode_step_inputs(3, seed=5)
+        meta = AttentionMetadata(slots, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, plan)
+        saved = sa.USE_DECODE_STEP
+        sa.USE_DECODE_STEP = fast
+        try:
+            with torch.inference_mode(), step_context(caches, meta, ops) as step:
+                assert (step.fast is not None) == fast
+                outs = []
+                for layer, (q, k, v) in enumerate(inputs):
+                    if fast:   # the step's function takes these tensors itself, not the general path
+                        outs.append(step.fast(q, k, v, layer, 0.25))
+                        assert outs[-1] is not None
+                    else:
+                        outs.append(torch.ops.pagedbackend.paged_attention(q, k, v, layer, 0.25))
+        finally:
+            sa.USE_DECODE_STEP = saved
+        results[fast] = outs, caches
+    (fast_outs, fast_caches), (outs, caches) = results[True], results[False]
+    for a, b in zip(fast_outs, outs):
+        assert torch.equal(a, b)
+    same = lambda a, b: bool(((a == b) | (a.isnan() & b.isnan())).all())  # noqa: E731 (NaN: never written)
+    for (ka, va), (kb, vb) in zip(fast_caches, caches):
+        assert same(ka, kb) and same(va, vb)
+    for layer, (q, k, v) in enumerate(_decode_step_inputs(3, seed=5)[3]):   # the new K/V were stored
+        assert torch.equal(fast_caches[layer][1].view(-1, 2, 16)[slots], v)
+
+
+def test_a_decode_step_function_leaves_what_it_does_not_fit_to_the_general_path():
+    from pagedbackend.models.attention import AttentionMetadata, step_context
+    if sa.native_decode() is None or sa.native_write() is None:
+        pytest.skip("no C compiler here for the CPU kernels")
+    ops = kernels.get_attention_ops("sdpa", "cpu")
+    batch, slots, plan, inputs, caches = _decode_step_inputs(1, seed=6)
+    meta = AttentionMetadata(slots, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, plan)
+    with torch.inference_mode(), step_context(caches, meta, ops) as step:
+        q, k, v = inputs[0]
+        assert step.fast(q.double(), k, v, 0, 0.25) is None   # another dtype
+        assert step.fast(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, 0, 0.25) is None   # strided q
+    # a step with a prefill chunk gets no step function
+    mixed = make_batch([(1, 9), (4, 12)], block_size=8, num_heads=6, num_kv_heads=2, head_dim=16)
+    mixed_slots = torch.arange(5)
+    mixed_plan = sa.plan_sdpa_attention(mixed.cu_seqlens_q, mixed.seq_lens, block_tables=mixed.block_tables,
+                                        slot_mapping=mixed_slots, block_size=8, num_heads=6, num_kv_heads=2)
+    assert sa.decode_step(mixed_plan, [(mixed.k_cache, mixed.v_cache)]) is None
+    # a slot past the cache: the step's function writes nothing and the general path raises
+    bad = slots.clone()
+    bad[1] = batch.k_cache.shape[0] * 8
+    bad_plan = sa.plan_sdpa_attention(batch.cu_seqlens_q, batch.seq_lens, block_tables=batch.block_tables,
+                                      slot_mapping=bad, block_size=8, num_heads=6, num_kv_heads=2)
+    before = [c.clone() for c in caches[0]]
+    meta = AttentionMetadata(bad, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, bad_plan)
+    with torch.inference_mode(), step_context(caches, meta, ops) as step:
+        assert step.fast is not None and step.fast(q, k, v, 0, 0.25) is None
+        assert all(bool(((c == b) | (c.isnan() & b.isnan())).all()) for c, b in zip(caches[0], before))
+        with pytest.raises(IndexError):
+            torch.ops.pagedbackend.paged_attention(q, k, v, 0, 0.25)

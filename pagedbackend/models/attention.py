@@ -13,7 +13,7 @@ thread, so tensor-parallel ranks running as threads of one process do not mix.
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ class StepContext:
     kv_caches: List[KVCache]
     meta: AttentionMetadata
     ops: Any   # pagedbackend.kernels.AttentionOps
+    fast: Optional[Callable] = None   # the backend's per-step function (AttentionOps.step), if any
 
 
 _local = threading.local()
@@ -54,7 +55,9 @@ _local = threading.local()
 def step_context(kv_caches: List[KVCache], meta: AttentionMetadata, ops) -> Iterator[StepContext]:
     """Make the caches, metadata and kernels of one step visible to the attention op."""
     previous = getattr(_local, "step", None)
-    _local.step = step = StepContext(kv_caches, meta, ops)
+    make_fast = getattr(ops, "step", None)
+    fast = make_fast(meta.plan, kv_caches) if make_fast is not None and meta.plan is not None else None
+    _local.step = step = StepContext(kv_caches, meta, ops, fast)
     try:
         yield step
     finally:
@@ -82,6 +85,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     (contiguous). The cache write is a side effect on the step context's
     cache, which is not an argument (see the module docstring)."""
     step = current_step()
+    if step.fast is not None:
+        out = step.fast(q, k, v, layer, scale)
+        if out is not None:
+            return out
     k_cache, v_cache = step.kv_caches[layer]
     meta = step.meta
     out = step.ops.forward(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
