@@ -20,8 +20,10 @@ every key position each sequence reads, so a layer's work is:
 - chunks on a cached prefix: their slots gathered, SDPA with the causal mask
   aligned to the end of the sequence.
 
-The KV write is one ``index_copy_`` per cache. Shapes and arguments follow
-``paged_attention.py``.
+The KV write is one call of the C ``paged_write`` (float32 on CPU), else one
+``index_copy_`` per cache. A step of decodes only gets a function of its own
+(``decode_step``) that checks once what its layers share, so each layer makes
+just the two C calls. Shapes and arguments follow ``paged_attention.py``.
 """
 import ctypes
 import math
