@@ -56,8 +56,10 @@ class EngineConfig:
     compile: bool = True
     # Weight-only quantisation of the linear layers: "none", "int8" (per output
     # channel) or "int4" (groups of 32; the default model serves its GGUF's own
-    # Q4_1 blocks). The LM head is int8 in both. CPU only, tensor_parallel_size
-    # 1, dtype float32 or bfloat16. See BENCHMARKS.md for speed and quality.
+    # Q4_1 blocks). The LM head is int8 in both. "w8a8": int8's weights, and
+    # the activations rounded to int8 per row at each matmul (int32 products).
+    # CPU only, tensor_parallel_size 1, dtype float32 or bfloat16. See
+    # BENCHMARKS.md for speed and quality.
     quantization: str = "none"
     # Kernel of the float32 and int8 linear layers: "packed" (weights packed at
     # load for a C kernel built on this machine, fastest at decode-sized steps;
@@ -88,11 +90,11 @@ class EngineConfig:
         choice("dtype", ("float32", "float16", "bfloat16"))
         choice("attention_backend", ("auto", "triton", "torch", "sdpa"))
         choice("device", ("auto", "cpu", "cuda"))
-        choice("quantization", ("none", "int8", "int4"))
+        choice("quantization", ("none", "int8", "int4", "w8a8"))
         choice("linear_backend", ("auto", "torch", "packed"))
-        if self.linear_backend == "packed" and self.quantization == "int4":
+        if self.linear_backend == "packed" and self.quantization in ("int4", "w8a8"):
             raise ValueError("linear_backend=packed serves float32 and int8 weights; it cannot be "
-                             "combined with quantization=int4")
+                             f"combined with quantization={self.quantization}")
         if self.quantization != "none":
             if self.tensor_parallel_size > 1:
                 raise ValueError(f"quantization={self.quantization} does not support "

@@ -186,6 +186,8 @@ def test_packed_engine_picks_the_greedy_tokens_of_f_linear(default_model_dir):
     (dict(linear_backend="mkl"), "linear_backend must be one of auto, torch, packed"),
     (dict(linear_backend="packed", quantization="int4"),
      "linear_backend=packed serves float32 and int8 weights; it cannot be combined with quantization=int4"),
+    (dict(linear_backend="packed", quantization="w8a8"),
+     "linear_backend=packed serves float32 and int8 weights; it cannot be combined with quantization=w8a8"),
 ])
 def test_unsupported_linear_backend_is_refused_by_name(settings, named):
     with pytest.raises(ValueError, match=named):

@@ -255,8 +255,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=64, help="batch cap for ours and vLLM")
     ap.add_argument("--llama-slots", type=int, default=32, help="llama-server -np")
     ap.add_argument("--no-compile", action="store_true", help="our engine without torch.compile")
-    ap.add_argument("--int8", action="store_true",
-                    help="also our engine with int8 weights (quantization=int8), offline and serving")
+    ap.add_argument("--quantized", default="",
+                    help="also our engine with these quantization settings, comma-separated "
+                         "(int8, int4, w8a8), offline and serving")
+    ap.add_argument("--int8", action="store_true", help="the same as --quantized int8")
     ap.add_argument("--offline-only", action="store_true")
     ap.add_argument("--vllm-python", default=env("BENCH_VLLM_PYTHON"), help="Python of vLLM's venv")
     ap.add_argument("--vllm-env", default=env("BENCH_VLLM_ENV"),
@@ -269,6 +271,12 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="threads for every system")
     ap.add_argument("--quick", action="store_true", help="4 requests each, 16 tokens at most")
     args = ap.parse_args(argv)
+    from pagedbackend.models.quant import QUANTIZATION_MODES
+    modes = [m for m in args.quantized.split(",") if m] + (["int8"] if args.int8 else [])
+    for mode in modes:
+        if mode not in QUANTIZATION_MODES[1:]:
+            ap.error(f"--quantized takes {', '.join(QUANTIZATION_MODES[1:])}; got {mode!r}")
+    args.quantized = list(dict.fromkeys(modes))
     if args.quick:
         args.requests, args.serve_requests, args.max_output = 4, 4, args.max_output or 16
         args.rate = max(args.rate, 8.0)
@@ -294,11 +302,11 @@ def main(argv=None):
     ours = offline_ours(model, prompts, lengths, args.max_num_seqs, not args.no_compile)
     rows.append(row("ours", ours["seconds"], ours["tokens"], lengths, init_s=ours["init_s"]))
     print(f"offline ours: {rows[-1]['output_tokens_per_s']:.1f} tokens/s", flush=True)
-    if args.int8:
-        res = offline_ours(model, prompts, lengths, args.max_num_seqs, not args.no_compile, "int8")
-        rows.append(row("ours int8", res["seconds"], res["tokens"], lengths, ours["tokens"],
+    for mode in args.quantized:
+        res = offline_ours(model, prompts, lengths, args.max_num_seqs, not args.no_compile, mode)
+        rows.append(row(f"ours {mode}", res["seconds"], res["tokens"], lengths, ours["tokens"],
                         init_s=res["init_s"]))
-        print(f"offline ours int8: {rows[-1]['output_tokens_per_s']:.1f} tokens/s", flush=True)
+        print(f"offline ours {mode}: {rows[-1]['output_tokens_per_s']:.1f} tokens/s", flush=True)
     if "vllm" in peers["found"]:
         try:
             res = offline_vllm(peers["found"]["vllm"], model_dir, prompts, lengths, args.threads,
@@ -366,7 +374,7 @@ def serving(args, model: str, model_dir: str, peers: dict) -> dict:
                  if "server_step_ms_mean" in r else "")
               if "error" not in r else r["error"][:300]), flush=True)
 
-    for system, extra in [("ours", {})] + ([("ours int8", {"quantization": "int8"})] if args.int8 else []):
+    for system, extra in [("ours", {})] + [(f"ours {m}", {"quantization": m}) for m in args.quantized]:
         with tempfile.TemporaryDirectory(prefix="peers-repo-") as repo_dir:
             port = free_port()
             attempt(system, lambda: peer_servers.ours(model, port, args.threads, {**settings, **extra}, repo_dir),

@@ -24,7 +24,7 @@ from pagedbackend.models.attention import PagedAttention
 from pagedbackend.models.linear import (ColumnParallelLinear, QKVParallelLinear, Reduce,
                                         RowParallelLinear)
 from pagedbackend.models.packed_linear import PackedInt8Linear, PackedLinear
-from pagedbackend.models.quant import Int8Linear, quantized_linear
+from pagedbackend.models.quant import Int8Linear, W8A8Linear, quantized_linear
 from pagedbackend.models.rotary import (CosSin, RotaryEmbedding, apply_rotary, inverse_frequencies,
                                         rope_parameters)
 
@@ -213,8 +213,11 @@ class LlamaForCausalLM(nn.Module):
         the loaded weights in groups of ``group_size``. The LM head is int8 in
         both modes, as the GGUF keeps it at 8 bits; the embedding stays as loaded.
         ``packed``: int8 layers (and the int8 LM head of int8 mode) through
-        the packed C kernel instead of torch's."""
+        the packed C kernel instead of torch's. w8a8: int8's weights in every
+        projection and the LM head, their inputs rounded to int8 per row."""
         int8_layer = PackedInt8Linear if packed and mode == "int8" else Int8Linear
+        if mode == "w8a8":
+            int8_layer = W8A8Linear
         for i, layer in enumerate(self.layers):
             for merged, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
                                   ("self_attn.o_proj", ("o_proj",)),
@@ -228,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
                     if given[0].shape != linear.weight.shape:
                         raise ValueError(f"int4 weights for layer {i} {'/'.join(parts)} have shape "
                                          f"{tuple(given[0].shape)}, the model {tuple(linear.weight.shape)}")
-                linear.use_matmul(int8_layer(linear.weight) if mode == "int8"
+                linear.use_matmul(int8_layer(linear.weight) if mode in ("int8", "w8a8")
                                   else quantized_linear(linear.weight, mode, group_size, given))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_head_matmul = int8_layer(head)

@@ -20,6 +20,12 @@ quant_kernels``; ``act_dtype=torch.float32`` keeps that path for comparison).
   with ``s = d`` and ``z = m + 8 d``, so the default model keeps its shipped
   4-bit values (``gguf_q4``); ``s`` and ``z`` are held in bfloat16, as the
   kernel takes them in the input's dtype.
+- w8a8: the int8 weights of int8, and the activations rounded to int8 too,
+  per row at each matmul (symmetric, dynamic: ``x ~= a * t`` with
+  ``t = max|x_row| / 127``). ``torch._int_mm`` multiplies the two in int32
+  (oneDNN's int8 GEMM: VNNI dot products where the CPU has them), and
+  ``(a q^T) * t * s`` gives the float32 result. The int32 sums are exact, so
+  a row's result does not depend on how many rows share the step.
 """
 from typing import Optional, Tuple
 
@@ -27,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATION_MODES = ("none", "int8", "int4")
+QUANTIZATION_MODES = ("none", "int8", "int4", "w8a8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # Rows of x up to which the int8 kernel beats widening q for F.linear (about
 # even between 32 and 128 rows here; loadtest.bench quant_kernels).
@@ -98,6 +104,41 @@ class Int8Linear(nn.Module):
         return self.qweight.float() * self.scales[:, None]
 
 
+def quantize_rows_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(int8 ``[M, K]``, float32 scales ``[M, 1]``) with ``x ~= a * scale``,
+    one symmetric scale per row (a row of zeros gets zeros)."""
+    scales = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / 127.0
+    return torch.round(x / scales).clamp(-127, 127).to(torch.int8), scales
+
+
+class W8A8Linear(nn.Module):
+    """``x W^T`` (no bias) with W int8 per output channel (``quantize_int8``)
+    and x rounded to int8 per row at each call, multiplied in int32."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        if weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(f"W8A8Linear takes a 2-D CPU weight; got {tuple(weight.shape)} "
+                             f"on {weight.device}")
+        q, scales = quantize_int8(weight)
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        a, row_scales = quantize_rows_int8(flat)
+        y = torch._int_mm(a, self.qweight.t()).float() * row_scales * self.scales
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight ``q * scale`` (the activations are rounded at each call)."""
+        return self.qweight.float() * self.scales[:, None]
+
+
 class Int4Linear(nn.Module):
     """``x W^T`` with W int4 in groups along the input features (no bias)."""
 
@@ -144,6 +185,8 @@ def quantized_linear(weight: torch.Tensor, mode: str, group_size: int = 32,
     """The weight-only module for ``mode``; ``int4`` gives ready (q, scale, minimum)."""
     if mode == "int8":
         return Int8Linear(weight)
+    if mode == "w8a8":
+        return W8A8Linear(weight)
     if mode == "int4":
         return Int4Linear(*int4) if int4 is not None else Int4Linear.from_float(weight, group_size)
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {mode!r}")

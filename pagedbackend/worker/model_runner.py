@@ -20,7 +20,7 @@ from pagedbackend.kernels import get_attention_ops
 from pagedbackend.models import MODEL_CLASSES, LlamaArgs
 from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
-from pagedbackend.models import packed_linear
+from pagedbackend.models import packed_linear, smooth
 from pagedbackend.models.linear import Reduce
 from pagedbackend.models.quant import INT8_KERNEL_MAX_ROWS, quantize_model
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
@@ -55,7 +55,11 @@ class ModelRunner:
             self.model = model_class(args, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
         self.linear_backend = "torch"   # what serves the float32 or int8 linear layers
-        if config.quantization == "int4":
+        self.num_heads = self.model.layers[0].self_attn.num_heads
+        self._allocate_kv_cache(args)
+        if config.quantization == "w8a8":
+            self._smooth()
+        if config.quantization in ("int4", "w8a8"):
             quantize_model(self.model, config, self.device)
         elif self._packed_usable():
             if config.quantization == "int8":
@@ -66,11 +70,28 @@ class ModelRunner:
         elif config.quantization == "int8":
             quantize_model(self.model, config, self.device)
         self.model.eval()
-        self.num_heads = self.model.layers[0].self_attn.num_heads
-        self._allocate_kv_cache(args)
         self.compiled: Optional[CompiledStep] = None
         if tp_size == 1:   # a tensor-parallel step needs every rank: no lone warm-up
             self._compile_and_warm_up()
+
+    def _smooth(self) -> None:
+        """Before w8a8: measure each projection's input channels on a float32
+        prefill of the calibration text and fold the smoothing factors into
+        the weights (``models.smooth``). The prefill writes only KV blocks no
+        sequence holds yet."""
+        count = min(smooth.CALIBRATION_TOKENS, (self.num_kv_blocks - 1) * self.block_size,
+                    self.max_model_len)
+        ids = smooth.calibration_token_ids(self.model_path, count) if count > 0 else []
+        if not ids:
+            logger.warning("pagedbackend: w8a8 without smoothing: %d KV blocks leave no room "
+                           "for a calibration prefill", self.num_kv_blocks)
+            return
+        blocks = list(range(1, 1 + -(-len(ids) // self.block_size)))
+        batch = self.prepare([SeqEntry(ids, 0, blocks, need_logits=False)]).to(self.device)
+        with torch.inference_mode(), step_context(self.kv_caches, batch.meta, self.attention_ops):
+            maxima = smooth.input_maxima(self.model, lambda: self.model(batch.input_ids, batch.positions))
+        with torch.inference_mode(False):
+            smooth.smooth(self.model, maxima)
 
     def _packed_usable(self) -> bool:
         """Whether the linear layers go through the packed kernels: the config
