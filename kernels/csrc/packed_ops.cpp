@@ -9,6 +9,13 @@
 // The GEMMs themselves are those of packed_gemm.c, loaded by Python, whose
 // addresses are handed over with packed_ops_set_kernels before first use.
 // Fake (meta) kernels are registered from Python.
+//
+// pagedbackend::w8a8_linear_native is the matmul of quantization=w8a8
+// (models/quant.py's W8A8Linear): int8 rows of x with their scales, times an
+// int8 [N, K] weight with its scales. Steps of up to w8a8_max_rows rows go to
+// w8a8_gemm.c's VNNI kernel (handed over with packed_ops_set_w8a8), larger
+// ones (or all, without that kernel) to torch._int_mm; both sum in int32,
+// exactly, and scale in the same order, so they give the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,8 +27,13 @@ namespace {
 using gemm_f32 = void (*)(const float *, const float *, float *, int, int, int, int);
 using gemm_i8 = int (*)(const float *, const signed char *, const float *, float *, int, int, int, int);
 
+using gemm_w8a8 = int (*)(const int8_t *, const float *, const int8_t *, const int32_t *, const float *,
+                          float *, int, int, int, int);
+
 gemm_f32 kernel_f32 = nullptr;
 gemm_i8 kernel_i8 = nullptr;
+gemm_w8a8 kernel_w8a8 = nullptr;
+int64_t w8a8_max_rows = 0;
 int64_t kernel_max_rows = 768;   // above this, torch's GEMM on the unpacked weight
 
 std::string shape_of(const at::Tensor &t) {
@@ -76,7 +88,45 @@ at::Tensor packed_linear_int8(const at::Tensor &x_in, const at::Tensor &qpacked,
     return y;
 }
 
+at::Tensor w8a8_linear(const at::Tensor &a_in, const at::Tensor &t_in, const at::Tensor &q,
+                       const at::Tensor &colsum, const at::Tensor &s) {
+    TORCH_CHECK_VALUE(a_in.dim() == 2 && q.dim() == 2 && a_in.scalar_type() == at::kChar &&
+                      q.scalar_type() == at::kChar && q.size(1) == a_in.size(1) && q.is_contiguous() &&
+                      t_in.scalar_type() == at::kFloat && t_in.numel() == a_in.size(0) &&
+                      colsum.scalar_type() == at::kInt && colsum.numel() == q.size(0) &&
+                      s.scalar_type() == at::kFloat && s.numel() == q.size(0),
+                      "w8a8_linear takes int8 [rows, ", q.dim() == 2 ? q.size(1) : -1,
+                      "] inputs with one float32 scale per row for this weight; got ",
+                      a_in.scalar_type(), " ", shape_of(a_in), " and scales ", shape_of(t_in));
+    int64_t rows = a_in.size(0), k = a_in.size(1), n = q.size(0);
+    at::Tensor a = a_in.contiguous(), t = t_in.contiguous(), sc = s.contiguous();
+    at::Tensor y = at::empty({rows, n}, a.options().dtype(at::kFloat));
+    if (rows == 0) return y;
+    if (kernel_w8a8 != nullptr && rows <= w8a8_max_rows) {
+        int rc = kernel_w8a8(a.data_ptr<int8_t>(), t.data_ptr<float>(), q.data_ptr<int8_t>(),
+                             colsum.data_ptr<int32_t>(), sc.data_ptr<float>(), y.data_ptr<float>(),
+                             (int)rows, (int)k, (int)n, at::get_num_threads());
+        if (rc == -1) throw std::bad_alloc();   // a thread's copy of the rows could not be allocated
+        if (rc == 0) return y;
+    }
+    at::Tensor acc = at::_int_mm(a, q.t());
+    const int32_t *pa = acc.data_ptr<int32_t>();
+    const float *pt = t.data_ptr<float>(), *ps = sc.data_ptr<float>();
+    float *py = y.data_ptr<float>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++)
+            for (int64_t j = 0; j < n; j++)   // (acc * t) * s, as the kernel and torch's ops do
+                py[i * n + j] = ((float)pa[i * n + j] * pt[i]) * ps[j];
+    });
+    return y;
+}
+
 }  // namespace
+
+extern "C" void packed_ops_set_w8a8(void *kernel, long long max_rows) {
+    kernel_w8a8 = reinterpret_cast<gemm_w8a8>(kernel);
+    w8a8_max_rows = max_rows;
+}
 
 extern "C" void packed_ops_set_kernels(void *f32, void *i8, long long max_rows) {
     kernel_f32 = reinterpret_cast<gemm_f32>(f32);
@@ -87,9 +137,11 @@ extern "C" void packed_ops_set_kernels(void *f32, void *i8, long long max_rows) 
 TORCH_LIBRARY_FRAGMENT(pagedbackend, m) {
     m.def("packed_linear_native(Tensor x, Tensor packed, int out_features) -> Tensor");
     m.def("packed_linear_int8_native(Tensor x, Tensor qpacked, Tensor scales, int out_features) -> Tensor");
+    m.def("w8a8_linear_native(Tensor a, Tensor row_scales, Tensor qweight, Tensor colsum, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedbackend, CPU, m) {
     m.impl("packed_linear_native", &packed_linear);
     m.impl("packed_linear_int8_native", &packed_linear_int8);
+    m.impl("w8a8_linear_native", &w8a8_linear);
 }

@@ -39,10 +39,16 @@ from pagedbackend.kernels import native
 # 0.88-0.93x at 519-640, 1.28x at 768 and 1.33x at 1024.
 KERNEL_MAX_ROWS = 640
 
+# Rows up to which quantization=w8a8's matmul runs w8a8_gemm.c's VNNI kernel
+# rather than torch._int_mm (the C++ operator decides per call).
+W8A8_KERNEL_MAX_ROWS = 16
+
 _gemm = None   # the kernel's packed_gemm, once loaded
 _gemm_i8 = None   # and its packed_gemm_i8
 use_native_ops: Optional[bool] = None   # whether layers call the C++ operators (decided at first layer)
 native_ops_failure: Optional[str] = None   # why they could not be built, when they could not
+w8a8_kernel_failure: Optional[str] = None   # why w8a8's small-step kernel is not used, when it is not
+_w8a8_kernel = None
 _native_ready = False
 _native_lock, _decide_lock = threading.Lock(), threading.Lock()
 
@@ -82,7 +88,44 @@ def load_native_ops() -> None:
                                        ctypes.cast(library.packed_gemm_i8, ctypes.c_void_p), KERNEL_MAX_ROWS)
             torch.library.register_fake("pagedbackend::packed_linear_native")(_packed_linear_fake)
             torch.library.register_fake("pagedbackend::packed_linear_int8_native")(_packed_linear_int8_fake)
+            torch.library.register_fake("pagedbackend::w8a8_linear_native")(_w8a8_linear_fake)
+            _hand_over_w8a8_kernel(ops)
             _native_ready = True
+
+
+def _hand_over_w8a8_kernel(ops: ctypes.CDLL) -> None:
+    """Give the C++ w8a8 operator the VNNI kernel, where it builds and this CPU
+    has AVX-512 VNNI; otherwise every step goes to torch._int_mm."""
+    global w8a8_kernel_failure, _w8a8_kernel
+    ops.packed_ops_set_w8a8.argtypes = [ctypes.c_void_p, ctypes.c_longlong]
+    ops.packed_ops_set_w8a8.restype = None
+    try:
+        library = native.load("w8a8_gemm")
+        library.w8a8_gemm_available.restype = ctypes.c_int
+        library.w8a8_gemm_max_rows.restype = ctypes.c_int
+        if not library.w8a8_gemm_available():
+            raise RuntimeError("w8a8_gemm.c was built without AVX-512 VNNI (this CPU, or "
+                               "ATEN_CPU_CAPABILITY, lacks it)")
+        _w8a8_kernel = library
+        set_w8a8_kernel_rows(W8A8_KERNEL_MAX_ROWS, ops)
+    except RuntimeError as exc:
+        w8a8_kernel_failure = str(exc)
+
+
+def set_w8a8_kernel_rows(rows: int, ops: Optional[ctypes.CDLL] = None) -> int:
+    """Steps of up to ``rows`` rows take the VNNI kernel from now on (0: none,
+    for comparisons); the number it was set to, capped by the kernel's own."""
+    ops = ops or native.load_op_library("packed_ops")
+    if _w8a8_kernel is None:
+        rows = 0
+    rows = max(0, min(rows, _w8a8_kernel.w8a8_gemm_max_rows() if _w8a8_kernel is not None else 0))
+    address = ctypes.cast(_w8a8_kernel.w8a8_gemm, ctypes.c_void_p) if _w8a8_kernel is not None else None
+    ops.packed_ops_set_w8a8(address, rows)
+    return rows
+
+
+def _w8a8_linear_fake(a, row_scales, qweight, colsum, scales):
+    return a.new_empty((a.shape[0], qweight.shape[0]), dtype=torch.float32)
 
 
 def _decide_native_ops() -> bool:

@@ -123,6 +123,11 @@ class W8A8Linear(nn.Module):
         q, scales = quantize_int8(weight)
         self.register_buffer("qweight", q.contiguous())
         self.register_buffer("scales", scales.contiguous())
+        # 128 * sum_k q[n, k]: the VNNI kernel's inputs are a + 128
+        self.register_buffer("colsum", 128 * q.sum(dim=1, dtype=torch.int32))
+        from pagedbackend.models import packed_linear
+        self.native = packed_linear.unavailable(weight.device, torch.float32) is None and \
+            packed_linear._decide_native_ops()
 
     @property
     def out_features(self) -> int:
@@ -131,7 +136,11 @@ class W8A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()
         a, row_scales = quantize_rows_int8(flat)
-        y = torch._int_mm(a, self.qweight.t()).float() * row_scales * self.scales
+        if self.native:   # the C++ operator: the VNNI kernel for a few rows, else torch._int_mm
+            y = torch.ops.pagedbackend.w8a8_linear_native(a, row_scales, self.qweight, self.colsum,
+                                                          self.scales)
+        else:
+            y = torch._int_mm(a, self.qweight.t()).float() * row_scales * self.scales
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
