@@ -14,6 +14,9 @@ variants alternating step by step so that a noisy host weighs on both alike.
   path (``sdpa_forward``: its checks, then the C kernels) against the step's
   own function, checked once per step (``sdpa_attention.decode_step``, the
   default).
+- ``--compare w8a8_kernel``: ``quantization=w8a8`` with every matmul through
+  ``torch._int_mm`` against steps of up to 16 rows through the VNNI kernel
+  (``kernels/csrc/w8a8_gemm.c``, the default where the CPU has AVX-512 VNNI).
 
     python -m loadtest.native_ops_ab --rows 5 --steps 60 [--compare guards]
 """
@@ -27,7 +30,8 @@ import torch
 VARIANTS = {"ops": ("Python kernels", "C++ kernels"),
             "guards": ("module guards checked", "module guards dropped"),
             "kv_write": ("KV write by index_copy_", "KV write by the C kernel"),
-            "decode_step": ("attention by the general path", "attention by the step's function")}
+            "decode_step": ("attention by the general path", "attention by the step's function"),
+            "w8a8_kernel": ("w8a8 by torch._int_mm", "w8a8 by the VNNI kernel")}
 
 
 def main(argv=None) -> int:
@@ -47,11 +51,12 @@ def main(argv=None) -> int:
     from pagedbackend.worker.batch import SeqEntry
     from pagedbackend.worker.compiled import CompiledStep
 
-    def make_runner(**compiled_options):
+    def make_runner(quantization="none", **compiled_options):
         if compiled_options:
             model_runner.CompiledStep = functools.partial(CompiledStep, **compiled_options)
         try:
-            return model_runner.ModelRunner(EngineConfig(model=args.model, device="cpu", num_kv_blocks=400))
+            return model_runner.ModelRunner(EngineConfig(model=args.model, device="cpu", num_kv_blocks=400,
+                                                         quantization=quantization))
         finally:
             model_runner.CompiledStep = CompiledStep
 
@@ -66,6 +71,14 @@ def main(argv=None) -> int:
     elif args.compare == "guards":
         runners = {False: make_runner(guard_model=True), True: make_runner(guard_model=False)}
         variant = runners.__getitem__
+    elif args.compare == "w8a8_kernel":
+        runner = make_runner(quantization="w8a8")
+        if packed_linear.set_w8a8_kernel_rows(packed_linear.W8A8_KERNEL_MAX_ROWS) == 0:
+            raise SystemExit(f"the w8a8 VNNI kernel is not in use: {packed_linear.w8a8_kernel_failure}")
+
+        def variant(second: bool):
+            packed_linear.set_w8a8_kernel_rows(packed_linear.W8A8_KERNEL_MAX_ROWS if second else 0)
+            return runner
     elif args.compare == "decode_step":
         from pagedbackend.kernels import sdpa_attention
         runner = make_runner()
@@ -99,7 +112,9 @@ def main(argv=None) -> int:
     for second, name in ((False, first_name), (True, second_name)):
         print(f"{name}: median step {statistics.median(times[second]):.2f} ms, min {min(times[second]):.2f} ms")
     diff = statistics.median(b - a for a, b in zip(times[False], times[True]))
-    print(f"paired difference ({second_name} - {first_name}), median: {diff:.2f} ms")
+    ratio = statistics.median(b / a for a, b in zip(times[False], times[True]))
+    print(f"paired difference ({second_name} - {first_name}), median: {diff:.2f} ms; "
+          f"ratio, median: {ratio:.2f}")
     return 0
 
 

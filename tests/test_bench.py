@@ -236,6 +236,15 @@ def test_openai_api_benchmark_pairs_each_api_request_with_the_grpc_one_of_its_ro
 
 # ---------------------------------------------------------------- peers
 
+def test_peers_quantized_settings_are_named_and_checked(capsys):
+    from loadtest.bench import peers
+    assert peers.parse_args(["--quantized", "w8a8,int8", "--int8"]).quantized == ["w8a8", "int8"]
+    assert peers.parse_args([]).quantized == []
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--quantized", "int3"])
+    assert "--quantized takes int8, int4, w8a8; got 'int3'" in capsys.readouterr().err
+
+
 def test_peers_summary_splits_ttft_tpot_and_inter_token_gaps():
     from loadtest.bench import peers
     # One request: tokens at 0.1 s (2 of them), 0.3 s and 0.6 s after sending.

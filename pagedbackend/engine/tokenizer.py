@@ -1,7 +1,8 @@
 """The engine's text side: the tokenizer and the ids that end a sequence.
 
 Only the engine loads a tokenizer; the model runner and tensor-parallel
-workers deal in token ids alone.
+workers deal in token ids alone, except that ``quantization=w8a8`` tokenises
+its calibration text once at load (``models.smooth``).
 """
 import json
 import pathlib
