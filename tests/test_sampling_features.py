@@ -99,3 +99,19 @@ def test_logprobs_up_to_the_limit_with_ranks(llm):
         ranked = sorted(entries.values(), key=lambda e: e.rank)
         assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
         assert entries[token].rank >= 1
+
+
+@pytest.mark.parametrize("width", [100, 4096, 49152, 32000, 151936])
+def test_row_argmax_gives_torchs_argmax(width):
+    from pagedbackend.sample.sampler import row_argmax
+    torch.manual_seed(width)
+    logits = torch.randn(7, width)
+    logits[1, :] = 0.5                        # every value equal: the first
+    logits[2, [5, width - 1]] = 100.0         # a tie across blocks: the first
+    logits[3, width - 1] = 100.0              # the maximum in the last, shorter block
+    logits[4, [17, width // 2]] = float("nan")  # NaN counts as the largest, the first one
+    logits[5, :] = float("-inf")
+    logits[5, width - 2] = 0.0
+    got = row_argmax(logits)
+    assert torch.equal(got, logits.argmax(dim=-1)), (got, logits.argmax(dim=-1))
+    assert got[2].item() == 5 and got[3].item() == width - 1 and got[4].item() == 17

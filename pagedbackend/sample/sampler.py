@@ -106,6 +106,30 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     return logits
 
 
+ARGMAX_BLOCK = 1024
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of a 2-D tensor: the same indices (the first
+    of equal maxima; NaN counts as the largest), found in two passes. torch's
+    CPU argmax over the last dimension runs a row at a time in scalar code (3
+    ms for 30 rows of 49,152 here), while amax is vectorised. So each block of
+    ``ARGMAX_BLOCK`` values gets its maximum, then argmax runs over those
+    maxima and over the one block that holds the row's first maximum."""
+    rows, width = logits.shape
+    if width < 4 * ARGMAX_BLOCK or logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    full = width // ARGMAX_BLOCK * ARGMAX_BLOCK
+    block_max = logits[:, :full].reshape(rows, -1, ARGMAX_BLOCK).amax(dim=-1)
+    if full < width:   # a last, shorter block
+        block_max = torch.cat([block_max, logits[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    starts = block_max.argmax(dim=-1) * ARGMAX_BLOCK
+    # The chosen block of each row; the last one's positions past the end
+    # repeat the last value, after it, so they are never the first maximum.
+    columns = (starts[:, None] + torch.arange(ARGMAX_BLOCK, device=logits.device)).clamp_(max=width - 1)
+    return starts + logits.gather(1, columns).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
            generator: Optional[torch.Generator] = None) -> List[Sample]:
     """One token per row. ``logits`` is float32 ``[num_rows_in_batch, vocab]``;
@@ -113,7 +137,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
     apply_suppression(logits, rows)
     # Greedy picks for every row at once (no copy of the logits).
     row_idx = torch.tensor([r.row for r in rows], device=logits.device)
-    token_ids = logits.argmax(dim=-1)[row_idx]
+    token_ids = row_argmax(logits)[row_idx]
     random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random:
         idx = torch.tensor([rows[i].row for i in random], device=logits.device)
