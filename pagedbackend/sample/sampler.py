@@ -146,7 +146,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
         for j, i in enumerate(random):
             key = rows[i].seed_key
             noise[j].exponential_(generator=_seeded_generator(key, logits.device) if key else generator)
-        token_ids[random] = (probs / noise).argmax(dim=-1)
+        token_ids[random] = row_argmax(probs / noise)
     samples = [Sample(t) for t in token_ids.tolist()]
     asked = [i for i, r in enumerate(rows) if r.logprob or r.params.logprobs is not None]
     if asked:
