@@ -14,8 +14,9 @@
 // (models/quant.py's W8A8Linear): int8 rows of x with their scales, times an
 // int8 [N, K] weight with its scales. Steps of up to w8a8_max_rows rows go to
 // w8a8_gemm.c's VNNI kernel (handed over with packed_ops_set_w8a8), larger
-// ones (or all, without that kernel) to torch._int_mm; both sum in int32,
-// exactly, and scale in the same order, so they give the same bits.
+// ones (or all, without that kernel) to torch._int_mm, scaled by
+// w8a8_gemm.c's w8a8_rescale; both sum in int32, exactly, and scale in the
+// same order, so they give the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,7 +33,9 @@ using gemm_w8a8 = int (*)(const int8_t *, const float *, const int8_t *, const i
 
 gemm_f32 kernel_f32 = nullptr;
 gemm_i8 kernel_i8 = nullptr;
+using rescale_w8a8 = void (*)(const int32_t *, const float *, const float *, float *, int, int, int);
 gemm_w8a8 kernel_w8a8 = nullptr;
+rescale_w8a8 kernel_rescale = nullptr;
 int64_t w8a8_max_rows = 0;
 int64_t kernel_max_rows = 768;   // above this, torch's GEMM on the unpacked weight
 
@@ -110,6 +113,11 @@ at::Tensor w8a8_linear(const at::Tensor &a_in, const at::Tensor &t_in, const at:
         if (rc == 0) return y;
     }
     at::Tensor acc = at::_int_mm(a, q.t());
+    if (kernel_rescale != nullptr) {
+        kernel_rescale(acc.data_ptr<int32_t>(), t.data_ptr<float>(), sc.data_ptr<float>(), y.data_ptr<float>(),
+                       (int)rows, (int)n, at::get_num_threads());
+        return y;
+    }
     const int32_t *pa = acc.data_ptr<int32_t>();
     const float *pt = t.data_ptr<float>(), *ps = sc.data_ptr<float>();
     float *py = y.data_ptr<float>();
@@ -123,8 +131,9 @@ at::Tensor w8a8_linear(const at::Tensor &a_in, const at::Tensor &t_in, const at:
 
 }  // namespace
 
-extern "C" void packed_ops_set_w8a8(void *kernel, long long max_rows) {
+extern "C" void packed_ops_set_w8a8(void *kernel, void *rescale, long long max_rows) {
     kernel_w8a8 = reinterpret_cast<gemm_w8a8>(kernel);
+    kernel_rescale = reinterpret_cast<rescale_w8a8>(rescale);
     w8a8_max_rows = max_rows;
 }
 

@@ -17,7 +17,8 @@
  * (torch's libgomp, so both share one thread team).
  *
  * Without AVX-512 VNNI and BW (w8a8_gemm_available() returns 0) the entry
- * point does nothing: the caller uses torch._int_mm for every step.
+ * point does nothing: the caller uses torch._int_mm for every step, and
+ * w8a8_rescale below for its scaling.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -117,6 +118,25 @@ INLINE int run_cols(const int8_t *a, const float *t, const int8_t *q, const int3
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+/* y[m, n] = ((float)acc[m, n] * t[m]) * s[n]: the scaling of torch._int_mm's
+ * int32 product for larger steps, vectorised by the compiler (two rounded
+ * multiplications, as in the kernel above) and split over OpenMP threads. */
+void w8a8_rescale(const int32_t *acc, const float *t, const float *s, float *y, int M, int N,
+                  int threads) {
+    long total = (long)M * N;
+    if (total <= 0) return;
+    if (threads < 1) threads = 1;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static)
+#endif
+    for (int m = 0; m < M; m++) {
+        const int32_t *a = acc + (size_t)m * N;
+        float *out = y + (size_t)m * N;
+        float tm = t[m];
+        for (int n = 0; n < N; n++) out[n] = ((float)a[n] * tm) * s[n];
+    }
+}
 
 /* Returns 0; -1 when a thread could not allocate its copy of a, -2 when this
  * build has no AVX-512 VNNI or M is out of 1..MAX_ROWS (nothing written). */

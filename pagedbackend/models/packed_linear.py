@@ -48,7 +48,8 @@ _gemm_i8 = None   # and its packed_gemm_i8
 use_native_ops: Optional[bool] = None   # whether layers call the C++ operators (decided at first layer)
 native_ops_failure: Optional[str] = None   # why they could not be built, when they could not
 w8a8_kernel_failure: Optional[str] = None   # why w8a8's small-step kernel is not used, when it is not
-_w8a8_kernel = None
+_w8a8_kernel = None   # w8a8_gemm.c's build, where it has the VNNI kernel
+_w8a8_library = None   # that build, wherever it loads
 _native_ready = False
 _native_lock, _decide_lock = threading.Lock(), threading.Lock()
 
@@ -96,31 +97,31 @@ def load_native_ops() -> None:
 def _hand_over_w8a8_kernel(ops: ctypes.CDLL) -> None:
     """Give the C++ w8a8 operator the VNNI kernel, where it builds and this CPU
     has AVX-512 VNNI; otherwise every step goes to torch._int_mm."""
-    global w8a8_kernel_failure, _w8a8_kernel
-    ops.packed_ops_set_w8a8.argtypes = [ctypes.c_void_p, ctypes.c_longlong]
+    global w8a8_kernel_failure, _w8a8_kernel, _w8a8_library
+    ops.packed_ops_set_w8a8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
     ops.packed_ops_set_w8a8.restype = None
     try:
         library = native.load("w8a8_gemm")
         library.w8a8_gemm_available.restype = ctypes.c_int
         library.w8a8_gemm_max_rows.restype = ctypes.c_int
+        _w8a8_library = library   # its w8a8_rescale serves every CPU
         if not library.w8a8_gemm_available():
             raise RuntimeError("w8a8_gemm.c was built without AVX-512 VNNI (this CPU, or "
                                "ATEN_CPU_CAPABILITY, lacks it)")
         _w8a8_kernel = library
-        set_w8a8_kernel_rows(W8A8_KERNEL_MAX_ROWS, ops)
     except RuntimeError as exc:
         w8a8_kernel_failure = str(exc)
+    set_w8a8_kernel_rows(W8A8_KERNEL_MAX_ROWS, ops)
 
 
 def set_w8a8_kernel_rows(rows: int, ops: Optional[ctypes.CDLL] = None) -> int:
     """Steps of up to ``rows`` rows take the VNNI kernel from now on (0: none,
     for comparisons); the number it was set to, capped by the kernel's own."""
     ops = ops or native.load_op_library("packed_ops")
-    if _w8a8_kernel is None:
-        rows = 0
     rows = max(0, min(rows, _w8a8_kernel.w8a8_gemm_max_rows() if _w8a8_kernel is not None else 0))
-    address = ctypes.cast(_w8a8_kernel.w8a8_gemm, ctypes.c_void_p) if _w8a8_kernel is not None else None
-    ops.packed_ops_set_w8a8(address, rows)
+    kernel = ctypes.cast(_w8a8_kernel.w8a8_gemm, ctypes.c_void_p) if _w8a8_kernel is not None else None
+    rescale = ctypes.cast(_w8a8_library.w8a8_rescale, ctypes.c_void_p) if _w8a8_library is not None else None
+    ops.packed_ops_set_w8a8(kernel, rescale, rows)
     return rows
 
 
