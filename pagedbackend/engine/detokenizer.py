@@ -11,15 +11,27 @@ from ..core.sequence import Sequence
 _CONTEXT_TOKENS = 5
 
 
+def _decoder(tokenizer):
+    """The tokenizer's decode, or that of its Rust ``tokenizers`` backend when
+    the two give the same text (a fast tokenizer without transformers'
+    clean-up of spaces): transformers' wrapper costs more than the decoding
+    of a few tokens, twice per sequence per step."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode") and \
+            not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode
+    return tokenizer.decode
+
+
 def decode_new_text(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
     """New text of ``seq`` since the previous call; updates its offsets and text."""
     if seq.read_offset == 0:
         seq.read_offset = seq.num_prompt_tokens
         seq.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT_TOKENS, 0)
     ids = seq.token_ids
-    prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset],
-                                   skip_special_tokens=skip_special_tokens)
-    full_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
+    decode = _decoder(tokenizer)
+    prefix_text = decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
+    full_text = decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
     if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
         new_text = full_text[len(prefix_text):]
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
