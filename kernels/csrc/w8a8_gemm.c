@@ -11,10 +11,12 @@
  * into int32 lanes. The activations are made unsigned once per call
  * (a + 128, in a per-thread copy), and each output subtracts 128 * sum_k q[n, k]
  * (`colsum`, computed at load). Each output is one vector of 16 partial sums
- * along k, added across its lanes at the end. Four weight rows stream side
- * by side; each of their 64-byte lines is used by every row of a before the
- * next is read. Rows of the weight are split evenly over OpenMP threads
- * (torch's libgomp, so both share one thread team).
+ * along k, added across its lanes at the end. Up to four weight rows stream
+ * side by side (four for 1-4 rows of a, two for 5-8, one for 9-16, so the
+ * accumulators stay in registers: BENCHMARKS.md section 19); each of their
+ * 64-byte lines is used by every row of a before the next is read. Rows of
+ * the weight are split evenly over OpenMP threads (torch's libgomp, so both
+ * share one thread team).
  *
  * Without AVX-512 VNNI and BW (w8a8_gemm_available() returns 0) the entry
  * point does nothing: the caller uses torch._int_mm for every step, and
