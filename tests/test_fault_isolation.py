@@ -70,9 +70,11 @@ def test_a_request_whose_sampling_raises_fails_alone(engine, alone, fault):
     engine.block_manager.check_invariants()
 
 
-def test_a_request_whose_detokenisation_raises_fails_alone_and_frees_its_blocks(engine, alone):
+def test_a_request_whose_detokenisation_raises_fails_alone_and_frees_its_blocks(engine, alone, monkeypatch):
     # A detokeniser fault for one request cannot be caused through the API:
-    # this stand-in decode raises whenever the poisoned prompt's tokens are in the window.
+    # this stand-in decode, handed to the incremental detokeniser in place of
+    # the tokenizer's, raises whenever the poisoned prompt's tokens are in the window.
+    from pagedbackend.engine import detokenizer
     marker = engine.tokenizer.encode(" zebra")[-1]
     real_decode = engine.tokenizer.decode
 
@@ -80,13 +82,11 @@ def test_a_request_whose_detokenisation_raises_fails_alone_and_frees_its_blocks(
         if marker in ids:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "stand-in fault")
         return real_decode(ids, **kw)
-    engine.tokenizer.decode = decode
-    try:
-        engine.add_request("ok", "The sky is", GREEDY)
-        engine.add_request("bad", "A zebra", SamplingParams(n=3, temperature=0.8, max_tokens=12))
-        finals = run_to_end(engine)
-    finally:
-        del engine.tokenizer.decode
+    monkeypatch.setattr(detokenizer, "_decoder", lambda tokenizer: decode)
+    engine.add_request("ok", "The sky is", GREEDY)
+    engine.add_request("bad", "A zebra", SamplingParams(n=3, temperature=0.8, max_tokens=12))
+    finals = run_to_end(engine)
+    monkeypatch.undo()
 
     assert "applying its tokens" in finals["bad"].error and "UnicodeDecodeError" in finals["bad"].error
     assert finals["ok"].outputs[0].token_ids == alone["The sky is"]
