@@ -113,19 +113,10 @@ at::Tensor w8a8_linear(const at::Tensor &a_in, const at::Tensor &t_in, const at:
         if (rc == 0) return y;
     }
     at::Tensor acc = at::_int_mm(a, q.t());
-    if (kernel_rescale != nullptr) {
-        kernel_rescale(acc.data_ptr<int32_t>(), t.data_ptr<float>(), sc.data_ptr<float>(), y.data_ptr<float>(),
-                       (int)rows, (int)n, at::get_num_threads());
-        return y;
-    }
-    const int32_t *pa = acc.data_ptr<int32_t>();
-    const float *pt = t.data_ptr<float>(), *ps = sc.data_ptr<float>();
-    float *py = y.data_ptr<float>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; i++)
-            for (int64_t j = 0; j < n; j++)   // (acc * t) * s, as the kernel and torch's ops do
-                py[i * n + j] = ((float)pa[i * n + j] * pt[i]) * ps[j];
-    });
+    if (kernel_rescale == nullptr)   // (acc * t) * s, in torch's ops
+        return acc.to(at::kFloat).mul_(t.view({rows, 1})).mul_(sc);
+    kernel_rescale(acc.data_ptr<int32_t>(), t.data_ptr<float>(), sc.data_ptr<float>(), y.data_ptr<float>(),
+                   (int)rows, (int)n, at::get_num_threads());
     return y;
 }
 

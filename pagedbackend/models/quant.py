@@ -126,8 +126,7 @@ class W8A8Linear(nn.Module):
         # 128 * sum_k q[n, k]: the VNNI kernel's inputs are a + 128
         self.register_buffer("colsum", 128 * q.sum(dim=1, dtype=torch.int32))
         from pagedbackend.models import packed_linear
-        self.native = packed_linear.unavailable(weight.device, torch.float32) is None and \
-            packed_linear._decide_native_ops()
+        self.native = packed_linear._decide_native_ops()   # False where the C++ operators cannot build
 
     @property
     def out_features(self) -> int:
@@ -191,7 +190,7 @@ class Int4Linear(nn.Module):
 
 def quantized_linear(weight: torch.Tensor, mode: str, group_size: int = 32,
                      int4: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> nn.Module:
-    """The weight-only module for ``mode``; ``int4`` gives ready (q, scale, minimum)."""
+    """The module for ``mode`` (int8, int4 or w8a8); ``int4`` gives ready (q, scale, minimum)."""
     if mode == "int8":
         return Int8Linear(weight)
     if mode == "w8a8":
