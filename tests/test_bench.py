@@ -291,6 +291,7 @@ def test_peers_bench_runs_our_system_alone_when_no_peer_is_installed(tiny_model_
     assert "skipped: vLLM" in printed and "skipped: llama.cpp" in printed
     saved = json.loads((tmp_path / "peers.json").read_text())
     assert saved["offline"] == result["offline"] and len(saved["peers_skipped"]) == 2
+    assert saved["offline"]["warm_up"].startswith(f"{saved['offline']['requests']} prompts")
     offline, offline_int8 = saved["offline"]["rows"]
     assert offline["system"] == "ours" and offline["output_tokens"] == saved["offline"]["output_tokens"]
     assert offline["output_tokens_per_s"] > 0 and offline["vs_ours"] == 1.0

@@ -4,7 +4,8 @@ Run by vLLM's own Python (a separate environment), never imported by the
 project: ``VLLM_PYTHON vllm_offline.py JOB.json``. The job holds the model
 folder, the prompts as token ids, the output lengths and the batch cap; the
 last line printed is a JSON object with the timed run's seconds and tokens.
-Greedy, EOS ignored, every request queued at once, after a one-request warm-up.
+Greedy, EOS ignored, every request queued at once, after a warm-up: the
+job's ``warm_prompts`` all at once for ``warm_tokens`` tokens each.
 """
 import json
 import os
@@ -24,8 +25,9 @@ def main(job_path: str) -> None:
               max_num_seqs=job["max_num_seqs"], seed=0)
     init_s = time.perf_counter() - started
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
-    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:1], warm, use_tqdm=False)
+    warm = SamplingParams(max_tokens=job.get("warm_tokens", 4), temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": ids} for ids in job.get("warm_prompts", job["prompts"][:1])],
+                 warm, use_tqdm=False)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in job["lengths"]]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
