@@ -82,7 +82,38 @@ def test_packed_int8_linear_computes_x_times_its_dequantised_weight(rows, out_fe
     got = layer(x)
     assert got.shape == (rows, out_features)
     if rows:
-        assert relative_error(got, F.linear(x, dequantized)) < 1e-5
+        # Steps of several chunks multiply in bfloat16 where the CPU has it.
+        inputs = x.bfloat16().float() if packed_linear.int8_rounds_to_bf16(rows) else x
+        assert relative_error(got, F.linear(inputs, dequantized)) < 1e-5
+
+
+@pytest.mark.skipif(not packed_linear.int8_bf16_available(),
+                    reason="this CPU (or ATEN_CPU_CAPABILITY) has no AVX512_BF16")
+@pytest.mark.parametrize("in_features", [576, 77])
+def test_int8_steps_of_several_chunks_multiply_in_bfloat16_and_can_be_switched_off(in_features, ops):
+    """With AVX512_BF16 an int8 step of more than one row chunk rounds its rows
+    to bfloat16 (the int8 weights are exact in it) and sums in float32; one
+    chunk keeps float32 rows; switched off, every step keeps them."""
+    torch.manual_seed(in_features)
+    layer = packed_linear.PackedInt8Linear(torch.randn(160, in_features))
+    w = layer.dequantized()
+    chunk = packed_linear.load_library().packed_gemm_chunk_rows()
+    try:
+        for rows in (chunk + 1, 30, 64):
+            x = torch.randn(rows, in_features)
+            assert packed_linear.int8_rounds_to_bf16(rows)
+            on = layer(x)
+            assert relative_error(on, F.linear(x.bfloat16().float(), w)) < 1e-5
+            assert relative_error(on, F.linear(x, w)) > 1e-4   # the rounding shows
+            assert packed_linear.set_int8_bf16(False) is False
+            assert not packed_linear.int8_rounds_to_bf16(rows)
+            assert relative_error(layer(x), F.linear(x, w)) < 1e-5
+            assert packed_linear.set_int8_bf16(True) is True
+        x = torch.randn(chunk, in_features)
+        assert not packed_linear.int8_rounds_to_bf16(chunk)
+        assert relative_error(layer(x), F.linear(x, w)) < 1e-5
+    finally:
+        packed_linear.set_int8_bf16(packed_linear.INT8_BF16)
 
 
 def test_packed_int8_results_do_not_depend_on_the_thread_count(ops):
@@ -251,8 +282,14 @@ def test_int8_runner_serves_every_layer_through_the_packed_kernel(tiny_untied_mo
                 reference.model.get_submodule(name).weight.copy_(module.matmul.dequantized())
         reference.model.lm_head.weight.copy_(quantised.model.lm_head_matmul.dequantized())
     prompt = [int(t) for t in torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(2))]
-    for entries in ([SeqEntry(prompt, 0, [1, 2, 3])], [SeqEntry([prompt[0]], 40, [1, 2, 3])]):
-        assert relative_error(quantised.execute_model(entries), reference.execute_model(entries)) < 1e-4
+    # The 40-row prefill with float32 rows throughout (the bfloat16 path of
+    # several-chunk steps has a test of its own).
+    packed_linear.set_int8_bf16(False)
+    try:
+        for entries in ([SeqEntry(prompt, 0, [1, 2, 3])], [SeqEntry([prompt[0]], 40, [1, 2, 3])]):
+            assert relative_error(quantised.execute_model(entries), reference.execute_model(entries)) < 1e-4
+    finally:
+        packed_linear.set_int8_bf16(packed_linear.INT8_BF16)
     torch_int8 = runner(tiny_untied_model_dir, quantization="int8", linear_backend="torch")
     assert torch_int8.linear_backend == "torch"
     assert isinstance(torch_int8.model.lm_head_matmul, Int8Linear)

@@ -43,6 +43,11 @@ KERNEL_MAX_ROWS = 640
 # rather than torch._int_mm (the C++ operator decides per call).
 W8A8_KERNEL_MAX_ROWS = 16
 
+# int8 steps of more than one row chunk (13 rows and more with AVX-512)
+# multiply in bfloat16 (vdpbf16ps) where the CPU has AVX512_BF16: their rows
+# of x are rounded to bfloat16, the int8 weights are exact in it.
+INT8_BF16 = True
+
 _gemm = None   # the kernel's packed_gemm, once loaded
 _gemm_i8 = None   # and its packed_gemm_i8
 use_native_ops: Optional[bool] = None   # whether layers call the C++ operators (decided at first layer)
@@ -71,7 +76,36 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.packed_gemm_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     library.packed_gemm_i8.restype = ctypes.c_int
     library.packed_gemm_block_cols.restype = ctypes.c_int
+    if hasattr(library, "packed_gemm_set_bf16"):   # (builds of older trees lack it)
+        library.packed_gemm_set_bf16.argtypes = [ctypes.c_int]
+        library.packed_gemm_set_bf16.restype = ctypes.c_int
+        library.packed_gemm_has_bf16.restype = ctypes.c_int
+        library.packed_gemm_chunk_rows.restype = ctypes.c_int
+        library.packed_gemm_set_bf16(int(INT8_BF16))
     return library
+
+
+def int8_bf16_available() -> bool:
+    """Whether this machine's build of the kernel has the bfloat16 path of
+    int8 steps (AVX512_BF16; not where ``ATEN_CPU_CAPABILITY`` narrows the
+    instruction set)."""
+    return bool(load_library().packed_gemm_has_bf16())
+
+
+def int8_rounds_to_bf16(rows: int) -> bool:
+    """Whether an int8 step of ``rows`` rows through the packed kernel rounds
+    its inputs to bfloat16 (the path on, and more rows than one chunk, up to
+    ``KERNEL_MAX_ROWS``)."""
+    library = load_library()
+    return (hasattr(library, "packed_gemm_set_bf16") and bool(library.packed_gemm_has_bf16())
+            and bool(library.packed_gemm_set_bf16(-1))
+            and library.packed_gemm_chunk_rows() < rows <= KERNEL_MAX_ROWS)
+
+
+def set_int8_bf16(on: bool) -> bool:
+    """Switch the bfloat16 path of int8 steps on or off (for comparisons), for
+    the C++ and the Python operators alike; whether it is on now."""
+    return bool(load_library().packed_gemm_set_bf16(int(on)))
 
 
 def load_native_ops() -> None:
