@@ -270,10 +270,11 @@ def test_compiled_int8_step_computes_what_the_eager_one_does(tiny_model_dir):
 
 # (share of tokens equal to fp32's at the same position, the tokens each
 # prompt must share with fp32 from the start, in how many of the 8 prompts).
-# Measured: int8 109 / 128 tokens and 6 prompts equal for 8 tokens; w8a8 46 /
-# 128, every first token equal, 1-8 tokens in common. A broken model matches
-# almost nothing.
-GREEDY_FLOORS = {"int8": (0.6, 8, 6), "w8a8": (0.25, 1, 7)}
+# Measured: int8 109 / 128 tokens and 6 prompts equal for 8 tokens (on an
+# Intel AVX-512 and an AMD Zen 4 machine); w8a8 46 / 128 with every first
+# token equal on the Intel one, 55 / 128 with 6 first tokens equal on the AMD
+# one (near-ties fall either way). A broken model matches almost nothing.
+GREEDY_FLOORS = {"int8": (0.6, 8, 6), "w8a8": (0.25, 1, 5)}
 
 
 @pytest.mark.parametrize("mode", ["int8", "w8a8"])
