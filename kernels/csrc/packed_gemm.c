@@ -15,7 +15,9 @@
  * quarter of the time. The weights are widened to float in registers and
  * each output is sum_k(x * q) * scale; steps of more than one row chunk widen
  * each block once into a per-thread float copy, scale applied, and multiply
- * every chunk by it as for float32 weights.
+ * every chunk by it as for float32 weights. Where the CPU has AVX512_BF16,
+ * those steps turn each block into bfloat16 pairs instead and round x to
+ * bfloat16, for vdpbf16ps (see HAVE_BF16 below).
  *
  * Built at run time with -march=native: NB is 32 and MR 12 with AVX-512 (24 of
  * its 32 registers accumulate), NB 16 and MR 6 with AVX2 (12 of 16), and the

@@ -46,7 +46,8 @@ W8A8_KERNEL_MAX_ROWS = 16
 # int8 steps of more than one row chunk (13 rows and more with AVX-512)
 # multiply in bfloat16 (vdpbf16ps) where the CPU has AVX512_BF16: their rows
 # of x are rounded to bfloat16, the int8 weights are exact in it.
-INT8_BF16 = True
+# ``PAGEDBACKEND_INT8_BF16=0`` keeps float32 rows (for comparisons).
+INT8_BF16 = os.environ.get("PAGEDBACKEND_INT8_BF16", "1").strip() != "0"
 
 _gemm = None   # the kernel's packed_gemm, once loaded
 _gemm_i8 = None   # and its packed_gemm_i8
