@@ -82,7 +82,7 @@ def test_packed_int8_linear_computes_x_times_its_dequantised_weight(rows, out_fe
     got = layer(x)
     assert got.shape == (rows, out_features)
     if rows:
-        # Steps of several chunks multiply in bfloat16 where the CPU has it.
+        # Steps from INT8_BF16_MIN_ROWS rows multiply in bfloat16 where the CPU has it.
         inputs = x.bfloat16().float() if packed_linear.int8_rounds_to_bf16(rows) else x
         assert relative_error(got, F.linear(inputs, dequantized)) < 1e-5
 
@@ -90,30 +90,33 @@ def test_packed_int8_linear_computes_x_times_its_dequantised_weight(rows, out_fe
 @pytest.mark.skipif(not packed_linear.int8_bf16_available(),
                     reason="this CPU (or ATEN_CPU_CAPABILITY) has no AVX512_BF16")
 @pytest.mark.parametrize("in_features", [576, 77])
-def test_int8_steps_of_several_chunks_multiply_in_bfloat16_and_can_be_switched_off(in_features, ops):
-    """With AVX512_BF16 an int8 step of more than one row chunk rounds its rows
-    to bfloat16 (the int8 weights are exact in it) and sums in float32; one
-    chunk keeps float32 rows; switched off, every step keeps them."""
+def test_int8_steps_from_a_row_count_multiply_in_bfloat16_and_can_be_switched_off(in_features, ops):
+    """With AVX512_BF16 an int8 step of ``INT8_BF16_MIN_ROWS`` rows or more
+    rounds its rows to bfloat16 (the int8 weights are exact in it) and sums in
+    float32, at any row count it is set to; fewer rows, or the path switched
+    off, keep float32 rows. A row's result does not depend on the other rows."""
     torch.manual_seed(in_features)
     layer = packed_linear.PackedInt8Linear(torch.randn(160, in_features))
     w = layer.dequantized()
-    chunk = packed_linear.load_library().packed_gemm_chunk_rows()
+    least = packed_linear.INT8_BF16_MIN_ROWS
     try:
-        for rows in (chunk + 1, 30, 64):
+        for setting, rows in ((least, least), (least, 30), (least, 64), (1, 1), (3, 3), (5, 7)):
+            assert packed_linear.set_int8_bf16_rows(setting) == setting
             x = torch.randn(rows, in_features)
             assert packed_linear.int8_rounds_to_bf16(rows)
             on = layer(x)
             assert relative_error(on, F.linear(x.bfloat16().float(), w)) < 1e-5
             assert relative_error(on, F.linear(x, w)) > 1e-4   # the rounding shows
-            assert packed_linear.set_int8_bf16(False) is False
+            assert torch.equal(layer(torch.cat([x, x]))[:rows], on)   # in a larger step, the same bits
+            assert packed_linear.set_int8_bf16_rows(0) == 0
             assert not packed_linear.int8_rounds_to_bf16(rows)
             assert relative_error(layer(x), F.linear(x, w)) < 1e-5
-            assert packed_linear.set_int8_bf16(True) is True
-        x = torch.randn(chunk, in_features)
-        assert not packed_linear.int8_rounds_to_bf16(chunk)
+        packed_linear.set_int8_bf16_rows(least)
+        x = torch.randn(least - 1, in_features)
+        assert not packed_linear.int8_rounds_to_bf16(least - 1)
         assert relative_error(layer(x), F.linear(x, w)) < 1e-5
     finally:
-        packed_linear.set_int8_bf16(packed_linear.INT8_BF16)
+        packed_linear.set_int8_bf16_rows(packed_linear.INT8_BF16_MIN_ROWS)
 
 
 def test_packed_int8_results_do_not_depend_on_the_thread_count(ops):
@@ -284,12 +287,12 @@ def test_int8_runner_serves_every_layer_through_the_packed_kernel(tiny_untied_mo
     prompt = [int(t) for t in torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(2))]
     # The 40-row prefill with float32 rows throughout (the bfloat16 path of
     # several-chunk steps has a test of its own).
-    packed_linear.set_int8_bf16(False)
+    packed_linear.set_int8_bf16_rows(0)
     try:
         for entries in ([SeqEntry(prompt, 0, [1, 2, 3])], [SeqEntry([prompt[0]], 40, [1, 2, 3])]):
             assert relative_error(quantised.execute_model(entries), reference.execute_model(entries)) < 1e-4
     finally:
-        packed_linear.set_int8_bf16(packed_linear.INT8_BF16)
+        packed_linear.set_int8_bf16_rows(packed_linear.INT8_BF16_MIN_ROWS)
     torch_int8 = runner(tiny_untied_model_dir, quantization="int8", linear_backend="torch")
     assert torch_int8.linear_backend == "torch"
     assert isinstance(torch_int8.model.lm_head_matmul, Int8Linear)

@@ -195,15 +195,18 @@ static __thread float *widened = NULL;   /* one int8 block in float, per thread 
 static __thread size_t widened_len = 0;
 
 #if defined(__AVX512BF16__) && VW == 16
-/* int8 steps of more than one chunk, with AVX512_BF16: the block is turned
+/* int8 steps of bf16_rows rows or more (set by packed_linear.py at load),
+ * with AVX512_BF16: the block is turned
  * into bfloat16 pairs instead of floats (int8 values are exact in bfloat16),
  * the rows of x are rounded to bfloat16 (to nearest even), and vdpbf16ps
  * multiplies them, two k at a time, summing in float32; the column scales
  * come last, as in the single-chunk int8 path. Twice the multiply-adds of
- * an FMA per instruction: 1.5-1.7x the float copy's speed at 16-64 rows over
- * SmolLM2's shapes (scratch measurement). packed_gemm_set_bf16 switches it. */
+ * an FMA per instruction: over SmolLM2's int8 weights, 0.58x the float
+ * rows' time at 24-32 rows, 0.84x at 12; below about 9 rows converting each
+ * block costs more than it saves. packed_gemm_set_bf16_rows sets
+ * from how many rows, the same for every call of the process. */
 #define HAVE_BF16 1
-static int bf16_on = 1;
+static int bf16_rows = 0;   /* int8 steps of at least this many rows; 0: none (set at load) */
 static __thread unsigned short *paired = NULL;   /* one block as [K/2][NB][2] bf16 */
 static __thread size_t paired_len = 0;
 static __thread unsigned short *x_bf16 = NULL;   /* the rows of x, [M][Kp] bf16 */
@@ -287,27 +290,8 @@ static unsigned short *rows_to_bf16(const float *x, int M, int K, int Kp) {
 INLINE int run_blocks(const float *x, const void *wp, int q, const float *scales, float *y,
                       int M, int K, int N, int first, int last) {
     int C = (M + MR - 1) / MR;
-    if (M <= STREAM_ROWS) {
-        int streams = M <= 2 ? GB : GB_WIDE;
-        for (int b = first; b < last; b += streams) {
-            int count = last - b < streams ? last - b : streams;
-            /* constant row and block counts keep the accumulators in registers */
-#define BLOCKS(rows, n) case n: rows_times_blocks(x, wp, q, scales, y, rows, K, N, b, n); break;
-            switch (M) {
-            case 1: switch (count) { BLOCKS(1, 1) BLOCKS(1, 2) BLOCKS(1, 3) BLOCKS(1, 4) } break;
-            case 2: switch (count) { BLOCKS(2, 1) BLOCKS(2, 2) BLOCKS(2, 3) BLOCKS(2, 4) } break;
-#if STREAM_ROWS > 2
-            case 3: switch (count) { BLOCKS(3, 1) BLOCKS(3, 2) BLOCKS(3, 3) } break;
-            case 4: switch (count) { BLOCKS(4, 1) BLOCKS(4, 2) BLOCKS(4, 3) } break;
-#endif
-            }
-#undef BLOCKS
-        }
-        return 0;
-    }
-    int copy = q && C > 1;   /* int8 blocks widened once for all chunks */
 #if HAVE_BF16
-    if (copy && bf16_on) {
+    if (q && bf16_rows > 0 && M >= bf16_rows) {
         int Kp = (K + 1) / 2 * 2;
         if (paired_len < (size_t)Kp * NB) {
             free(paired);
@@ -342,6 +326,25 @@ INLINE int run_blocks(const float *x, const void *wp, int q, const float *scales
         return 0;
     }
 #endif
+    if (M <= STREAM_ROWS) {
+        int streams = M <= 2 ? GB : GB_WIDE;
+        for (int b = first; b < last; b += streams) {
+            int count = last - b < streams ? last - b : streams;
+            /* constant row and block counts keep the accumulators in registers */
+#define BLOCKS(rows, n) case n: rows_times_blocks(x, wp, q, scales, y, rows, K, N, b, n); break;
+            switch (M) {
+            case 1: switch (count) { BLOCKS(1, 1) BLOCKS(1, 2) BLOCKS(1, 3) BLOCKS(1, 4) } break;
+            case 2: switch (count) { BLOCKS(2, 1) BLOCKS(2, 2) BLOCKS(2, 3) BLOCKS(2, 4) } break;
+#if STREAM_ROWS > 2
+            case 3: switch (count) { BLOCKS(3, 1) BLOCKS(3, 2) BLOCKS(3, 3) } break;
+            case 4: switch (count) { BLOCKS(4, 1) BLOCKS(4, 2) BLOCKS(4, 3) } break;
+#endif
+            }
+#undef BLOCKS
+        }
+        return 0;
+    }
+    int copy = q && C > 1;   /* int8 blocks widened once for all chunks */
     if (copy && widened_len < (size_t)K * NB) {
         free(widened);
         widened = aligned_alloc(64, ((size_t)K * NB * sizeof(float) + 63) / 64 * 64);
@@ -420,15 +423,15 @@ int packed_gemm_i8(const float *x, const signed char *qp, const float *scales, f
     return run(x, qp, 1, scales, y, M, K, N, threads);
 }
 
-/* Switches the bfloat16 path of int8 steps of more than one chunk on (1, the
- * default) or off (0), where the build has it (AVX512_BF16); a negative value
- * only asks. Returns whether it is on. */
-int packed_gemm_set_bf16(int on) {
+/* int8 steps of at least `rows` rows take the bfloat16 path from now on (0:
+ * none), where the build has it (AVX512_BF16; elsewhere nothing changes); a
+ * negative value only asks. Returns the setting now (0 without the path). */
+int packed_gemm_set_bf16_rows(int rows) {
 #if HAVE_BF16
-    if (on >= 0) bf16_on = on != 0;
-    return bf16_on;
+    if (rows >= 0) bf16_rows = rows;
+    return bf16_rows;
 #else
-    (void)on;
+    (void)rows;
     return 0;
 #endif
 }

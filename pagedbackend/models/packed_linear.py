@@ -43,11 +43,15 @@ KERNEL_MAX_ROWS = 640
 # rather than torch._int_mm (the C++ operator decides per call).
 W8A8_KERNEL_MAX_ROWS = 16
 
-# int8 steps of more than one row chunk (13 rows and more with AVX-512)
-# multiply in bfloat16 (vdpbf16ps) where the CPU has AVX512_BF16: their rows
-# of x are rounded to bfloat16, the int8 weights are exact in it.
-# ``PAGEDBACKEND_INT8_BF16=0`` keeps float32 rows (for comparisons).
-INT8_BF16 = os.environ.get("PAGEDBACKEND_INT8_BF16", "1").strip() != "0"
+# int8 steps of at least this many rows multiply in bfloat16 (vdpbf16ps)
+# where the CPU has AVX512_BF16: their rows of x are rounded to bfloat16, the
+# int8 weights are exact in it (0: none). Over SmolLM2's int8 weights (AMD Zen
+# 4, 2 threads, paired) the path took 1.03x the float rows' time at 8 rows,
+# 0.86x at 10, 0.67x at 13 and 0.58x at 24-32 (BENCHMARKS.md section 20). ``PAGEDBACKEND_INT8_BF16=0`` keeps
+# float32 rows everywhere (for comparisons).
+INT8_BF16_MIN_ROWS = 9
+if os.environ.get("PAGEDBACKEND_INT8_BF16", "1").strip() == "0":
+    INT8_BF16_MIN_ROWS = 0
 
 _gemm = None   # the kernel's packed_gemm, once loaded
 _gemm_i8 = None   # and its packed_gemm_i8
@@ -77,12 +81,12 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.packed_gemm_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     library.packed_gemm_i8.restype = ctypes.c_int
     library.packed_gemm_block_cols.restype = ctypes.c_int
-    if hasattr(library, "packed_gemm_set_bf16"):   # (builds of older trees lack it)
-        library.packed_gemm_set_bf16.argtypes = [ctypes.c_int]
-        library.packed_gemm_set_bf16.restype = ctypes.c_int
+    if hasattr(library, "packed_gemm_set_bf16_rows"):   # (builds of older trees lack it)
+        library.packed_gemm_set_bf16_rows.argtypes = [ctypes.c_int]
+        library.packed_gemm_set_bf16_rows.restype = ctypes.c_int
         library.packed_gemm_has_bf16.restype = ctypes.c_int
         library.packed_gemm_chunk_rows.restype = ctypes.c_int
-        library.packed_gemm_set_bf16(int(INT8_BF16))
+        library.packed_gemm_set_bf16_rows(INT8_BF16_MIN_ROWS)
     return library
 
 
@@ -95,18 +99,18 @@ def int8_bf16_available() -> bool:
 
 def int8_rounds_to_bf16(rows: int) -> bool:
     """Whether an int8 step of ``rows`` rows through the packed kernel rounds
-    its inputs to bfloat16 (the path on, and more rows than one chunk, up to
+    its inputs to bfloat16 (the path there, at least its rows, and no more than
     ``KERNEL_MAX_ROWS``)."""
     library = load_library()
-    return (hasattr(library, "packed_gemm_set_bf16") and bool(library.packed_gemm_has_bf16())
-            and bool(library.packed_gemm_set_bf16(-1))
-            and library.packed_gemm_chunk_rows() < rows <= KERNEL_MAX_ROWS)
+    least = library.packed_gemm_set_bf16_rows(-1) if hasattr(library, "packed_gemm_set_bf16_rows") else 0
+    return 0 < least <= rows <= KERNEL_MAX_ROWS
 
 
-def set_int8_bf16(on: bool) -> bool:
-    """Switch the bfloat16 path of int8 steps on or off (for comparisons), for
-    the C++ and the Python operators alike; whether it is on now."""
-    return bool(load_library().packed_gemm_set_bf16(int(on)))
+def set_int8_bf16_rows(rows: int) -> int:
+    """int8 steps of at least ``rows`` rows take the bfloat16 path from now on
+    (0: none; for comparisons), through the C++ and the Python operators alike;
+    the setting now (0 where the path is not built)."""
+    return load_library().packed_gemm_set_bf16_rows(max(0, int(rows)))
 
 
 def load_native_ops() -> None:
