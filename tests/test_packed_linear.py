@@ -82,7 +82,7 @@ def test_packed_int8_linear_computes_x_times_its_dequantised_weight(rows, out_fe
     got = layer(x)
     assert got.shape == (rows, out_features)
     if rows:
-        # Steps from INT8_BF16_MIN_ROWS rows multiply in bfloat16 where the CPU has it.
+        # Steps from INT8_BF16_MIN_ROWS rows multiply in bfloat16 where that is on.
         inputs = x.bfloat16().float() if packed_linear.int8_rounds_to_bf16(rows) else x
         assert relative_error(got, F.linear(inputs, dequantized)) < 1e-5
 
@@ -91,14 +91,15 @@ def test_packed_int8_linear_computes_x_times_its_dequantised_weight(rows, out_fe
                     reason="this CPU (or ATEN_CPU_CAPABILITY) has no AVX512_BF16")
 @pytest.mark.parametrize("in_features", [576, 77])
 def test_int8_steps_from_a_row_count_multiply_in_bfloat16_and_can_be_switched_off(in_features, ops):
-    """With AVX512_BF16 an int8 step of ``INT8_BF16_MIN_ROWS`` rows or more
-    rounds its rows to bfloat16 (the int8 weights are exact in it) and sums in
-    float32, at any row count it is set to; fewer rows, or the path switched
-    off, keep float32 rows. A row's result does not depend on the other rows."""
+    """With AVX512_BF16 an int8 step of ``INT8_BF16_ROWS`` rows or more (when
+    switched on; on by default on AMD CPUs) rounds its rows to bfloat16 (the
+    int8 weights are exact in it) and sums in float32, at any row count it is
+    set to; fewer rows, or the path switched off, keep float32 rows. A row's
+    result does not depend on the other rows."""
     torch.manual_seed(in_features)
     layer = packed_linear.PackedInt8Linear(torch.randn(160, in_features))
     w = layer.dequantized()
-    least = packed_linear.INT8_BF16_MIN_ROWS
+    least = packed_linear.INT8_BF16_ROWS
     try:
         for setting, rows in ((least, least), (least, 30), (least, 64), (1, 1), (3, 3), (5, 7)):
             assert packed_linear.set_int8_bf16_rows(setting) == setting
@@ -117,6 +118,27 @@ def test_int8_steps_from_a_row_count_multiply_in_bfloat16_and_can_be_switched_of
         assert relative_error(layer(x), F.linear(x, w)) < 1e-5
     finally:
         packed_linear.set_int8_bf16_rows(packed_linear.INT8_BF16_MIN_ROWS)
+
+
+def test_int8_bfloat16_path_is_on_by_default_on_amd_cpus_and_follows_the_environment(monkeypatch):
+    """The bfloat16 path was measured faster on AMD Zen 4 and slower on Intel
+    Emerald Rapids: the default follows the CPU's vendor, and
+    ``PAGEDBACKEND_INT8_BF16`` overrides it either way; another value is an
+    error that names the variable."""
+    vendor = packed_linear.cpu_vendor()
+    assert vendor, "no vendor_id in /proc/cpuinfo"
+    monkeypatch.delenv("PAGEDBACKEND_INT8_BF16", raising=False)
+    expected = packed_linear.INT8_BF16_ROWS if vendor == "AuthenticAMD" else 0
+    assert packed_linear.default_int8_bf16_rows() == expected
+    if "PAGEDBACKEND_INT8_BF16" not in os.environ:
+        assert packed_linear.INT8_BF16_MIN_ROWS == expected
+    monkeypatch.setenv("PAGEDBACKEND_INT8_BF16", "1")
+    assert packed_linear.default_int8_bf16_rows() == packed_linear.INT8_BF16_ROWS
+    monkeypatch.setenv("PAGEDBACKEND_INT8_BF16", " 0 ")
+    assert packed_linear.default_int8_bf16_rows() == 0
+    monkeypatch.setenv("PAGEDBACKEND_INT8_BF16", "yes")
+    with pytest.raises(ValueError, match="PAGEDBACKEND_INT8_BF16 must be 0 or 1"):
+        packed_linear.default_int8_bf16_rows()
 
 
 def test_packed_int8_results_do_not_depend_on_the_thread_count(ops):

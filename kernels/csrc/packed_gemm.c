@@ -16,7 +16,7 @@
  * each output is sum_k(x * q) * scale; steps of more than one row chunk widen
  * each block once into a per-thread float copy, scale applied, and multiply
  * every chunk by it as for float32 weights. Where the CPU has AVX512_BF16,
- * those steps turn each block into bfloat16 pairs instead and round x to
+ * those steps can turn each block into bfloat16 pairs instead and round x to
  * bfloat16, for vdpbf16ps (see HAVE_BF16 below).
  *
  * Built at run time with -march=native: NB is 32 and MR 12 with AVX-512 (24 of
@@ -201,10 +201,13 @@ static __thread size_t widened_len = 0;
  * the rows of x are rounded to bfloat16 (to nearest even), and vdpbf16ps
  * multiplies them, two k at a time, summing in float32; the column scales
  * come last, as in the single-chunk int8 path. Twice the multiply-adds of
- * an FMA per instruction: over SmolLM2's int8 weights, 0.58x the float
- * rows' time at 24-32 rows, 0.84x at 12; below about 9 rows converting each
- * block costs more than it saves. packed_gemm_set_bf16_rows sets
- * from how many rows, the same for every call of the process. */
+ * an FMA per instruction: over SmolLM2's int8 weights on an AMD Zen 4, 0.58x
+ * the float rows' time at 24-32 rows, 0.84x at 12; below about 9 rows
+ * converting each block costs more than it saves. On an Intel Emerald Rapids
+ * it took 1.2-1.9x the float rows' time at every row count (two FMA ports
+ * against one for vdpbf16ps), so packed_linear.py turns it on by default on
+ * AMD CPUs only. packed_gemm_set_bf16_rows sets from how many rows, the same
+ * for every call of the process. */
 #define HAVE_BF16 1
 static int bf16_rows = 0;   /* int8 steps of at least this many rows; 0: none (set at load) */
 static __thread unsigned short *paired = NULL;   /* one block as [K/2][NB][2] bf16 */

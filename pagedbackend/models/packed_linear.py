@@ -43,15 +43,41 @@ KERNEL_MAX_ROWS = 640
 # rather than torch._int_mm (the C++ operator decides per call).
 W8A8_KERNEL_MAX_ROWS = 16
 
-# int8 steps of at least this many rows multiply in bfloat16 (vdpbf16ps)
-# where the CPU has AVX512_BF16: their rows of x are rounded to bfloat16, the
-# int8 weights are exact in it (0: none). Over SmolLM2's int8 weights (AMD Zen
-# 4, 2 threads, paired) the path took 1.03x the float rows' time at 8 rows,
-# 0.86x at 10, 0.67x at 13 and 0.58x at 24-32 (BENCHMARKS.md section 20). ``PAGEDBACKEND_INT8_BF16=0`` keeps
-# float32 rows everywhere (for comparisons).
-INT8_BF16_MIN_ROWS = 9
-if os.environ.get("PAGEDBACKEND_INT8_BF16", "1").strip() == "0":
-    INT8_BF16_MIN_ROWS = 0
+# int8 steps of at least INT8_BF16_ROWS rows can multiply in bfloat16
+# (vdpbf16ps) where the CPU has AVX512_BF16: their rows of x are rounded to
+# bfloat16, the int8 weights are exact in it. Over SmolLM2's int8 weights (2
+# threads, paired, BENCHMARKS.md section 20) the path took, against float32
+# rows, 1.03x the time at 8 rows, 0.86x at 10 and 0.58x at 24-32 on an AMD Zen
+# 4 machine, but 1.2-1.9x at every row count on an Intel Emerald Rapids one
+# (whose two FMA ports match its one bfloat16 dot port, and the conversions
+# come on top). So it is on by default on AMD CPUs only.
+# ``PAGEDBACKEND_INT8_BF16=1`` turns it on, ``=0`` off, on any CPU.
+INT8_BF16_ROWS = 9
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; '' where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def default_int8_bf16_rows() -> int:
+    """From how many rows int8 steps take the bfloat16 path by default (0: none)."""
+    setting = os.environ.get("PAGEDBACKEND_INT8_BF16", "").strip()
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"PAGEDBACKEND_INT8_BF16 must be 0 or 1; got {setting!r}")
+    if setting:
+        return INT8_BF16_ROWS if setting == "1" else 0
+    return INT8_BF16_ROWS if cpu_vendor() == "AuthenticAMD" else 0
+
+
+INT8_BF16_MIN_ROWS = default_int8_bf16_rows()
 
 _gemm = None   # the kernel's packed_gemm, once loaded
 _gemm_i8 = None   # and its packed_gemm_i8

@@ -13,8 +13,8 @@ quant_kernels``; ``act_dtype=torch.float32`` keeps that path for comparison).
   the weight per row of x, so larger steps (prefills) compute
   ``(x q^T) * s`` with ``F.linear`` on ``q`` widened to float32 instead.
   (These are the torch-backend layers; on CPU the engine serves int8 through
-  ``models.packed_linear``'s ``PackedInt8Linear``, whose steps of more than
-  one row chunk round x to bfloat16 where the CPU has AVX512_BF16.)
+  ``models.packed_linear``'s ``PackedInt8Linear``, whose steps of 9 rows or
+  more round x to bfloat16 on AMD CPUs with AVX512_BF16, where that is faster.)
 - int4: ``w ~= (q - 8) * s + z`` with ``q`` in 0..15 and a scale ``s`` and
   offset ``z`` per row and group of ``group_size`` input columns (asymmetric
   min/max); ``torch.ops.aten._weight_int4pack_mm_for_cpu`` for every step
