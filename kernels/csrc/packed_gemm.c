@@ -204,9 +204,9 @@ static __thread size_t widened_len = 0;
  * an FMA per instruction: over SmolLM2's int8 weights on an AMD Zen 4, 0.58x
  * the float rows' time at 24-32 rows, 0.84x at 12; below about 9 rows
  * converting each block costs more than it saves. On an Intel Emerald Rapids
- * it took 1.2-1.9x the float rows' time at every row count (two FMA ports
- * against one for vdpbf16ps), so packed_linear.py turns it on by default on
- * AMD CPUs only. packed_gemm_set_bf16_rows sets from how many rows, the same
+ * it took 1.2-1.9x the float rows' time at every row count (vdpbf16ps issues
+ * at about 2/3 of the FMA rate there), so packed_linear.py turns it on by
+ * default on AMD CPUs only. packed_gemm_set_bf16_rows sets from how many rows, the same
  * for every call of the process. */
 #define HAVE_BF16 1
 static int bf16_rows = 0;   /* int8 steps of at least this many rows; 0: none (set at load) */

@@ -49,8 +49,9 @@ W8A8_KERNEL_MAX_ROWS = 16
 # threads, paired, BENCHMARKS.md section 20) the path took, against float32
 # rows, 1.03x the time at 8 rows, 0.86x at 10 and 0.58x at 24-32 on an AMD Zen
 # 4 machine, but 1.2-1.9x at every row count on an Intel Emerald Rapids one
-# (whose two FMA ports match its one bfloat16 dot port, and the conversions
-# come on top). So it is on by default on AMD CPUs only.
+# (where vdpbf16ps issues at about 2/3 of the FMA rate: the bfloat16 products
+# gain at most 1.3x, less than the conversions cost). So it is on by default
+# on AMD CPUs only.
 # ``PAGEDBACKEND_INT8_BF16=1`` turns it on, ``=0`` off, on any CPU.
 INT8_BF16_ROWS = 9
 
