@@ -276,6 +276,39 @@ def test_vllm_is_held_to_avx2_by_onednn_not_by_torch(monkeypatch, capability, he
     assert env["OMP_NUM_THREADS"] == "2"
 
 
+@pytest.mark.parametrize("ending, expected", [
+    ("os.kill(os.getpid(), signal.SIGILL)", "was killed by SIGILL (an instruction this CPU will not run"),
+    ("sys.exit(3)", "exited with status 3; its log ends"),
+])
+def test_a_peer_server_that_dies_at_start_is_reported_with_its_signal_and_last_log_lines(ending, expected):
+    """A peer binary built for another CPU dies of SIGILL while loading (as a
+    llama-server whose AMX kernel the machine refused did): the error names
+    the signal and keeps the end of its log, also when cut to length."""
+    import sys
+    from loadtest.bench import peer_servers
+    from pagedbackend.serving.launcher import free_port
+    code = ("import os, resource, signal, sys\n"
+            "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"   # no core file
+            "print('\\n'.join(f'line {i}' for i in range(400)), flush=True)\n"
+            "print('loading model, last words', flush=True)\n" + ending)
+    server = peer_servers.Server("fake-peer", [sys.executable, "-c", code], free_port(), "/health",
+                                 ready_timeout_s=60)
+    with pytest.raises(RuntimeError) as raised:
+        server.start()
+    message = str(raised.value)
+    assert message.startswith("fake-peer ") and expected in message
+    assert message.rstrip().endswith("loading model, last words")
+    text = peer_servers.error_text(raised.value, limit=200)
+    assert len(text) < 220 and text.startswith("RuntimeError: fake-peer ")
+    assert text.endswith("loading model, last words") and "[...]" in text
+    assert peer_servers.error_text(ValueError("short")) == "ValueError: short"
+    from loadtest.bench import peers
+    line = peers.offline_report("fake", {"error": text, "output_tokens_per_s": 0.0})
+    assert line.startswith("offline fake: failed: RuntimeError: fake-peer ") and "\n" not in line
+    assert expected[:20] in line
+    assert peers.offline_report("ours", {"output_tokens_per_s": 12.34}) == "offline ours: 12.3 tokens/s"
+
+
 def test_peers_bench_runs_our_system_alone_when_no_peer_is_installed(tiny_model_dir, tmp_path,
                                                                      monkeypatch, capsys):
     from loadtest.bench import peers

@@ -50,6 +50,30 @@ def vllm_env(threads: int, env_file: Optional[str] = None, offline: bool = False
     return env
 
 
+def exit_description(returncode: int) -> str:
+    """How a process ended, in words: its exit status, or the signal that
+    killed it (SIGILL named as an instruction the CPU will not run)."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    why = (" (an instruction this CPU will not run: build the binary for this machine)"
+           if -returncode == signal.SIGILL else "")
+    return f"was killed by {name}{why}"
+
+
+def error_text(exc: BaseException, limit: int = 2000) -> str:
+    """``exc`` as one string of at most about ``limit`` characters, keeping its
+    start and its end (a server's last log lines say why it stopped)."""
+    text = f"{type(exc).__name__}: {exc}"
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    return f"{text[:head]}\n[...]\n{text[-(limit - head):]}"
+
+
 class Server:
     """A server process in its own process group: ``start`` waits until
     ``ready_path`` answers 200; ``stop`` sends SIGTERM, then SIGKILL."""
@@ -77,7 +101,8 @@ class Server:
                                         stderr=subprocess.STDOUT, start_new_session=True)
         while time.perf_counter() - started < self.ready_timeout_s:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} {exit_description(self.process.returncode)}; "
+                                   f"its log ends:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as reply:
                     if reply.status == 200:

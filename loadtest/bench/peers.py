@@ -101,6 +101,13 @@ def row(system: str, seconds: float, tokens: List[List[int]], lengths, reference
 
 # ---------------------------------------------------------------- offline
 
+def offline_report(label: str, result: dict) -> str:
+    """One line for a system's offline row: its tokens/s, or why it failed."""
+    if "error" in result:
+        return f"offline {label}: failed: {result['error'].splitlines()[0]}"
+    return f"offline {label}: {result['output_tokens_per_s']:.1f} tokens/s"
+
+
 def offline_ours(model: str, prompts, lengths, max_num_seqs: int, compile_step: bool,
                  quantization: str = "none", warm_prompts=None) -> dict:
     """``warm_prompts`` run first, all at once for ``WARM_TOKENS`` tokens each
@@ -328,9 +335,9 @@ def main(argv=None):
             rows.append(row("vLLM CPU", res["seconds"], res["tokens"], lengths, ours["tokens"],
                             init_s=res["init_s"]))
         except Exception as exc:
-            rows.append({"system": "vLLM CPU", "error": f"{type(exc).__name__}: {exc}"[:2000],
+            rows.append({"system": "vLLM CPU", "error": peer_servers.error_text(exc),
                          "output_tokens_per_s": 0.0})
-        print(f"offline vLLM: {rows[-1]['output_tokens_per_s']:.1f} tokens/s", flush=True)
+        print(offline_report("vLLM", rows[-1]), flush=True)
     if "llama" in peers["found"]:
         binary, ggufs = peers["found"]["llama"]
         from pagedbackend.serving.launcher import free_port
@@ -342,9 +349,9 @@ def main(argv=None):
                     res = offline_llama(server, prompts, lengths, args.peer_timeout)
                 rows.append(row(label, res["seconds"], res["tokens"], lengths, ours["tokens"], gguf=gguf))
             except Exception as exc:
-                rows.append({"system": label, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                rows.append({"system": label, "error": peer_servers.error_text(exc),
                              "output_tokens_per_s": 0.0})
-            print(f"offline {label}: {rows[-1]['output_tokens_per_s']:.1f} tokens/s", flush=True)
+            print(offline_report(label, rows[-1]), flush=True)
     base = rows[0]["output_tokens_per_s"]
     for r in rows:
         r["vs_ours"] = r["output_tokens_per_s"] / base if base else None
@@ -381,7 +388,7 @@ def serving(args, model: str, model_dir: str, peers: dict) -> dict:
         try:
             rows.append(serve_one(system, make_server(), stream, prompts, lengths, arrivals, limit))
         except Exception as exc:
-            rows.append({"system": system, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            rows.append({"system": system, "error": peer_servers.error_text(exc)})
         r = rows[-1]
         print(f"serving {system}: " + (f"TTFT p50 {r['ttft_ms_p50']} ms, TPOT p50 {r['tpot_ms_p50']} ms, "
               f"ITL p50 {r['itl_ms_p50']} ms, {r['finished']}/{r['requests']} finished"
