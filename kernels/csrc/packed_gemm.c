@@ -441,8 +441,5 @@ int packed_gemm_set_bf16_rows(int rows) {
 
 int packed_gemm_has_bf16(void) { return HAVE_BF16; }
 
-/* Rows of x per chunk (MR): int8 steps of more rows take the block copies. */
-int packed_gemm_chunk_rows(void) { return MR; }
-
 /* Output columns per packed block (the packing's NB). */
 int packed_gemm_block_cols(void) { return NB; }

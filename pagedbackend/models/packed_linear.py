@@ -112,7 +112,6 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
         library.packed_gemm_set_bf16_rows.argtypes = [ctypes.c_int]
         library.packed_gemm_set_bf16_rows.restype = ctypes.c_int
         library.packed_gemm_has_bf16.restype = ctypes.c_int
-        library.packed_gemm_chunk_rows.restype = ctypes.c_int
         library.packed_gemm_set_bf16_rows(INT8_BF16_MIN_ROWS)
     return library
 
@@ -128,8 +127,7 @@ def int8_rounds_to_bf16(rows: int) -> bool:
     """Whether an int8 step of ``rows`` rows through the packed kernel rounds
     its inputs to bfloat16 (the path there, at least its rows, and no more than
     ``KERNEL_MAX_ROWS``)."""
-    library = load_library()
-    least = library.packed_gemm_set_bf16_rows(-1) if hasattr(library, "packed_gemm_set_bf16_rows") else 0
+    least = load_library().packed_gemm_set_bf16_rows(-1)
     return 0 < least <= rows <= KERNEL_MAX_ROWS
 
 
