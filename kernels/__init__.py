@@ -42,12 +42,16 @@ class AttentionOps(NamedTuple):
     out a step once, from host copies of its metadata, for every layer.
     ``fused``: the backend's own write-then-attend, when it has one;
     ``step``: ``(plan, kv_caches)`` -> a faster write-then-attend for every
-    layer of that step, or None (see ``sdpa_attention.decode_step``)."""
+    layer of that step, or None (see ``sdpa_attention.decode_step``).
+    ``graphs``: a decode step's launches depend only on its shapes (its
+    plan's tensors are fixed, the kernels read every length on the device),
+    so the step can be recorded once in a CUDA graph and replayed."""
     write_kv: Callable
     attention: Callable
     plan: Callable
     fused: Optional[Callable] = None
     step: Optional[Callable] = None
+    graphs: bool = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -81,7 +85,7 @@ def get_attention_ops(backend: str, device: Union[str, torch.device]) -> Attenti
         backend = "triton" if torch.device(device).type == "cuda" else "sdpa"
     if backend == "triton":
         return AttentionOps(__getattr__("write_kv"), __getattr__("paged_attention"),
-                            __getattr__("plan_paged_attention"))
+                            __getattr__("plan_paged_attention"), graphs=True)
     if backend == "sdpa":
         return AttentionOps(__getattr__("write_kv_sdpa"), __getattr__("sdpa_attention"),
                             __getattr__("plan_sdpa_attention"), __getattr__("sdpa_forward"),

@@ -54,6 +54,11 @@ class EngineConfig:
     # Triton on CUDA), warmed up at load. Runs eager, with one log line, when
     # no compiler is available or it fails here, and under tensor parallelism.
     compile: bool = True
+    # vLLM's switch: True runs every step eager, neither compiled nor replayed
+    # from CUDA graphs. Otherwise, on CUDA with the triton attention backend,
+    # decode steps of up to min(max_num_seqs, 256) sequences replay graphs
+    # captured at load (worker/cuda_graphs.py).
+    enforce_eager: bool = False
     # Weight-only quantisation of the linear layers: "none", "int8" (per output
     # channel) or "int4" (groups of 32; the default model serves its GGUF's own
     # Q4_1 blocks). The LM head is int8 in both. "w8a8": int8's weights, and

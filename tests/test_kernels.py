@@ -418,20 +418,22 @@ def test_sdpa_write_skips_negative_slots():
 # ---------------------------------------------------------------- dispatch
 
 def test_torch_backend_gives_the_reference_twins():
-    expected = (kv_write.write_kv_ref, pa.paged_attention_ref, pa.plan_paged_attention_ref, None, None)
+    expected = (kv_write.write_kv_ref, pa.paged_attention_ref, pa.plan_paged_attention_ref, None, None,
+                False)
     assert kernels.get_attention_ops("torch", "cpu") == expected
     assert kernels.get_attention_ops("torch", "cuda") == expected
 
 
 def test_sdpa_backend_and_auto_on_cpu_give_the_cpu_serving_path():
     expected = (sa.write_kv_sdpa, sa.sdpa_attention, sa.plan_sdpa_attention, sa.sdpa_forward,
-                sa.decode_step)
+                sa.decode_step, False)
     assert kernels.get_attention_ops("sdpa", "cpu") == expected
     assert kernels.get_attention_ops("auto", torch.device("cpu")) == expected
 
 
 def test_triton_backend_and_auto_on_cuda_give_the_kernels():
-    expected = (kv_write.write_kv, pa.paged_attention, pa.plan_paged_attention, None, None)
+    # Only these kernels read every length on the device: a decode step can be recorded.
+    expected = (kv_write.write_kv, pa.paged_attention, pa.plan_paged_attention, None, None, True)
     assert kernels.get_attention_ops("triton", "cpu") == expected
     assert kernels.get_attention_ops("auto", "cuda:0") == expected
 

@@ -10,7 +10,9 @@ right there, how fast is decode attention, and what does the engine do.
    (padded, ``enable_gqa``) and against the memory-bandwidth limit (the K/V
    bytes read divided by the bandwidth of a large device-to-device copy).
 3. Offline: the seeded 32-request Alpaca-like token-id workload through
-   ``LLM.generate`` (greedy, EOS ignored, all at once) per dtype.
+   ``LLM.generate`` (greedy, EOS ignored, all at once) per dtype, with
+   decode steps replayed from CUDA graphs, and once more for the first dtype
+   with the graphs dropped: the same tokens, and what the graphs save.
 
 Without CUDA it exits at once with a message; nothing is measured on a CPU.
 """
@@ -157,14 +159,23 @@ def time_decode(bandwidth: float, dtype=torch.bfloat16) -> List[dict]:
 
 
 def offline(dtypes: List[str], requests: int, seed: int, compile_step: bool) -> List[dict]:
+    """The offline workload per dtype with decode steps replayed from CUDA
+    graphs (the default), then the first dtype again with the graphs
+    dropped after load (the same compiled step, launched op by op): same
+    tokens, and the graphs' speed-up."""
     from pagedbackend import LLM, SamplingParams
     trace = workloads.alpaca_like(requests, seed)
     lengths = [r.output_len for r in trace]
     rows, reference = [], None
-    for dtype in dtypes:
+    runs = [(dtype, True) for dtype in dtypes] + [(dtypes[0], False)]
+    for dtype, graphs in runs:
         started = time.perf_counter()
         llm = LLM(model="default", device="cuda", dtype=dtype, max_num_seqs=256, compile=compile_step)
         init_s = time.perf_counter() - started
+        runner = llm.engine.runner
+        captured = runner.graphs.sizes if runner.graphs is not None else []
+        if not graphs:
+            runner.graphs = None
         prompts = workloads.make_prompt_token_ids(trace, llm.engine.vocab_size, seed)
         llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
@@ -174,12 +185,15 @@ def offline(dtypes: List[str], requests: int, seed: int, compile_step: bool) -> 
         seconds = time.perf_counter() - start
         tokens = [o.outputs[0].token_ids for o in outs]
         reference = reference or tokens
-        rows.append({"dtype": dtype, "init_s": round(init_s, 1), "seconds": round(seconds, 3),
+        replays = sum(runner.graphs.replays.values()) if runner.graphs is not None else 0
+        rows.append({"dtype": dtype, "cuda_graphs": graphs, "captured_sizes": len(captured),
+                     "graph_replays": replays, "init_s": round(init_s, 1), "seconds": round(seconds, 3),
                      "output_tokens_per_s": sum(lengths) / seconds,
                      "same_tokens_as_first_dtype": sum(a == b for a, b in zip(tokens, reference)) / requests})
-        print(f"offline {dtype}: {rows[-1]['output_tokens_per_s']:.0f} tokens/s "
+        print(f"offline {dtype} ({'CUDA graphs' if graphs else 'no graphs'}, {len(captured)} sizes "
+              f"captured, {replays} replays): {rows[-1]['output_tokens_per_s']:.0f} tokens/s "
               f"(init {init_s:.0f} s)", flush=True)
-        del llm
+        del llm, runner
         torch.cuda.empty_cache()
     return rows
 

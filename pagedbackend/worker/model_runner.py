@@ -25,6 +25,7 @@ from pagedbackend.models.linear import Reduce
 from pagedbackend.models.quant import INT8_KERNEL_MAX_ROWS, quantize_model
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
 from pagedbackend.worker.compiled import CompiledStep, compile_failure, compile_unavailable
+from pagedbackend.worker.cuda_graphs import DecodeGraphs, decode_graphs_for
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -71,8 +72,10 @@ class ModelRunner:
             quantize_model(self.model, config, self.device)
         self.model.eval()
         self.compiled: Optional[CompiledStep] = None
+        self.graphs: Optional[DecodeGraphs] = None
         if tp_size == 1:   # a tensor-parallel step needs every rank: no lone warm-up
             self._compile_and_warm_up()
+            self.graphs = decode_graphs_for(self)
 
     def _smooth(self) -> None:
         """Before w8a8: measure each projection's input channels on a float32
@@ -112,7 +115,7 @@ class ModelRunner:
     def _compile_and_warm_up(self) -> None:
         """Compile the step when the config asks and this machine can (otherwise
         say once why it runs eager), then warm it up."""
-        if self.config.compile:
+        if self.config.compile and not self.config.enforce_eager:
             reason = compile_unavailable(self.device)
             if reason is None:
                 self.compiled = CompiledStep(self.model, self.device)
@@ -171,8 +174,14 @@ class ModelRunner:
 
     def execute_model(self, entries: Sequence[SeqEntry]) -> torch.Tensor:
         """Run one step; float32 logits ``[entries needing logits, vocab]`` of
-        each such entry's last token, in entry order."""
-        return self.execute_batch(self.prepare(entries))
+        each such entry's last token, in entry order. A decode step replays
+        its CUDA graph when there is one (``cuda_graphs``)."""
+        batch = build_step_batch(entries, self.block_size, self.max_model_len, self.vocab_size,
+                                 self.num_kv_blocks)
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
+        self.plan(batch)
+        return self.execute_batch(batch)
 
     def execute_batch(self, batch: StepBatch, compute_logits: bool = True) -> Optional[torch.Tensor]:
         """The forward pass of a prepared batch (host or device tensors); with
