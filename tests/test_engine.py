@@ -297,6 +297,51 @@ def test_a_request_that_cannot_fit_is_rejected_while_others_finish(tiny_model_di
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+def test_online_engine_is_built_in_the_thread_that_steps_it(tiny_model_dir, monkeypatch):
+    """Loading and stepping in one thread keeps one OpenMP team (see
+    ``async_engine``'s docstring). A subclass records where the real engine's
+    constructor and steps ran."""
+    import threading
+
+    from pagedbackend.engine import async_engine
+    where = {"init": set(), "step": set()}
+
+    class Recorded(LLMEngine):
+        def __init__(self, *args, **kwargs):
+            where["init"].add(threading.get_ident())
+            super().__init__(*args, **kwargs)
+
+        def step(self):
+            where["step"].add(threading.get_ident())
+            return super().step()
+
+    monkeypatch.setattr(async_engine, "LLMEngine", Recorded)
+    engine = async_engine.AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False,
+                                                      num_kv_blocks=64))
+    try:
+        assert len(list(engine.add_request("t", "Tell me", GREEDY))) > 1
+        assert where["init"] == where["step"] == {engine._thread.ident}
+        assert engine._thread.ident != threading.get_ident()
+    finally:
+        engine.shutdown()
+
+
+def test_online_engine_that_cannot_load_raises_in_the_caller(tmp_path):
+    from pagedbackend import AsyncLLMEngine
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    before = threading_count()
+    with pytest.raises(Exception) as raised:
+        AsyncLLMEngine(EngineConfig(model=str(tmp_path), compile=False, num_kv_blocks=8))
+    with pytest.raises(type(raised.value)):   # the same error as the offline engine's
+        LLMEngine(EngineConfig(model=str(tmp_path), compile=False, num_kv_blocks=8))
+    assert threading_count() == before   # no engine thread left behind
+
+
+def threading_count() -> int:
+    import threading
+    return sum(t.name == "pagedbackend-engine" for t in threading.enumerate())
+
+
 def test_online_engine_streams_deltas_that_add_up_to_the_offline_text(tiny_model_dir):
     import asyncio
 

@@ -1,5 +1,14 @@
 """The online engine: the step loop runs in a background thread; requests come
 in from any thread and their output deltas stream back through ``RequestStream``.
+
+The engine is built in the thread that steps it. With OpenMP (torch's CPU
+kernels), each thread that runs a parallel region gets a team of threads of
+its own, kept until that thread ends: an engine loaded and warmed up in one
+thread and stepped in another leaves two teams, more threads than cores, and
+libgomp then makes the working team's threads sleep between parallel regions
+instead of spinning. Each of the hundreds of regions of a step pays for a
+wake-up: on 2 cores a one-sequence decode step took 14-18 ms that way against
+9-12 ms built and stepped in one thread (BENCHMARKS.md section 21).
 """
 import asyncio
 import logging
@@ -80,10 +89,11 @@ class AsyncLLMEngine:
 
     def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None,
                  on_failure: Optional[Callable[[BaseException], None]] = None):
+        """Without ``engine``, builds an ``LLMEngine(config)`` in the engine
+        thread (see the module docstring) and returns once it is loaded; an
+        error while building is raised here."""
         self.config = config
-        self.engine = engine or LLMEngine(config)
         self.on_failure = on_failure
-        self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()
         self._new: List[Tuple[SequenceGroup, RequestStream]] = []
         self._aborts: List[str] = []
@@ -91,9 +101,29 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._stopping = False
         self.error: Optional[BaseException] = None
-        self._stats = self.engine.get_stats()
-        self._thread = threading.Thread(target=self._run, name="pagedbackend-engine", daemon=True)
+        self.engine: Optional[LLMEngine] = engine
+        built = threading.Event()
+        failure: List[BaseException] = []
+
+        def build_and_run() -> None:
+            try:
+                if self.engine is None:
+                    self.engine = LLMEngine(config)
+                self.tokenizer = self.engine.tokenizer
+                self._stats = self.engine.get_stats()
+            except BaseException as exc:   # raised again in the constructing thread
+                failure.append(exc)
+                return
+            finally:
+                built.set()
+            self._run()
+
+        self._thread = threading.Thread(target=build_and_run, name="pagedbackend-engine", daemon=True)
         self._thread.start()
+        built.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
 
     # ------------------------------------------------------------ API
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
