@@ -61,9 +61,10 @@ def use_compile_cache() -> str:
 
 
 def compile_failure(exc: BaseException) -> str:
-    """One line naming why a compile failed: the innermost cause's type and
-    its message's first non-empty line (inductor wraps the real error in a
-    BackendCompilerFailed whose first line says only which backend raised)."""
+    """One line naming why a compile (or a CUDA graph capture) failed: the
+    innermost cause's type and its message's first non-empty line (inductor
+    wraps the real error in a BackendCompilerFailed whose first line says only
+    which backend raised)."""
     for _ in range(8):
         inner = getattr(exc, "inner_exception", None) or exc.__cause__
         if not isinstance(inner, BaseException) or inner is exc:

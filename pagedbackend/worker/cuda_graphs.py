@@ -37,6 +37,7 @@ import torch
 
 from pagedbackend.models.attention import AttentionMetadata, step_context
 from pagedbackend.worker.batch import StepBatch
+from pagedbackend.worker.compiled import compile_failure
 
 logger = logging.getLogger("pagedbackend")
 
@@ -80,7 +81,7 @@ class DecodeGraphs:
     def __init__(self, runner, sizes: List[int], capture: bool = True):
         if not sizes or min(sizes) < 1:
             raise ValueError(f"capture sizes must be positive, got {sizes}")
-        if not getattr(runner.attention_ops, "graphs", False):
+        if not runner.attention_ops.graphs:
             raise ValueError("the attention backend plans each step on the host; only the "
                              "triton backend's kernels can be replayed from a graph")
         self.runner = runner
@@ -118,9 +119,7 @@ class DecodeGraphs:
             host_cu, torch.ones(size, dtype=torch.int32), block_tables=meta.block_tables,
             slot_mapping=meta.slot_mapping, block_size=runner.block_size,
             num_heads=runner.num_heads, num_kv_heads=runner.model.num_kv_heads, device=runner.device)
-        forward, logits_of = runner.model.forward, runner.model.compute_logits
-        if runner.compiled is not None:
-            forward, logits_of = runner.compiled.forward, runner.compiled.logits
+        forward, logits_of = runner.step_functions()
         ids, positions, out = b.input_ids[:size], b.positions[:size], b.logits[:size]
 
         def step() -> None:
@@ -176,15 +175,15 @@ def decode_graphs_for(runner) -> Optional[DecodeGraphs]:
     config = runner.config
     if runner.device.type != "cuda" or config.enforce_eager:
         return None
-    if not getattr(runner.attention_ops, "graphs", False):
+    if not runner.attention_ops.graphs:
         logger.info("pagedbackend: decode steps run without CUDA graphs: attention_backend=%s "
                     "plans each step on the host", config.attention_backend)
         return None
     try:
         return DecodeGraphs(runner, capture_sizes(config.max_num_seqs))
     except Exception as exc:   # an op that syncs with the host, or a driver without graphs
-        logger.warning("pagedbackend: decode steps run without CUDA graphs: capture failed "
-                       "(%s: %s)", type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
+        logger.warning("pagedbackend: decode steps run without CUDA graphs: capture failed (%s)",
+                       compile_failure(exc))
         logger.debug("pagedbackend: CUDA graph capture failed", exc_info=True)
         torch.cuda.synchronize()
         return None

@@ -176,12 +176,10 @@ class ModelRunner:
         """Run one step; float32 logits ``[entries needing logits, vocab]`` of
         each such entry's last token, in entry order. A decode step replays
         its CUDA graph when there is one (``cuda_graphs``)."""
-        batch = build_step_batch(entries, self.block_size, self.max_model_len, self.vocab_size,
-                                 self.num_kv_blocks)
+        batch = self._flat_batch(entries)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
-        self.plan(batch)
-        return self.execute_batch(batch)
+        return self.execute_batch(batch)   # plans the batch
 
     def execute_batch(self, batch: StepBatch, compute_logits: bool = True) -> Optional[torch.Tensor]:
         """The forward pass of a prepared batch (host or device tensors); with
@@ -189,9 +187,7 @@ class ModelRunner:
         if batch.meta.plan is None:   # a worker rank's batch arrives without one
             self.plan(batch)
         batch = batch.to(self.device)
-        forward, logits_of = self.model.forward, self.model.compute_logits
-        if self.compiled is not None:
-            forward, logits_of = self.compiled.forward, self.compiled.logits
+        forward, logits_of = self.step_functions()
         with torch.inference_mode(), step_context(self.kv_caches, batch.meta, self.attention_ops):
             hidden = forward(batch.input_ids, batch.positions)
             if not compute_logits:
@@ -201,13 +197,23 @@ class ModelRunner:
             logits = logits_of(hidden[batch.logits_rows])
         return logits.float()
 
+    def step_functions(self):
+        """``(forward, logits)`` of the model: the compiled ones when there are."""
+        if self.compiled is not None:
+            return self.compiled.forward, self.compiled.logits
+        return self.model.forward, self.model.compute_logits
+
     def prepare(self, entries: Sequence[SeqEntry]) -> StepBatch:
         """Check the entries and build the flat batch, with the step's
         attention plan, as host tensors."""
-        batch = build_step_batch(entries, self.block_size, self.max_model_len, self.vocab_size,
-                                 self.num_kv_blocks)
+        batch = self._flat_batch(entries)
         self.plan(batch)
         return batch
+
+    def _flat_batch(self, entries: Sequence[SeqEntry]) -> StepBatch:
+        """The checked flat batch of ``entries`` as host tensors, not yet planned."""
+        return build_step_batch(entries, self.block_size, self.max_model_len, self.vocab_size,
+                                self.num_kv_blocks)
 
     def plan(self, batch: StepBatch) -> None:
         """Lay out the step for the attention kernels, once for every layer."""
