@@ -16,6 +16,7 @@ BENCHMARKS = {
     "overhead": "scheduler time per step outside the model forward",
     "broadcast": "tensor parallelism: per-step cost of the step message on two CPU ranks",
     "openai_api": "time to first token added by the OpenAI-compatible API over direct gRPC",
+    "contention": "serving tok/s, TTFT and TPOT idle and beside 1 and 2 busy processes, ours and vLLM's",
     "peers": "offline tokens/s and serving TTFT/TPOT/ITL beside vLLM's CPU build and llama.cpp",
     "gpu": "on a CUDA machine: Triton-lang kernel checks, decode attention timing, offline run",
     "quant_kernels": "weight-only int8 / int4 and bf16 matmuls vs fp32 on SmolLM2's linear shapes",
@@ -30,6 +31,7 @@ QUICK_ARGS = {
     "prefix": ["--model", "tiny", "--requests", "4"],
     "overhead": ["--seqs", "32", "--steps", "5"],
     "peers": ["--quick", "--model", "tiny"],
+    "contention": ["--quick", "--model", "tiny"],
 }
 
 

@@ -25,6 +25,7 @@ from pagedbackend.models.linear import Reduce
 from pagedbackend.models.quant import INT8_KERNEL_MAX_ROWS, quantize_model
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
 from pagedbackend.worker.compiled import CompiledStep, compile_failure, compile_unavailable
+from pagedbackend.worker.cpu_wait import governor_for
 from pagedbackend.worker.cuda_graphs import DecodeGraphs, decode_graphs_for
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -76,6 +77,8 @@ class ModelRunner:
         if tp_size == 1:   # a tensor-parallel step needs every rank: no lone warm-up
             self._compile_and_warm_up()
             self.graphs = decode_graphs_for(self)
+        # How OpenMP threads wait between regions, by whether the cores are ours (cpu_wait).
+        self.wait_governor = governor_for(self.device.type, torch.get_num_threads())
 
     def _smooth(self) -> None:
         """Before w8a8: measure each projection's input channels on a float32
@@ -176,6 +179,8 @@ class ModelRunner:
         """Run one step; float32 logits ``[entries needing logits, vocab]`` of
         each such entry's last token, in entry order. A decode step replays
         its CUDA graph when there is one (``cuda_graphs``)."""
+        if self.wait_governor is not None:
+            self.wait_governor.poll()
         batch = self._flat_batch(entries)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
