@@ -144,6 +144,37 @@ def test_compiled_steps_of_two_models_in_one_process_each_run_their_own_graphs(t
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(NO_COMPILER is not None, reason=f"torch.compile cannot run here: {NO_COMPILER}")
+def test_background_compile_serves_eager_at_once_then_hands_over_without_touching_the_cache(tiny_reference,
+                                                                                         caplog, monkeypatch):
+    """Ready with eager steps at once; the compile and its warm-up run beside
+    them (on a scratch cache: no KV block a sequence may hold is written), and
+    the compiled step takes over with the same greedy tokens. The compile is
+    held until the test has filled the cache (a warm inductor cache compiles
+    the tiny model in a second or two)."""
+    folder, prompts, expected = tiny_reference["untied"]
+    gate, compile_in_background = threading.Event(), ModelRunner._compile_in_background
+
+    def held(self):
+        gate.wait(120)
+        compile_in_background(self)
+    monkeypatch.setattr(ModelRunner, "_compile_in_background", held)
+    with caplog.at_level("INFO", logger="pagedbackend"):
+        runner = ModelRunner(EngineConfig(model=str(folder), block_size=16, num_kv_blocks=96, dtype="float32",
+                                          device="cpu", attention_backend="sdpa", compile=True),
+                             compile_in_background=True)
+        assert runner.compiled is None and runner.compile_thread.is_alive()
+        eager_tokens = greedy_paged(runner, prompts[:1])   # served before any compiled step exists
+        runner.kv_cache.fill_(7.0)   # every block, slot 0 of block 0 included
+        gate.set()
+        assert runner.wait_for_compile(timeout=600)
+    assert eager_tokens == expected[:1]
+    assert bool((runner.kv_cache == 7.0).all()), "the background warm-up wrote the served KV cache"
+    assert runner.compiled is not None and runner.step_functions()[0] is runner.compiled.forward
+    assert greedy_paged(runner, prompts) == expected
+    assert any("compiled model step serves from now on" in r.getMessage() for r in caplog.records)
+
+
 def test_without_a_compiler_the_step_runs_eager_and_says_so_once(tiny_reference, monkeypatch, caplog):
     from pagedbackend.worker import model_runner
     folder, prompts, expected = tiny_reference["tied"]

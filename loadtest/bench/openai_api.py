@@ -182,7 +182,7 @@ def main(argv=None):
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     with tempfile.TemporaryDirectory(prefix="bench-openai-") as tmp:
         repo = make_model_repository(tmp, settings)
-        with TritonServer(repo, env=env, ready_timeout_s=300) as triton, \
+        with TritonServer(repo, env=env, ready_timeout_s=600, wait_for_compiled_step=True) as triton, \
                 OpenAIServer(triton.grpc_url, tokenizer=model) as api:
             cpu_before = cpu_seconds(api.process.pid)
             records = asyncio.run(measure(triton.grpc_url, api.url, prompts, chat_prompts, args.max_tokens))

@@ -87,6 +87,9 @@ class Server:
         self.process: Optional[subprocess.Popen] = None
         self.ready_s: Optional[float] = None
         self.engine_counters: Optional[Callable[[], Dict[str, float]]] = None  # ours only
+        # Run once ready, before any timed request (ours: until the compiled step serves).
+        self.settle: Optional[Callable[[], None]] = None
+        self.settle_s: Optional[float] = None
 
     def __enter__(self) -> "Server":
         self.start()
@@ -107,6 +110,9 @@ class Server:
                 with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as reply:
                     if reply.status == 200:
                         self.ready_s = time.perf_counter() - started
+                        if self.settle is not None:
+                            self.settle()
+                            self.settle_s = time.perf_counter() - started
                         return
             except OSError:
                 pass
@@ -141,7 +147,32 @@ def ours(model: str, port: int, threads: int, settings: Dict[str, object], repo_
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     server = Server("ours", command, port, "/v2/health/ready", env)
     server.engine_counters = lambda: engine_counters(f"http://{HOST}:{metrics_port}/metrics")
+    if str(settings.get("compile", True)).lower() not in ("false", "0"):
+        server.settle = lambda: wait_for_gauge(f"http://{HOST}:{metrics_port}/metrics",
+                                               "pagedbackend:model_step_compiled", 1.0)
     return server
+
+
+def gauge_value(url: str, name: str) -> Optional[float]:
+    """One gauge from a Prometheus text page (the first series), or None."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[-1])
+    return None
+
+
+def wait_for_gauge(url: str, name: str, value: float, timeout_s: float = 900.0) -> None:
+    """Until the gauge reads ``value`` (our server compiles its step after it is ready)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if gauge_value(url, name) == value:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{name} did not reach {value} within {timeout_s:.0f} s")
 
 
 ENGINE_COUNTERS = ("engine_steps_total", "engine_step_seconds_total", "engine_forward_seconds_total",

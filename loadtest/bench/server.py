@@ -74,6 +74,7 @@ def run_in_process(settings: dict, prompts, lengths, arrival_sets) -> list:
     from pagedbackend import AsyncLLMEngine, SamplingParams
     from pagedbackend.config import EngineConfig
     engine = AsyncLLMEngine(EngineConfig(**settings))
+    engine.wait_for_compile()   # the compiled step, as in the server
     out = []
     try:
         for _ in engine.add_request("warm-up", prompts[0], SamplingParams(**sampling(4))):
@@ -105,7 +106,8 @@ def run_server(settings: dict, prompts, lengths, arrival_sets, threads: int) -> 
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
         repo = make_model_repository(tmp, settings)
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
-        with TritonServer(repo, env=env, ready_timeout_s=300) as server:
+        with TritonServer(repo, env=env, ready_timeout_s=600,
+                          wait_for_compiled_step=settings.get("compile", True)) as server:
             generate(prompts[0], sampling(4), url=server.grpc_url, timeout=120)   # warm-up
             for arrivals in arrival_sets:
                 async def go(arrivals=arrivals):

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..config import EngineConfig
@@ -23,6 +24,7 @@ from ..sampling_params import InvalidRequestError, SamplingParams
 from ..core.sequence import SequenceGroup
 
 _END = object()
+IDLE_STATS_S = 0.5   # how often an idle engine refreshes its statistics
 logger = logging.getLogger("pagedbackend")
 
 
@@ -90,8 +92,9 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None,
                  on_failure: Optional[Callable[[BaseException], None]] = None):
         """Without ``engine``, builds an ``LLMEngine(config)`` in the engine
-        thread (see the module docstring) and returns once it is loaded; an
-        error while building is raised here."""
+        thread (see the module docstring) and returns once it is loaded and
+        serves eager steps (a compiled step, when asked for, is built in the
+        background and takes over when warm); an error while building is raised here."""
         self.config = config
         self.on_failure = on_failure
         self._lock = threading.Lock()
@@ -107,8 +110,8 @@ class AsyncLLMEngine:
 
         def build_and_run() -> None:
             try:
-                if self.engine is None:
-                    self.engine = LLMEngine(config)
+                if self.engine is None:   # ready at once; the compiled step follows
+                    self.engine = LLMEngine(config, compile_in_background=True)
                 self.tokenizer = self.engine.tokenizer
                 self._stats = self.engine.get_stats()
             except BaseException as exc:   # raised again in the constructing thread
@@ -145,6 +148,12 @@ class AsyncLLMEngine:
         self._wakeup.set()
         return stream
 
+    def wait_for_compile(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the background compile of the model step (if any) to end;
+        True once the compiled step serves."""
+        wait = getattr(self.engine.runner, "wait_for_compile", None)
+        return wait(timeout) if wait is not None else False
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)
@@ -172,15 +181,17 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------ loop
     def _run(self) -> None:
         engine = self.engine
-        busy = False
+        busy, refreshed = False, time.monotonic()
         while not self._stopping:
             try:
                 self._take_requests()
                 if not engine.has_unfinished_requests():
-                    if busy:  # just went idle: nothing may be left behind
-                        busy = False
+                    went_idle, busy = busy, False
+                    if went_idle:  # nothing may be left behind
                         engine.check_idle()
-                        self._stats = engine.get_stats()
+                    if went_idle or time.monotonic() - refreshed > IDLE_STATS_S:
+                        # idle gauges move too (the compiled step taking over)
+                        self._stats, refreshed = engine.get_stats(), time.monotonic()
                     self._wakeup.wait(0.05)
                     self._wakeup.clear()
                     continue

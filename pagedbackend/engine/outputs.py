@@ -72,6 +72,8 @@ class EngineStats:
     rejected_requests: int = 0
     failed_requests: int = 0         # ended by an exception while handling them alone
     idle_leak_checks_failed: int = 0  # times the engine went idle with blocks or sequences left
+    compiled_step: bool = False      # the compiled model step serves (not eager steps)
+    cpu_contended: bool = False      # OpenMP threads sleep between regions (worker/cpu_wait.py)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

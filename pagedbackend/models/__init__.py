@@ -2,11 +2,19 @@
 
 Every supported Hugging Face ``model_type`` maps to the class that serves it.
 Mistral and Qwen2 are Llama-shaped (Qwen2 adds q/k/v biases); a sliding-window
-model is served up to its window length (see ``LlamaArgs``).
+model is served up to its window length (see ``LlamaArgs``). The classes (and
+torch with them) load on first use, so checking a model folder stays cheap.
 """
-from pagedbackend.models.llama import LlamaArgs, LlamaForCausalLM
-
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
-SUPPORTED_MODEL_TYPES = frozenset(MODEL_CLASSES)
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
 __all__ = ["LlamaArgs", "LlamaForCausalLM", "MODEL_CLASSES", "SUPPORTED_MODEL_TYPES"]
+
+
+def __getattr__(name):
+    if name in ("LlamaArgs", "LlamaForCausalLM"):
+        from pagedbackend.models import llama
+        return getattr(llama, name)
+    if name == "MODEL_CLASSES":
+        from pagedbackend.models.llama import LlamaForCausalLM
+        return dict.fromkeys(sorted(SUPPORTED_MODEL_TYPES), LlamaForCausalLM)
+    raise AttributeError(f"module 'pagedbackend.models' has no attribute {name!r}")

@@ -10,6 +10,8 @@ as (src, dst) block pairs.
 import json
 import logging
 import pathlib
+import threading
+import time
 from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -39,7 +41,10 @@ class ModelRunner:
     """Weights, KV cache (device) and swap cache (host) of one tensor-parallel rank."""
 
     def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1,
-                 reduce: Optional[Reduce] = None):
+                 reduce: Optional[Reduce] = None, compile_in_background: bool = False):
+        """``compile_in_background``: on CPU, be ready with eager steps at once
+        and compile in a thread of its own (``_compile_in_background``); steps
+        take the compiled function from the first one after it is warm."""
         self.config = config
         self.device = resolve_device(config.device)
         if config.dtype not in DTYPES:
@@ -74,8 +79,9 @@ class ModelRunner:
         self.model.eval()
         self.compiled: Optional[CompiledStep] = None
         self.graphs: Optional[DecodeGraphs] = None
+        self.compile_thread: Optional[threading.Thread] = None
         if tp_size == 1:   # a tensor-parallel step needs every rank: no lone warm-up
-            self._compile_and_warm_up()
+            self._compile_and_warm_up(compile_in_background and self.device.type == "cpu")
             self.graphs = decode_graphs_for(self)
         # How OpenMP threads wait between regions, by whether the cores are ours (cpu_wait).
         self.wait_governor = governor_for(self.device.type, torch.get_num_threads())
@@ -115,11 +121,18 @@ class ModelRunner:
                         packed_linear.native_ops_failure or "PAGEDBACKEND_NATIVE_OPS=0")
         return True
 
-    def _compile_and_warm_up(self) -> None:
+    def _compile_and_warm_up(self, background: bool = False) -> None:
         """Compile the step when the config asks and this machine can (otherwise
-        say once why it runs eager), then warm it up."""
+        say once why it runs eager), then warm it up. ``background``: warm up
+        eager steps now and compile in a thread of its own."""
         if self.config.compile and not self.config.enforce_eager:
             reason = compile_unavailable(self.device)
+            if reason is None and background:
+                self.warm_up()
+                self.compile_thread = threading.Thread(target=self._compile_in_background,
+                                                       name="pagedbackend-compile", daemon=True)
+                self.compile_thread.start()
+                return
             if reason is None:
                 self.compiled = CompiledStep(self.model, self.device)
                 try:
@@ -132,16 +145,44 @@ class ModelRunner:
             logger.warning("pagedbackend: the model step runs eager: %s", reason)
         self.warm_up()
 
-    def warm_up(self) -> None:
+    def _compile_in_background(self) -> None:
+        """Compile and warm up the step beside the eager steps that serve
+        meanwhile, then hand it over (one attribute: the next step uses it).
+        Its warm-up writes a scratch KV cache of its own, never a block that a
+        sequence may hold."""
+        started = time.perf_counter()
+        try:
+            compiled = CompiledStep(self.model, self.device)
+            scratch = [(k[:1].clone(), v[:1].clone()) for k, v in self.kv_caches]
+            self.warm_up((compiled.forward, compiled.logits), scratch)
+        except Exception as exc:   # a compiler that fails on this machine
+            logger.debug("pagedbackend: torch.compile failed", exc_info=True)
+            logger.warning("pagedbackend: the model step runs eager: torch.compile failed (%s)",
+                           compile_failure(exc))
+            return
+        self.compiled = compiled
+        logger.info("pagedbackend: the compiled model step serves from now on (compiled in %.0f s "
+                       "beside eager steps)", time.perf_counter() - started)
+
+    def wait_for_compile(self, timeout: Optional[float] = None) -> bool:
+        """Wait for a background compile to end; True when the compiled step is in use."""
+        if self.compile_thread is not None:
+            self.compile_thread.join(timeout)
+        return self.compiled is not None
+
+    def warm_up(self, step=None, kv_caches=None) -> None:
         """Run a one-token and a two-token step with their logits: every graph
         (compiled or oneDNN's) is built now, not on the first request. Writes
-        only to slot 0, which holds no sequence yet. int8 weights in torch's
-        kernel take another branch above INT8_KERNEL_MAX_ROWS rows (a graph of
-        its own): one more step with that many sequences plus one."""
+        only to slot 0 of ``kv_caches`` (default the runner's, whose slot 0
+        holds no sequence yet). ``step``: the ``(forward, logits)`` pair to warm
+        up (default ``step_functions()``). int8 weights in torch's kernel take
+        another branch above INT8_KERNEL_MAX_ROWS rows (a graph of its own):
+        one more step with that many sequences plus one."""
         torch_int8 = self.config.quantization == "int8" and self.linear_backend == "torch"
         sizes = [1, 2] + ([INT8_KERNEL_MAX_ROWS + 1] if torch_int8 else [])
         for size in sizes:
-            self.execute_batch(self.prepare([SeqEntry([0], 0, [0]) for _ in range(size)]))
+            self.execute_batch(self.prepare([SeqEntry([0], 0, [0]) for _ in range(size)]),
+                               step=step, kv_caches=kv_caches)
 
     def _allocate_kv_cache(self, args: LlamaArgs) -> None:
         if self.config.block_size <= 0:
@@ -186,14 +227,18 @@ class ModelRunner:
             return self.graphs.run(batch)
         return self.execute_batch(batch)   # plans the batch
 
-    def execute_batch(self, batch: StepBatch, compute_logits: bool = True) -> Optional[torch.Tensor]:
+    def execute_batch(self, batch: StepBatch, compute_logits: bool = True, step=None,
+                      kv_caches=None) -> Optional[torch.Tensor]:
         """The forward pass of a prepared batch (host or device tensors); with
-        ``compute_logits=False`` it only fills the KV cache (a worker rank)."""
+        ``compute_logits=False`` it only fills the KV cache (a worker rank).
+        ``step`` and ``kv_caches`` replace ``step_functions()`` and the runner's
+        cache (a warm-up)."""
         if batch.meta.plan is None:   # a worker rank's batch arrives without one
             self.plan(batch)
         batch = batch.to(self.device)
-        forward, logits_of = self.step_functions()
-        with torch.inference_mode(), step_context(self.kv_caches, batch.meta, self.attention_ops):
+        forward, logits_of = step or self.step_functions()
+        with torch.inference_mode(), step_context(kv_caches or self.kv_caches, batch.meta,
+                                                  self.attention_ops):
             hidden = forward(batch.input_ids, batch.positions)
             if not compute_logits:
                 return None
