@@ -32,7 +32,8 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # tritonserver and the OpenAI-compatible API in front of it (OPENAI_PORT); Ctrl-C
-# or SIGTERM stops both, and either one exiting stops the other.
+# or SIGTERM stops both (each gets one SIGTERM from here; repeats that reach them
+# through the process group are harmless), and either one exiting stops the other.
 serve: SHELL := /bin/bash
 serve: setup
 	@export PAGEDBACKEND_ADMIN_KEY=$${PAGEDBACKEND_ADMIN_KEY:-$$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}; \
@@ -40,8 +41,10 @@ serve: setup
 	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) & triton=$$!; \
 	$(PY) -m pagedbackend.serving.openai_server --triton-url 127.0.0.1:$(GRPC_PORT) \
 	  --port $(OPENAI_PORT) & openai=$$!; \
-	trap 'kill $$triton $$openai 2>/dev/null' INT TERM; \
-	wait -n; kill $$triton $$openai 2>/dev/null; wait $$triton; status=$$?; wait; exit $$status
+	stopped=; stop() { [ -n "$$stopped" ] && return; stopped=1; trap '' INT TERM; \
+	  kill $$triton $$openai 2>/dev/null; }; \
+	trap stop INT TERM; \
+	wait -n; stop; wait $$triton; status=$$?; wait; exit $$status
 
 # Arbitrary request payloads against the engine (10,000 examples; not part of `make test`).
 fuzz: setup

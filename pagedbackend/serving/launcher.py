@@ -60,6 +60,9 @@ SERVER_STACK_BYTES = 1 << 30
 # requests to end (the model ends its own at once; idle keep-alive clients are
 # what it waits for).
 EXIT_TIMEOUT_S = 5
+# After SIGTERM, tritonserver gets its exit timeout and this much more to exit
+# before the launcher kills it.
+DRAIN_MARGIN_S = 5
 
 
 # --------------------------------------------------------------- engine settings
@@ -99,12 +102,12 @@ def make_model_repository(dest, settings: Mapping[str, Any] = (),
 
 def triton_home() -> pathlib.Path:
     """The tritonserver tree shipped inside nvidia-pytriton."""
-    try:
-        import pytriton
-    except ImportError:
+    import importlib.util
+    spec = importlib.util.find_spec("pytriton")   # located, not imported (its client is slow to import)
+    if spec is None or spec.origin is None:
         raise FileNotFoundError("tritonserver comes from nvidia-pytriton: "
-                                "pip install nvidia-pytriton==0.7.0 (or run make setup)") from None
-    return pathlib.Path(pytriton.__file__).parent / "tritonserver"
+                                "pip install nvidia-pytriton==0.7.0 (or run make setup)")
+    return pathlib.Path(spec.origin).parent / "tritonserver"
 
 
 def find_tritonserver() -> pathlib.Path:
@@ -307,8 +310,13 @@ class TritonServer:
                  host: str = "127.0.0.1", env: Optional[Mapping[str, str]] = None,
                  log_verbose: int = 0, ready_timeout_s: float = 300.0,
                  exit_timeout_s: int = EXIT_TIMEOUT_S, log_path=None, extra_args: Sequence[str] = (),
-                 required_models: Optional[Sequence[str]] = None):
+                 required_models: Optional[Sequence[str]] = None, wait_for_compiled_step: bool = False):
+        """``wait_for_compiled_step``: ``start`` returns once every model's
+        ``pagedbackend:model_step_compiled`` gauge is 1 (a server is ready
+        with eager steps and compiles its step in the background; a benchmark
+        measures the compiled one)."""
         self.model_repository = pathlib.Path(model_repository)
+        self.wait_for_compiled_step = wait_for_compiled_step
         # Models that must load for start() to succeed; None: every one in the repository.
         self.required_models = required_models
         self.host = host
@@ -346,6 +354,8 @@ class TritonServer:
             self._launch()
             try:
                 self._wait_ready()
+                if self.wait_for_compiled_step:
+                    self._wait_compiled()
                 return
             except ServerError:
                 tail = self.log_tail()
@@ -379,6 +389,20 @@ class TritonServer:
                 return
             time.sleep(0.2)
         raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s; "
+                          f"log tail:\n{self.log_tail()}")
+
+    def _wait_compiled(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        name = "pagedbackend:model_step_compiled{"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with status {self.process.returncode}; "
+                                  f"log tail:\n{self.log_tail()}")
+            values = [line.rsplit(" ", 1)[-1] for line in self.metrics().splitlines() if line.startswith(name)]
+            if values and all(float(v) == 1.0 for v in values) or "the model step runs eager" in self.log_tail():
+                return
+            time.sleep(0.5)
+        raise ServerError(f"the compiled model step did not take over within {self.ready_timeout_s:.0f} s; "
                           f"log tail:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 60) -> str:
@@ -471,11 +495,22 @@ def main(argv=None) -> int:
                              admin_key=args.admin_key)
     process = start_server_process(command, server_env(overrides=overrides))
     stop_requested = []   # monotonic times of SIGTERM / SIGINT
+    drain_s = args.exit_timeout + DRAIN_MARGIN_S
 
     def stop(signum, _frame):
-        """First signal: SIGTERM to the server's group (the model drains); a second: SIGKILL."""
-        stop_requested.append(time.monotonic())
-        _signal_group(process.pid, signal.SIGTERM if len(stop_requested) == 1 else signal.SIGKILL)
+        """The first signal: SIGTERM to the server's group (the model drains).
+        Repeats while the drain has its time change nothing (one Ctrl-C or
+        ``kill`` of ``make serve`` reaches us through the process group and
+        through make's trap both); one after that kills the group."""
+        now = time.monotonic()
+        stop_requested.append(now)
+        if len(stop_requested) == 1:
+            _signal_group(process.pid, signal.SIGTERM)
+        elif now - stop_requested[0] >= drain_s:
+            _signal_group(process.pid, signal.SIGKILL)
+        elif len(stop_requested) == 2:
+            print(f"stopping: tritonserver is draining (up to {drain_s:.0f} s); "
+                  "a signal after that kills it", file=sys.stderr, flush=True)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop)
 
@@ -496,7 +531,7 @@ def main(argv=None) -> int:
         print(f"ready: HTTP {http_url}  gRPC {args.host}:{args.grpc_port}  "
               f"metrics http://{args.host}:{args.metrics_port}/metrics", flush=True)
     while process.poll() is None:
-        if stop_requested and time.monotonic() - stop_requested[0] > args.exit_timeout + 5:
+        if stop_requested and time.monotonic() - stop_requested[0] > drain_s:
             # tritonserver 2.51 cannot unload a model, nor exit, while a client
             # keeps a gRPC stream open (docs/robustness.md); every request has
             # had its final response by now.
@@ -508,6 +543,8 @@ def main(argv=None) -> int:
     status = process.returncode
     if status < 0:
         print(f"tritonserver was killed by {signal.Signals(-status).name}", file=sys.stderr)
+    else:
+        print(f"stopped: tritonserver exited with status {status}", file=sys.stderr, flush=True)
     return 128 - status if status < 0 else status
 
 

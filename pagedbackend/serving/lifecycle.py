@@ -16,6 +16,14 @@ sends SIGTERM to the server's whole process group, and the model drains on it:
 refuse new requests, end every open stream with a final response, stop the
 engine. Then Triton finds nothing in flight, unloads the model and exits 0.
 
+``watch_listener(callback)``: SIGTERM to tritonserver alone (not to its
+process group) never reaches the stub, and tritonserver then waits for the
+open streams until its exit timeout and tears itself down under them. It
+stops answering HTTP at once, though (``/v2/health/ready`` gets an empty
+reply), so a thread of ours that has seen it ready and then finds it not
+answering drains the model just as the group's SIGTERM does (a probe every
+0.25 s, two misses in a row).
+
 ``use_utf8_locale()``: the stub's embedded interpreter starts in the C locale
 whatever ``LANG`` says, so text files and subprocess output decode as ASCII
 there; inductor then fails on the first non-ASCII byte it reads and the step
@@ -23,12 +31,15 @@ ran eager in every server started with a cold inductor cache (BENCHMARKS.md
 section 15).
 """
 import locale
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
-from typing import Callable, Optional
+import time
+from typing import Callable, Optional, Tuple
 
 _WATCHER = r"""
 import ctypes, os, select, signal, sys
@@ -112,5 +123,85 @@ def on_sigterm(callback: Callable[[], None]) -> Optional[threading.Thread]:
                 break
         callback()
     thread = threading.Thread(target=wait, name="sigterm-drain", daemon=True)
+    thread.start()
+    return thread
+
+
+def log_to_stderr() -> None:
+    """The engine's log lines (logger ``pagedbackend``, INFO and above) on this
+    process's stderr, which tritonserver's log holds: the compiled step taking
+    over, CPU contention switches, failed requests."""
+    log = logging.getLogger("pagedbackend")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
+LISTENER_POLL_S = 0.25
+
+
+def server_http_address(pid: int) -> Optional[Tuple[str, int]]:
+    """The (host, port) that tritonserver ``pid`` serves HTTP on, from its
+    command line (defaults 0.0.0.0 and 8000); None when HTTP is off."""
+    try:
+        args = [a.decode(errors="replace") for a in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")]
+    except OSError:
+        return None
+    options = {}
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name.startswith("--"):
+            options[name] = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    if options.get("--allow-http", "true").lower() in ("false", "0", "no"):
+        return None
+    host = options.get("--http-address", "0.0.0.0")
+    try:
+        port = int(options.get("--http-port", "8000"))
+    except ValueError:
+        return None
+    return ("127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host), port
+
+
+def answers_ready(address: Tuple[str, int], timeout_s: float = 2.0) -> Optional[bool]:
+    """Whether tritonserver at ``address`` answers ``/v2/health/ready`` with 200:
+    False when it refuses, drops the connection or answers otherwise (as it
+    does from the moment it is asked to stop), None when it is only slow."""
+    import http.client
+    connection = http.client.HTTPConnection(*address, timeout=timeout_s)
+    try:
+        connection.request("GET", "/v2/health/ready")
+        return connection.getresponse().status == 200
+    except socket.timeout:
+        return None
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
+def watch_listener(callback: Callable[[], None], address: Optional[Tuple[str, int]] = None,
+                   poll_s: float = LISTENER_POLL_S) -> Optional[threading.Thread]:
+    """Call ``callback`` once tritonserver's HTTP endpoint (``address``, read
+    from the parent's command line by default), having answered ready, stops
+    answering so twice in a row. None when there is no HTTP endpoint to watch."""
+    address = address or server_http_address(os.getppid())
+    if address is None:
+        return None
+
+    def watch():
+        seen, misses = False, 0
+        while True:
+            time.sleep(poll_s)
+            ready = answers_ready(address)
+            if ready:
+                seen, misses = True, 0
+            elif seen and ready is False:
+                misses += 1
+                if misses >= 2:
+                    callback()
+                    return
+    thread = threading.Thread(target=watch, name="listener-watch", daemon=True)
     thread.start()
     return thread

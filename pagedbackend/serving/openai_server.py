@@ -12,6 +12,7 @@ once. Request schemas, errors and logprobs mapping: ``openai_protocol``.
 import argparse
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from pagedbackend.serving.openai_triton import ClientGone, Generation, Triton, U
 DEFAULT_MODEL_NAME = "paged_llm"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 SSE_DONE = b"data: [DONE]\n\n"
+logger = logging.getLogger("pagedbackend.openai")
 
 
 def sse(payload) -> bytes:
@@ -75,10 +77,13 @@ class Run:
         self.n = n
         self.choices = [Choice(p * n + i) for p in range(num_prompts) for i in range(n)]
         self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens: List[Optional[int]] = [None] * num_prompts
 
     def count_prompt(self, prompt: int, update: Update) -> None:
         if update.num_input_tokens is not None:
             self.prompt_tokens[prompt] = update.num_input_tokens
+        if update.num_cached_tokens is not None:
+            self.cached_tokens[prompt] = update.num_cached_tokens
 
     def fold(self, prompt: int, update: Update):
         """Per output of ``update``, folded in turn: (choice, new text, new
@@ -90,7 +95,10 @@ class Run:
 
     def usage(self) -> dict:
         prompt, completion = sum(self.prompt_tokens), sum(c.num_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if any(c is not None for c in self.cached_tokens):   # prefix-cache hits, as OpenAI reports them
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(c or 0 for c in self.cached_tokens)}
+        return usage
 
 
 class _Answer:
@@ -229,6 +237,39 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
 
+class CatchAll:
+    """ASGI middleware: an exception that no handler answered becomes a 500
+    OpenAI error object (or, once a streamed answer has begun, the end of its
+    body) instead of Starlette's re-raise, which makes uvicorn drop the
+    keep-alive connection under the client's next request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = {"started": False, "ended": False}
+
+        async def tracked(message):
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["ended"] = True
+            await send(message)
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            logger.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            if state["ended"]:
+                return
+            if state["started"]:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            error = OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}")
+            await JSONResponse(error.body(), status_code=500)(scope, receive, send)
+
+
 class EventStream(Response):
     """A ``text/event-stream`` response sent straight from an async iterator of
     bytes. Unlike StreamingResponse it starts no task of its own to listen for
@@ -259,19 +300,41 @@ async def _prepend(first, rest: AsyncIterator):
         yield item
 
 
+SHUTTING_DOWN = "the server is shutting down"
+
+
+class OpenGenerations:
+    """Every Generation still running, so that a stopping server ends each one
+    with an explicit error (an SSE error event, or a 503) rather than cutting it."""
+
+    def __init__(self):
+        self.running: set = set()
+        self.closing: Optional[str] = None
+
+    def end_all(self, reason: str = SHUTTING_DOWN) -> None:
+        self.closing = reason
+        for generation in list(self.running):
+            generation.cancel(reason)
+
+
 async def answer(request: Request, triton: Triton, model: str, prompts: List[str], params: dict,
-                 logprobs: bool, shape: _Answer, stream: bool) -> Response:
+                 logprobs: bool, shape: _Answer, stream: bool, open_generations: OpenGenerations) -> Response:
     """Run the prompts on Triton and answer as ``shape`` says.
 
     The first update is awaited before answering, so that a request the model
     refuses gets an HTTP error status even when streaming. The client hanging
     up, at any point, cancels the Triton requests still running."""
-    generation = Generation([triton.stream(model, p, params, logprobs) for p in prompts])
+    if open_generations.closing:
+        raise OpenAIError(503, open_generations.closing)
+    cached = "num_cached_tokens" in {o["name"] for o in (await triton.config(model)).get("output", [])}
+    generation = Generation([triton.stream(model, p, params, logprobs, cached) for p in prompts])
+    open_generations.running.add(generation)
     watcher = asyncio.ensure_future(_watch_disconnect(request.receive, generation.cancel))
     updates = generation.updates()
     run = Run(len(prompts), shape.req.n)
 
     def stop():
+        open_generations.running.discard(generation)
         generation.cancel()
         watcher.cancel()
     try:
@@ -342,6 +405,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     triton = Triton(settings.triton_url, settings.admin_key)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer)
     started = int(time.time())
+    open_generations = OpenGenerations()
 
     async def lifespan(_app):
         await triton.open()
@@ -350,6 +414,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
 
     app = FastAPI(title="pagedbackend OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(CatchAll)   # outermost of ours: it also sees BodySizeLimit's errors
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request, exc: OpenAIError):
@@ -359,10 +424,6 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     async def http_error(_request, exc: StarletteHTTPException):
         return JSONResponse(OpenAIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def unexpected(_request, exc: Exception):
-        error = OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}")
-        return JSONResponse(error.body(), status_code=500)
 
     async def model_for(name: Optional[str], logprobs: bool) -> str:
         name = name or settings.model_name
@@ -386,6 +447,12 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": started,
                                             "owned_by": "pagedbackend"} for name in await triton.text_models([settings.model_name])]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        if model_id not in await triton.text_models([model_id]):
+            raise OpenAIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return {"id": model_id, "object": "model", "created": started, "owned_by": "pagedbackend"}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_request(CompletionRequest, await request.body())
@@ -393,7 +460,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         model = await model_for(req.model, req.logprobs is not None)
         params = sampling_parameters(req, req.max_tokens, req.logprobs)
         return await answer(request, triton, model, prompts, params, req.logprobs is not None,
-                            CompletionAnswer(req, model, prompts), req.stream)
+                            CompletionAnswer(req, model, prompts), req.stream, open_generations)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -402,10 +469,34 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         prompt = chat_prompt(tokenizer, req)
         shape = ChatAnswer(req, model)
         params = sampling_parameters(req, req.max_completion_tokens or req.max_tokens, shape.top)
-        return await answer(request, triton, model, [prompt], params, req.logprobs, shape, req.stream)
+        return await answer(request, triton, model, [prompt], params, req.logprobs, shape, req.stream,
+                            open_generations)
 
     app.state.triton = triton
+    app.state.open_generations = open_generations
     return app
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
+    """uvicorn, whose first SIGTERM or SIGINT also ends every open generation
+    at once with the error "the server is shutting down" (uvicorn alone would
+    wait for them to finish); later signals change nothing."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                loop = getattr(self, "loop", None)
+                if loop is not None:
+                    loop.call_soon_threadsafe(app.state.open_generations.end_all)
+            self.should_exit = True   # never force_exit: the streams end themselves
+
+        async def startup(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+    Server(config).run()
 
 
 # ---------------------------------------------------------------- as a process
@@ -495,7 +586,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    import uvicorn
     args = parse_args(argv)
     settings = Settings(args.triton_url, args.model_name, args.tokenizer, args.max_body_bytes,
                         args.triton_admin_key)
@@ -505,7 +595,7 @@ def main(argv=None) -> int:
         print(f"error: cannot load the tokenizer from {args.tokenizer!r}: {exc}", file=sys.stderr)
         return 1
     print(f"OpenAI API: http://{args.host}:{args.port}/v1 (Triton gRPC {args.triton_url})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    serve(app, args.host, args.port, args.log_level)
     return 0
 
 

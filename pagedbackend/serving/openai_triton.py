@@ -36,6 +36,7 @@ class Update:
     num_tokens: List[int]
     num_input_tokens: Optional[int]
     logprobs: Optional[List[Optional[list]]]
+    num_cached_tokens: Optional[int] = None   # prompt tokens found in the prefix cache
 
 
 _NUMBERS = {"UINT32": "I", "INT32": "i", "UINT64": "Q", "INT64": "q", "FP32": "f"}
@@ -66,11 +67,13 @@ def read_update(response) -> Update:
     texts = [t.decode("utf-8", "replace") for t in outputs.get("text_output", [])]
     reasons = [r.decode("utf-8", "replace") for r in outputs.get("finish_reason", [])] or [None] * len(texts)
     prompt_tokens = outputs.get("num_input_tokens")
+    cached = outputs.get("num_cached_tokens")
     logprobs = outputs.get("logprobs")
     return Update(texts, [None if r in (None, "", "None") else r for r in reasons],
                   outputs.get("num_output_tokens", [0] * len(texts)),
                   prompt_tokens[0] if prompt_tokens else None,
-                  None if logprobs is None else [parse_logprobs(e) for e in logprobs])
+                  None if logprobs is None else [parse_logprobs(e) for e in logprobs],
+                  cached[0] if cached else None)
 
 
 def _input(name: str, value) -> "aioclient.InferInput":
@@ -85,6 +88,7 @@ def _input(name: str, value) -> "aioclient.InferInput":
 FLAGS = [_input(name, True) for name in ("stream", "exclude_input_in_output", "return_finish_reason",
                                          "return_num_input_tokens", "return_num_output_tokens")]
 RETURN_LOGPROBS = _input("return_logprobs", True)
+RETURN_CACHED = _input("return_num_cached_tokens", True)
 
 
 class TritonStream:
@@ -96,17 +100,22 @@ class TritonStream:
     def __init__(self, call, model: str):
         self.call, self.model = call, model
         self.started = self.done = self.cancelled = False
+        self.cancel_reason: Optional[str] = None   # set when the server, not the client, ended it
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> Update:
         if self.done:
+            if self.cancel_reason is not None:
+                raise OpenAIError(503, self.cancel_reason)
             raise StopAsyncIteration
         try:
             result, error = await self.call.__anext__()
         except (StopAsyncIteration, asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
             self.done = True
+            if self.cancel_reason is not None:
+                raise OpenAIError(503, self.cancel_reason) from None
             if self.cancelled:
                 raise ClientGone() from None
             if isinstance(exc, StopAsyncIteration):
@@ -132,11 +141,13 @@ class TritonStream:
             self.cancel()
             raise OpenAIError(500, f"model {self.model} sent a response that cannot be read: {exc}") from None
 
-    def cancel(self) -> None:
+    def cancel(self, reason: Optional[str] = None) -> None:
         """Cancel the request unless it completed (cancelling a completed
-        request makes tritonserver 2.51 hold the model)."""
+        request makes tritonserver 2.51 hold the model). With ``reason``, its
+        reader ends with that error (503) instead of ClientGone."""
         if not self.done:
             self.done = self.cancelled = True
+            self.cancel_reason = reason
             self.call.cancel()
 
 
@@ -175,10 +186,11 @@ class Generation:
             else:
                 yield i, update
 
-    def cancel(self) -> None:
-        """Cancel every stream still running; their readers end with ClientGone."""
+    def cancel(self, reason: Optional[str] = None) -> None:
+        """Cancel every stream still running; their readers end with ClientGone,
+        or with ``reason`` as a 503 error (the server is stopping)."""
         for stream in self.streams:
-            stream.cancel()
+            stream.cancel(reason)
 
 
 class Triton:
@@ -256,10 +268,14 @@ class Triton:
                 ready.append(name)
         return ready
 
-    def stream(self, model: str, prompt: str, params: dict, logprobs: bool) -> TritonStream:
+    def stream(self, model: str, prompt: str, params: dict, logprobs: bool,
+               cached_tokens: bool = False) -> TritonStream:
+        """``cached_tokens``: ask for ``num_cached_tokens`` (a model that declares it)."""
         inputs = [_input("text_input", prompt), _input("sampling_parameters", json.dumps(params)), *FLAGS]
         if logprobs:
             inputs.append(RETURN_LOGPROBS)
+        if cached_tokens:
+            inputs.append(RETURN_CACHED)
         request = {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
 
         async def one_request():

@@ -24,7 +24,8 @@ import triton_python_backend_utils as pb_utils
 from pagedbackend.config import engine_config
 from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
 from pagedbackend.serving.health import EngineFailurePolicy
-from pagedbackend.serving.lifecycle import on_sigterm, use_utf8_locale, watch_server
+from pagedbackend.serving.lifecycle import (log_to_stderr, on_sigterm, use_utf8_locale, watch_listener,
+                                            watch_server)
 from pagedbackend.serving.metrics import Metrics, metric_settings
 from pagedbackend.serving.triton_io import (FINAL, Job, accumulate, build_response, read_flags, read_prompt,
                                             read_sampling_params, send_error)
@@ -39,6 +40,7 @@ class TritonPythonModel:
     def initialize(self, args):
         self.watcher = watch_server()  # first: this stub must never outlive tritonserver
         use_utf8_locale()              # before anything reads text (inductor's compile does)
+        log_to_stderr()
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("paged_llm needs model_transaction_policy { decoupled: true }")
@@ -57,7 +59,8 @@ class TritonPythonModel:
                         threading.Thread(target=self._run_intake, name="paged_llm-intake", daemon=True)]
         for thread in self.threads:
             thread.start()
-        on_sigterm(self._drain)
+        on_sigterm(self._drain)        # the launcher's SIGTERM to the server's process group
+        watch_listener(self._drain)    # SIGTERM to tritonserver alone: its listener closes
 
     def _run_loop(self):
         asyncio.set_event_loop(self.loop)
