@@ -236,9 +236,12 @@ def test_an_http_client_that_hangs_up_while_queued_is_dropped_at_its_first_token
     """tritonserver 2.51 pauses an HTTP request's connection until its first
     response, so a hang-up is seen only then: the request must end there."""
     import socket
-    blocker = grpc_stream("Story", {"n": 7, "temperature": 0.8, "max_tokens": 400, "ignore_eos": True},
-                          url=server.grpc_url, timeout=120)
-    next(blocker)  # 7 of the 8 sequences run, so a 2-sequence request must wait
+    # Two wide requests share the 8 sequence slots, 4 each (one request decodes at
+    # most half of them while others are present), so a 2-sequence request must wait.
+    blockers = [grpc_stream(f"Story {i}", {"n": 8, "temperature": 0.8, "max_tokens": 400, "ignore_eos": True},
+                            url=server.grpc_url, timeout=120) for i in range(2)]
+    for blocker in blockers:
+        next(blocker)
     body = json.dumps({"text_input": "Waiting", "stream": True,
                        "parameters": {"n": 2, "temperature": 0.8, "max_tokens": 200, "ignore_eos": True}}).encode()
     host, port = server.http_url[len("http://"):].split(":")
@@ -248,7 +251,8 @@ def test_an_http_client_that_hangs_up_while_queued_is_dropped_at_its_first_token
         waiting = wait_for_metric(server, "num_requests_waiting", lambda v: v == 1)
     generated_before = metric(server, "generation_tokens_total")
 
-    blocker.close()  # the queued request runs now, into a closed connection
+    for blocker in blockers:
+        blocker.close()  # the queued request runs now, into a closed connection
 
     assert waiting == 1
     assert wait_until_idle(server)

@@ -9,9 +9,23 @@ Every step rebuilds the batch under one token budget and one sequence cap:
 2. running groups still prefilling take chunks of their prompt from the budget
    that is left, so long prompts never stall decodes;
 3. swapped-out groups come back, oldest first, when nothing was preempted;
-4. waiting groups are admitted in arrival order (head-of-line: the first that
-   does not fit stops admission), only when no group is swapped out and no
-   group was preempted in this step (so a victim is not re-admitted at once).
+4. waiting groups are admitted in arrival order when nothing was preempted in
+   this step (so a victim is not re-admitted at once).
+
+Fairness, so that one request cannot hold up every newcomer:
+
+- a prompt is computed at most ``long_prefill_token_threshold`` tokens per
+  step, which bounds every step and leaves budget for newcomers;
+- while other requests are present, one request's parallel samples decode at
+  most half of ``max_num_seqs`` per step (the least advanced first; beams,
+  which advance together, are exempt); it is admitted on those slots too;
+- the oldest group that cannot be admitted or swapped back in (the blocker)
+  does not stop younger groups that fit now, as long as the eventual needs
+  (prompt plus ``max_tokens`` for every candidate) of every running group
+  younger than the blocker, of the newcomer and of the blocker itself fit the
+  pool and the sequence cap together. Older running groups finish and free
+  their blocks, and younger ones can never hold what the blocker needs: it is
+  admitted after the older ones are done, never starved.
 
 A preempted group is either swapped to the host pool or, in recompute mode
 (or when host space is short), stripped of its blocks and sent back to the
@@ -124,6 +138,20 @@ class Scheduler:
         paged = _cdiv(prompt_len, bs) + width * (_cdiv(max_tokens, bs) + 1)
         return max(paged, _cdiv(self.reserve_tokens(prompt_len + max_tokens), bs))
 
+    def max_tokens_that_fit(self, prompt_len: int, width: int, limit: int) -> int:
+        """The most tokens (at most ``limit``) each of ``width`` candidates may
+        generate after a ``prompt_len`` prompt with the whole request still
+        fitting the pool alone: the default ``max_tokens`` of a request that
+        sets none (0 when not even one token fits)."""
+        low, high = 0, limit
+        while low < high:   # max_blocks grows with max_tokens
+            mid = (low + high + 1) // 2
+            if self.max_blocks(prompt_len, mid, width) <= self.usable_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def admission_error(self, prompt_len: int, max_tokens: int, width: int) -> Optional[str]:
         """Why a request can never run, or None: the one admission check, used
         at submission (so nothing that cannot run is ever queued)."""
@@ -188,21 +216,22 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         seq_cap = self.config.max_num_seqs
+        crowded = len(self.running) + len(self.waiting) + len(self.swapped) > 1
 
         # 1. decodes, oldest first, preempting the newest groups for blocks
         for group in list(self.running):
             if group.status != GroupStatus.RUNNING or self._is_prefilling(group):
                 continue
-            live = group.seqs
-            if len(live) > budget or len(live) > seq_cap:
+            seqs = self._decode_seqs(group, crowded)
+            if len(seqs) > budget or len(seqs) > seq_cap:
                 continue
-            if not self._make_room(group, out):
+            if not self._make_room(group, seqs, out):
                 continue  # the group itself was preempted
-            for seq in live:
+            for seq in seqs:
                 out.copy_pairs += self.bm.append_slots(seq.seq_id, seq.num_tokens)
                 out.scheduled.append(ScheduledSeq(group, seq, 1))
-            budget -= len(live)
-            seq_cap -= len(live)
+            budget -= len(seqs)
+            seq_cap -= len(seqs)
 
         # 2. prefill chunks of running groups
         for group in self.running:
@@ -235,28 +264,31 @@ class Scheduler:
             budget -= len(live)
             seq_cap -= len(live)
 
-        # 4. admission of waiting groups, in arrival order
-        while self.waiting and not self.swapped and not out.preempted and budget > 0:
-            group = self.waiting[0]
-            if self._max_live_seqs(group) > seq_cap:
-                break
+        # 4. admission of waiting groups, in arrival order, past a blocker when it is safe
+        blocker = self.swapped[0] if self.swapped else None
+        i = 0
+        while i < len(self.waiting) and not out.preempted and budget > 0:
+            group = self.waiting[i]
             token_lists = [s.token_ids for s in group.seqs]
             reserve = self.reserve_tokens(len(group.prompt_token_ids) + group.max_tokens)
-            status = self.bm.can_allocate(token_lists, reserve)
+            status = self.bm.can_allocate(token_lists, reserve, group.cache_salt)
             if status == AllocStatus.NEVER:  # cannot happen after check_admissible; kept as a guard
-                self.waiting.pop(0)
+                self.waiting.pop(i)
                 out.rejected.append((group, f"request {group.request_id} can never fit the KV pool"))
                 continue
-            if status == AllocStatus.LATER:
-                break
-            self.waiting.pop(0)
+            fits = status == AllocStatus.OK and self._step_slots(group) <= seq_cap
+            if not fits or (blocker is not None and not self._may_pass(blocker, group)):
+                blocker = blocker or group
+                i += 1
+                continue
+            self.waiting.pop(i)
             for seq in group.seqs:
-                seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids, reserve)
+                seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids, reserve, group.cache_salt)
             if group.metrics.num_cached_prompt_tokens == 0:
                 group.metrics.num_cached_prompt_tokens = group.seqs[0].num_computed_tokens
             group.status = GroupStatus.RUNNING
             self._insert_by_arrival(self.running, group)
-            seq_cap -= self._max_live_seqs(group)
+            seq_cap -= self._step_slots(group)
             budget = self._schedule_prefill(group, budget, out)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
@@ -301,12 +333,45 @@ class Scheduler:
     def _max_live_seqs(group: SequenceGroup) -> int:
         return len(group.seqs) if group.forked else group.params.best_of
 
+    @property
+    def _share(self) -> int:
+        """Sequences one request may decode per step while others are present."""
+        return max(1, self.config.max_num_seqs // 2)
+
+    def _step_slots(self, group: SequenceGroup) -> int:
+        """Sequence slots a group takes per step when others share the steps."""
+        width = self._max_live_seqs(group)
+        return width if group.is_beam_search else min(width, self._share)
+
+    def _decode_seqs(self, group: SequenceGroup, crowded: bool) -> List[Sequence]:
+        """The group's sequences that decode this step: all of them, or while
+        others are present at most ``_share`` of its parallel samples, the least
+        advanced first (so they take turns)."""
+        live = group.seqs
+        if not crowded or group.is_beam_search or len(live) <= self._share:
+            return live
+        return sorted(live, key=lambda s: (s.num_tokens, s.index))[:self._share]
+
+    def _eventual_blocks(self, group: SequenceGroup) -> int:
+        return self.max_blocks(len(group.prompt_token_ids), group.max_tokens, group.params.best_of)
+
+    def _may_pass(self, blocker: SequenceGroup, group: SequenceGroup) -> bool:
+        """Whether ``group`` may be admitted before the older ``blocker``: the
+        eventual needs of the running groups younger than the blocker, of
+        ``group`` and of the blocker fit the pool and the sequence cap at once."""
+        younger = [g for g in self.running if g.arrival_time > blocker.arrival_time]
+        blocks = sum(self._eventual_blocks(g) for g in younger + [group, blocker])
+        slots = sum(self._step_slots(g) for g in younger + [group, blocker])
+        return blocks <= self.usable_blocks and slots <= self.config.max_num_seqs
+
     def _schedule_prefill(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
-        """Chunks for a group's sequences; blocks for their prompts were taken at
-        admission, but a sequence that finished its prefill early may need one
-        more block for its next token."""
+        """Chunks for a group's sequences, each at most
+        ``long_prefill_token_threshold`` tokens; blocks for their prompts were
+        taken at admission, but a sequence that finished its prefill early may
+        need one more block for its next token."""
+        cap = self.config.long_prefill_token_threshold or budget
         for seq in group.seqs:
-            chunk = min(seq.num_uncomputed_tokens, budget)
+            chunk = min(seq.num_uncomputed_tokens, budget, cap)
             if chunk <= 0:
                 continue
             needed = self.bm.blocks_to_append(seq.seq_id, seq.num_tokens)
@@ -318,11 +383,11 @@ class Scheduler:
             budget -= chunk
         return budget
 
-    def _make_room(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
-        """Preempt the newest running groups until ``group`` can grow by one token
-        per sequence. False if ``group`` itself had to go."""
+    def _make_room(self, group: SequenceGroup, seqs: List[Sequence], out: SchedulerOutput) -> bool:
+        """Preempt the newest running groups until ``seqs`` of ``group`` can grow
+        by one token each. False if ``group`` itself had to go."""
         while True:
-            needed = sum(self.bm.blocks_to_append(s.seq_id, s.num_tokens) for s in group.seqs)
+            needed = sum(self.bm.blocks_to_append(s.seq_id, s.num_tokens) for s in seqs)
             if needed <= self.bm.num_free_blocks:
                 return True
             victim = self.running[-1]

@@ -1,0 +1,144 @@
+"""Time to first token of a short canary request beside requests that would
+hold up every newcomer, through tritonserver with the shipped configuration.
+
+Three cases, each first run alone (its greedy outputs are the reference),
+then again with the canary ("The capital of France is", 8 tokens) sent while
+it runs:
+
+- ``long_prompt``: one prompt of about 8,180 tokens, 8 tokens out; the
+  canary 0.5 s after it;
+- ``wide``: one request with ``n: 64``, 64 tokens each, top-20 logprobs; the
+  canary once its first tokens have come back;
+- ``preempted``: four requests with ``n: 8``, 400 tokens each, more than the KV
+  pool holds at once; the canary after the first preemption.
+
+Reported per case: the canary's TTFT and latency, the heavy requests' time,
+whether their greedy outputs equal the run alone, and the preemptions.
+"""
+import argparse
+import json
+import tempfile
+import threading
+import time
+import urllib.request
+from typing import Callable, List
+
+from .common import write_result
+
+CANARY = "The capital of France is"
+CANARY_PARAMS = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+def counter(metrics_url: str, name: str) -> float:
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        lines = [line for line in reply.read().decode().splitlines() if line.startswith(name + "{")]
+    return sum(float(line.rsplit(" ", 1)[-1]) for line in lines)
+
+
+def long_prompt(tokenizer, tokens: int) -> str:
+    from loadtest.workloads import _text_of_length
+    import numpy as np
+    return _text_of_length(tokenizer, np.random.default_rng(11), tokens)
+
+
+def cases(tokenizer, quick: bool) -> List[dict]:
+    scale = 8 if quick else 1
+    return [
+        {"name": "long_prompt", "prompts": [long_prompt(tokenizer, 8180 // scale)],
+         "params": {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}, "start": "sent"},
+        {"name": "wide", "prompts": ["Write a list of animals:"],
+         "params": {"n": 64 // scale, "max_tokens": 64 // scale, "temperature": 0.0, "ignore_eos": True,
+                    "logprobs": 20}, "start": "first_token"},
+        {"name": "preempted", "prompts": [f"Story {i}: once upon a time" for i in range(4)],
+         "params": {"n": 8, "max_tokens": 400 // scale, "temperature": 0.0, "ignore_eos": True},
+         "start": "preemption"},
+    ]
+
+
+def run_heavy(url: str, prompts: List[str], params: dict, started: threading.Event, results: list) -> None:
+    from client import collect, http_stream
+
+    def one(i):
+        stream = http_stream(prompts[i], params, url=url, exclude_input=True, timeout=900)
+        first = next(stream)
+        started.set()
+        results[i] = collect(_chain(first, stream))
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def measure(server, case: dict, with_canary: bool) -> dict:
+    from client import generate
+    url, metrics = server.http_url, server.metrics_url
+    results = [None] * len(case["prompts"])
+    started = threading.Event()
+    preemptions = counter(metrics, "pagedbackend:num_preemptions_total")
+    t0 = time.perf_counter()
+    heavy = threading.Thread(target=run_heavy, args=(url, case["prompts"], case["params"], started, results),
+                             daemon=True)
+    heavy.start()
+    canary = None
+    if with_canary:
+        wait_for: Callable[[], bool] = {
+            "sent": lambda: time.perf_counter() - t0 >= 0.5,
+            "first_token": started.is_set,
+            "preemption": lambda: counter(metrics, "pagedbackend:num_preemptions_total") > preemptions,
+        }[case["start"]]
+        while not wait_for() and heavy.is_alive():
+            time.sleep(0.05)
+        sent = time.perf_counter()
+        result = generate(CANARY, CANARY_PARAMS, protocol="http", url=url, timeout=900)
+        canary = {"sent_after_s": round(sent - t0, 2), "ttft_s": round(result.token_times[0][0], 3),
+                  "latency_s": round(result.latency, 3), "tokens": result.num_output_tokens[0]}
+    heavy.join()
+    return {"heavy_s": round(time.perf_counter() - t0, 2), "canary": canary,
+            "preemptions": counter(metrics, "pagedbackend:num_preemptions_total") - preemptions,
+            "texts": [r.texts for r in results]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m loadtest.bench fairness", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--out", default="results/bench")
+    ap.add_argument("--cases", default="long_prompt,wide,preempted")
+    ap.add_argument("--quick", action="store_true", help="an eighth of every size (tiny model)")
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+    from loadtest.bench.common import bench_model
+    from pagedbackend.models.default_model import resolve_model_path
+    from pagedbackend.serving.launcher import TritonServer, make_model_repository
+    model = bench_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(model)), local_files_only=True)
+    chosen = [c for c in cases(tokenizer, args.quick) if c["name"] in args.cases.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-fairness-") as tmp:
+        repo = make_model_repository(tmp, {"model": model})   # the shipped settings otherwise
+        with TritonServer(repo, ready_timeout_s=900, wait_for_compiled_step=True) as server:
+            from client import generate
+            generate(CANARY, CANARY_PARAMS, protocol="http", url=server.http_url, timeout=300)   # warm-up
+            for case in chosen:
+                alone = measure(server, case, with_canary=False)
+                beside = measure(server, case, with_canary=True)
+                row = {"case": case["name"], "params": case["params"], "requests": len(case["prompts"]),
+                       "canary": beside["canary"], "heavy_alone_s": alone["heavy_s"],
+                       "heavy_with_canary_s": beside["heavy_s"], "preemptions": beside["preemptions"],
+                       "greedy_outputs_unchanged": alone["texts"] == beside["texts"]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    path = write_result(args.out, "fairness", {"model": args.model, "rows": rows,
+                                               "canary": {"prompt": CANARY, **CANARY_PARAMS}})
+    print(f"wrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

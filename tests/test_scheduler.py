@@ -1,0 +1,212 @@
+"""The scheduler on its own, with no model: what each step schedules under the
+token budget and the sequence cap, preemption order, and the fairness rules
+(prefill chunks, wide requests, passing a blocked group without starving it).
+A step's "model" appends token 7 to every sequence that completes."""
+import itertools
+
+import pytest
+
+from pagedbackend.config import EngineConfig
+from pagedbackend.core.scheduler import Scheduler, StepUpdate
+from pagedbackend.core.sequence import GroupStatus, SequenceGroup
+from pagedbackend.sampling_params import SamplingParams
+
+_clock = itertools.count(1)
+
+
+def make_scheduler(num_blocks=64, block_size=16, **config) -> Scheduler:
+    settings = dict(block_size=block_size, max_num_seqs=16, max_num_batched_tokens=512,
+                    long_prefill_token_threshold=128, enable_prefix_caching=False, watermark=0.0)
+    return Scheduler(EngineConfig(**{**settings, **config}), num_blocks, max_model_len=4096)
+
+
+def make_group(name, prompt_len, max_tokens, n=1, beams=False, temperature=1.0) -> SequenceGroup:
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0.0 if beams else temperature,
+                            use_beam_search=beams, ignore_eos=True)
+    prompt = [(hash(name) + i) % 1000 for i in range(prompt_len)]
+    return SequenceGroup(name, None, prompt, params, float(next(_clock)), max_tokens)
+
+
+def step(scheduler: Scheduler):
+    """One step: schedule, then the engine's part (sample, fork, finish)."""
+    out = scheduler.schedule()
+    update = StepUpdate()
+    for item in out.scheduled:
+        if not item.need_logits:
+            continue
+        group, seq = item.group, item.seq
+        if not group.forked and group.params.best_of > 1:
+            children = [seq.fork(i) for i in range(1, group.params.best_of)]
+            update.forks += [(seq, child) for child in children]
+            group.seqs += children
+            group.forked = True
+            new = [seq] + children
+        else:
+            new = [seq]
+        for s in new:
+            s.append_token(7, None, None)
+            if s.num_output_tokens >= group.max_tokens:
+                s.finish_reason = "length"
+                update.freed.append(s)
+                group.seqs.remove(s)
+                group.finished_seqs.append(s)
+        if not group.seqs and group not in update.finished:
+            update.finished.append(group)
+    scheduler.update_from_output(out, update)
+    return out
+
+
+def tokens_of(out, group) -> int:
+    return sum(item.num_new_tokens for item in out.scheduled if item.group is group)
+
+
+def seqs_of(out, group) -> int:
+    return sum(1 for item in out.scheduled if item.group is group)
+
+
+def test_every_step_keeps_to_the_token_budget_and_the_sequence_cap():
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=6, max_num_batched_tokens=300)
+    for i in range(10):
+        scheduler.add(make_group(f"r{i}", 40 + 37 * i, 20))
+    for _ in range(200):
+        if not scheduler.has_unfinished:
+            break
+        out = step(scheduler)
+        assert out.num_batched_tokens == sum(item.num_new_tokens for item in out.scheduled) <= 300
+        assert len(out.scheduled) <= 6
+    assert not scheduler.has_unfinished and scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_long_prompt_is_computed_in_chunks_of_the_threshold_and_a_newcomer_starts_at_once():
+    scheduler = make_scheduler(num_blocks=400, max_num_batched_tokens=512, long_prefill_token_threshold=128)
+    long = make_group("long", 2000, 4)
+    scheduler.add(long)
+    first = step(scheduler)
+    assert tokens_of(first, long) == 128
+    canary = make_group("canary", 10, 2)
+    scheduler.add(canary)
+    second = step(scheduler)
+    assert tokens_of(second, long) == 128 and tokens_of(second, canary) == 10   # its whole prompt, at once
+    assert canary.seqs[0].num_output_tokens == 1
+
+
+def test_without_a_threshold_a_prompt_takes_the_whole_budget():
+    scheduler = make_scheduler(num_blocks=400, max_num_batched_tokens=512, long_prefill_token_threshold=0)
+    long = make_group("long", 2000, 4)
+    scheduler.add(long)
+    assert tokens_of(step(scheduler), long) == 512
+
+
+def test_a_wide_request_decodes_at_most_half_the_slots_while_others_wait_and_all_while_alone():
+    scheduler = make_scheduler(num_blocks=400, max_num_seqs=8)
+    wide = make_group("wide", 8, 40, n=8)
+    scheduler.add(wide)
+    step(scheduler)                               # prefill, then 8 samples
+    assert seqs_of(step(scheduler), wide) == 8    # alone: every sample decodes
+    canary = make_group("canary", 8, 3)
+    scheduler.add(canary)
+    out = step(scheduler)
+    assert seqs_of(out, canary) == 1 and seqs_of(out, wide) == 4
+    # the samples take turns: the four that waited decode next
+    advanced = sorted(s.num_output_tokens for s in wide.seqs)
+    assert advanced[:4] == [2] * 4 and advanced[4:] == [3] * 4
+    assert seqs_of(step(scheduler), wide) == 4
+    while canary.status != GroupStatus.FINISHED:
+        step(scheduler)
+    assert seqs_of(step(scheduler), wide) == 8    # alone again
+
+
+def test_a_wide_request_is_admitted_on_half_the_slots_beside_a_running_one():
+    scheduler = make_scheduler(num_blocks=400, max_num_seqs=8)
+    first = make_group("first", 8, 40, n=6)
+    scheduler.add(first)
+    step(scheduler)
+    step(scheduler)
+    second = make_group("second", 8, 40, n=8)
+    scheduler.add(second)
+    out = step(scheduler)
+    assert second.status == GroupStatus.RUNNING and tokens_of(out, second) == 8
+
+
+def test_beams_advance_together_even_when_others_are_present():
+    scheduler = make_scheduler(num_blocks=400, max_num_seqs=8)
+    beams = make_group("beams", 8, 40, n=2, beams=True)
+    beams.params.best_of = 6
+    scheduler.add(beams)
+    step(scheduler)
+    scheduler.add(make_group("canary", 8, 3))
+    assert seqs_of(step(scheduler), beams) == 6
+
+
+def fill_with_running(scheduler, count, prompt_len, max_tokens):
+    groups = [make_group(f"old{i}", prompt_len, max_tokens) for i in range(count)]
+    for group in groups:
+        scheduler.add(group)
+    while any(g.status == GroupStatus.WAITING for g in groups):
+        step(scheduler)
+    return groups
+
+
+def test_a_small_request_passes_a_group_that_does_not_fit_and_the_blocked_group_is_not_starved():
+    # 64 blocks of 16. Four running groups of 8 blocks each (prompt 120, 8 more tokens).
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=16)
+    old = fill_with_running(scheduler, 4, 120, 8)
+    big = make_group("big", 16 * 40, 8)          # needs 41 blocks: more than the 32 free, fewer than 64
+    scheduler.add(big)
+    canary = make_group("canary", 10, 2)
+    scheduler.add(canary)
+    step(scheduler)
+    assert big.status == GroupStatus.WAITING and canary.status == GroupStatus.RUNNING
+    # A stream of small requests cannot hold the big one off: it starts once the old ones finish.
+    steps = 0
+    while big.status == GroupStatus.WAITING:
+        scheduler.add(make_group(f"small{steps}", 10, 2))
+        step(scheduler)
+        steps += 1
+        assert steps < 40, "the blocked group was starved"
+    assert all(g.status == GroupStatus.FINISHED for g in old)
+
+
+def test_a_newcomer_whose_need_would_crowd_out_the_blocked_group_waits_behind_it():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=16)
+    fill_with_running(scheduler, 4, 120, 8)
+    big = make_group("big", 16 * 40, 8)          # eventual need 42 blocks
+    scheduler.add(big)
+    middle = make_group("middle", 16 * 24, 8)    # fits the 32 free blocks now, but 26 + 42 > 64
+    scheduler.add(middle)
+    step(scheduler)
+    assert big.status == GroupStatus.WAITING and middle.status == GroupStatus.WAITING
+
+
+def test_blocks_run_out_and_the_newest_group_is_preempted_first():
+    scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=8, preemption_mode="recompute")
+    groups = [make_group(f"g{i}", 12, 40) for i in range(3)]
+    for group in groups:
+        scheduler.add(group)
+    preempted = []
+    for _ in range(30):
+        out = step(scheduler)
+        preempted += [g.request_id for g in out.preempted]
+        if preempted:
+            break
+    assert preempted[0] == "g2"
+    assert groups[2].status == GroupStatus.WAITING and groups[2].seqs[0].num_computed_tokens == 0
+
+
+def test_admission_leaves_the_watermark_free():
+    scheduler = make_scheduler(num_blocks=100, watermark=0.1)   # 10 blocks held back
+    first = make_group("first", 16 * 85, 1)                     # 85 blocks: 15 left
+    second = make_group("second", 16 * 6, 1)                    # 6 more would leave 9 < 10
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.schedule()
+    assert first.status == GroupStatus.RUNNING and second.status == GroupStatus.WAITING
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_default_max_tokens_is_capped_so_every_candidate_fits_the_pool(width):
+    scheduler = make_scheduler(num_blocks=96)
+    fit = scheduler.max_tokens_that_fit(100, width, limit=4000)
+    assert scheduler.max_blocks(100, fit, width) <= scheduler.usable_blocks
+    assert scheduler.max_blocks(100, fit + 16, width) > scheduler.usable_blocks
+    assert scheduler.admission_error(100, fit, width) is None
