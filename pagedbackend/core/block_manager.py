@@ -45,6 +45,7 @@ class _SeqBlocks:
     num_tokens: int = 0          # positions holding this sequence's tokens
     hashes: List[bytes] = field(default_factory=list)    # of blocks[:len(hashes)]
     on_device: bool = True       # False while swapped out to the host pool
+    salt: bytes = b""            # the request's cache_salt: its own prefix-cache namespace
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -145,7 +146,12 @@ class BlockManager:
         return state
 
     # ------------------------------------------------------------ allocation
-    def _cached_prefix(self, token_ids: Sequence[int]) -> Tuple[List[KVBlock], List[bytes]]:
+    def _key(self, salt: bytes) -> bytes:
+        """The extra key of every block hash: the engine's (model, dtype,
+        quantisation) and the request's cache salt."""
+        return self.cache_salt + b"\0" + salt if salt else self.cache_salt
+
+    def _cached_prefix(self, token_ids: Sequence[int], salt: bytes = b"") -> Tuple[List[KVBlock], List[bytes]]:
         """Cached blocks the sequence's first tokens map to. At least the last token
         is left to compute, since its logits are needed."""
         if not self.enable_prefix_caching:
@@ -154,7 +160,7 @@ class BlockManager:
         hashes: List[bytes] = []
         parent = None
         limit = (len(token_ids) - 1) // self.block_size
-        for i, h in enumerate(block_hashes(token_ids, self.block_size, self.cache_salt,
+        for i, h in enumerate(block_hashes(token_ids, self.block_size, self._key(salt),
                                            self.hash_fn, limit=limit)):
             block = self.pool.lookup(h, parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             if block is None:
@@ -164,19 +170,20 @@ class BlockManager:
             parent = h
         return hits, hashes
 
-    def blocks_needed(self, token_ids: Sequence[int]) -> int:
+    def blocks_needed(self, token_ids: Sequence[int], salt: bytes = b"") -> int:
         """Free blocks that ``allocate`` would take for these tokens now."""
-        hits, _ = self._cached_prefix(token_ids)
+        hits, _ = self._cached_prefix(token_ids, salt)
         revived = sum(1 for b in hits if b.ref_cnt == 0)
         return _cdiv(len(token_ids), self.block_size) - len(hits) + revived
 
-    def can_allocate(self, token_id_lists: Sequence[Sequence[int]], reserve_tokens: int = 0) -> AllocStatus:
+    def can_allocate(self, token_id_lists: Sequence[Sequence[int]], reserve_tokens: int = 0,
+                     salt: bytes = b"") -> AllocStatus:
         """Whether sequences with these tokens (one group) can be allocated."""
         extra = [self._reserved_extra(len(t), reserve_tokens) for t in token_id_lists]
         total = sum(_cdiv(len(t), self.block_size) for t in token_id_lists) + sum(extra)
         if total > self.pool.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        needed = sum(self.blocks_needed(t) for t in token_id_lists) + sum(extra)
+        needed = sum(self.blocks_needed(t, salt) for t in token_id_lists) + sum(extra)
         if self.pool.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -184,11 +191,14 @@ class BlockManager:
     def _reserved_extra(self, num_tokens: int, reserve_tokens: int) -> int:
         return max(0, _cdiv(reserve_tokens, self.block_size) - _cdiv(num_tokens, self.block_size))
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int = 0) -> int:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int = 0,
+                 salt: bytes = b"") -> int:
         """Give a new sequence blocks for all its tokens, mapping cached prefix
         blocks where it can. Returns how many leading tokens are already computed.
         ``reserve_tokens`` takes blocks for that many positions up front, as a
-        contiguous-reservation server would (benchmark baselines only)."""
+        contiguous-reservation server would (benchmark baselines only). ``salt``
+        (a request's cache_salt) keeps its prefix blocks apart from requests
+        with another salt, or none."""
         if seq_id in self._seqs:
             raise BlockManagerError(f"sequence {seq_id} already has blocks")
         if not token_ids:
@@ -198,14 +208,14 @@ class BlockManager:
             raise BlockManagerError(
                 f"sequence {seq_id} needs {n_blocks} blocks for {len(token_ids)} tokens; "
                 f"the whole pool has {self.pool.num_blocks}")
-        hits, hashes = self._cached_prefix(token_ids)
+        hits, hashes = self._cached_prefix(token_ids, salt)
         needed = n_blocks - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
         if needed > self.pool.num_free:
             raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} free blocks, {self.pool.num_free} left")
         for block in hits:
             self.pool.incref(block)
         blocks = hits + [self.pool.allocate() for _ in range(n_blocks - len(hits))]
-        state = _SeqBlocks(blocks=blocks, hashes=hashes)
+        state = _SeqBlocks(blocks=blocks, hashes=hashes, salt=salt)
         self._seqs[seq_id] = state
         self._fill(state, len(token_ids))
         num_cached = len(hits) * self.block_size
@@ -268,7 +278,7 @@ class BlockManager:
         if n_full <= start or not state.on_device:
             return
         parent = state.hashes[-1] if state.hashes else None
-        new = block_hashes(token_ids, self.block_size, self.cache_salt, self.hash_fn,
+        new = block_hashes(token_ids, self.block_size, self._key(state.salt), self.hash_fn,
                            start=start, parent_hash=parent, limit=n_full)
         bs = self.block_size
         for i, h in enumerate(new, start):
@@ -285,7 +295,8 @@ class BlockManager:
             raise BlockManagerError(f"sequence {parent_id} is swapped out; swap it in first")
         for block in parent.blocks:
             self.pool.incref(block)
-        self._seqs[child_id] = _SeqBlocks(list(parent.blocks), parent.num_tokens, list(parent.hashes))
+        self._seqs[child_id] = _SeqBlocks(list(parent.blocks), parent.num_tokens, list(parent.hashes),
+                                          salt=parent.salt)
 
     def free(self, seq_id: int) -> None:
         """Return every block of the sequence, last block first (so a sequence's
