@@ -72,8 +72,14 @@ class SamplingParams:
     truncate_prompt_tokens: Optional[int] = None    # keep only the last k prompt tokens
     use_beam_search: bool = False
     length_penalty: float = 1.0        # beam score = logprob sum / length ** length_penalty
-    early_stopping: bool = False       # beam search: stop once best_of hypotheses are finished
+    # beam search, as Hugging Face's: True stops once best_of hypotheses are finished;
+    # False stops when no live beam can beat them at its current length; "never"
+    # when none can at any length up to max_tokens (with length_penalty > 0)
+    early_stopping: Union[bool, str] = False
     skip_special_tokens: bool = True
+    # vLLM's per-request field: prefix-cache blocks are shared only between
+    # requests with the same salt (one tenant's prompts stay out of another's reach)
+    cache_salt: Optional[str] = None
     stop_list: List[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self):
@@ -140,12 +146,17 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         integer("truncate_prompt_tokens", 1, optional=True)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            bad(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_list):
             bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             bad("allowed_token_ids must not be empty")
-        for name in ("ignore_eos", "include_stop_str_in_output", "use_beam_search", "early_stopping",
-                     "skip_special_tokens"):
+        if isinstance(self.early_stopping, str) and self.early_stopping.strip().lower() in ("true", "false"):
+            self.early_stopping = self.early_stopping.strip().lower() == "true"
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            bad(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')
+        for name in ("ignore_eos", "include_stop_str_in_output", "use_beam_search", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.use_beam_search:
@@ -155,8 +166,18 @@ class SamplingParams:
                 bad("beam search does not combine with top_p, top_k or min_p")
             if self.has_logits_processing:
                 bad("beam search does not combine with penalties, logit_bias, allowed_token_ids or bad_words")
-        elif self.is_greedy and self.best_of > 1:
-            bad(f"best_of > 1 ({self.best_of}) needs temperature > 0 or use_beam_search")
+            if self.logprobs is not None:
+                bad("logprobs are not returned with beam search (each beam's cumulative_logprob is): "
+                    "leave logprobs unset")
+        else:
+            if self.is_greedy and self.best_of > self.n:
+                bad(f"best_of ({self.best_of}) > n ({self.n}) needs temperature > 0 or use_beam_search: "
+                    "greedy candidates are all the same")
+            if self.length_penalty != 1.0:
+                bad(f"length_penalty ({self.length_penalty!r}) applies to beam search only: set "
+                    "use_beam_search or leave it at 1")
+            if self.early_stopping is not False:
+                bad("early_stopping applies to beam search only: set use_beam_search or leave it false")
 
     @property
     def is_greedy(self) -> bool:

@@ -157,6 +157,23 @@ def test_beam_search_equals_hugging_face(tiny_model_dir, hf_model, width, n):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("early_stopping,length_penalty", [(True, 1.0), ("never", 1.0), ("never", 2.0),
+                                                             (False, 0.5)])
+def test_beam_search_stopping_rules_equal_hugging_face(tiny_model_dir, hf_model, early_stopping, length_penalty):
+    prompts = make_prompts(3, seed=5, low=5, high=30)
+    params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=12,
+                            early_stopping=early_stopping, length_penalty=length_penalty)
+    llm, outs = run(tiny_model_dir, prompts, params, num_kv_blocks=128, block_size=8)
+    eos = hf_model.generation_config.eos_token_id
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=2,
+                                    do_sample=False, max_new_tokens=12, early_stopping=early_stopping,
+                                    length_penalty=length_penalty,
+                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert [o.token_ids for o in out.outputs] == [trim_at_eos(r[len(prompt):].tolist(), eos) for r in ref]
+
+
 def test_beam_search_shares_blocks_and_frees_dropped_beams(tiny_model_dir):
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=64, block_size=8,
                                     enable_prefix_caching=False))

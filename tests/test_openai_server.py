@@ -226,6 +226,67 @@ def test_models_lists_the_ready_triton_models_and_health_is_ok(api, client):
     assert httpx.get(f"{api.url}/health").json() == {"status": "ok"}
 
 
+def test_a_model_can_be_retrieved_by_its_id_and_an_unknown_one_is_404(client):
+    assert client.models.retrieve("paged_llm").id == "paged_llm"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no_such_model")
+    assert "does not exist" in missing.value.message
+
+
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/completions", b'{"prompt": "Hi \\ud800"}', "prompt"),
+    ("/v1/completions", b'{"prompt": "Hi", "stop": ["\\ud83d"]}', "stop[0]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', "messages[0].content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a", "name": "\\udc00"}]}',
+     "messages[0].name"),
+])
+def test_a_lone_surrogate_anywhere_is_a_400_naming_where(api, path, body, where):
+    reply = httpx.post(f"{api.url}{path}", content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["message"].startswith(f"{where} holds a lone UTF-16 surrogate")
+
+
+def test_a_paired_surrogate_is_one_character_and_is_served(api):
+    reply = httpx.post(f"{api.url}/v1/completions", content=b'{"prompt": "Hi \\ud83d\\ude00", "max_tokens": 2}',
+                       headers={"Content-Type": "application/json"}, timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_connection_stays_usable_after_a_refused_request(api):
+    """A refusal, whatever its cause, leaves the keep-alive connection open for the next request."""
+    with httpx.Client(base_url=api.url, timeout=60) as http:
+        bad = http.post("/v1/completions", content=b'{"prompt": "Hi \\ud800"}',
+                        headers={"Content-Type": "application/json"})
+        good = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert bad.status_code == 400 and good.status_code == 200
+
+
+def test_greedy_with_n_2_gives_two_identical_choices_as_openai_does(client):
+    reply = client.completions.create(model="paged_llm", prompt=PROMPT, n=2, temperature=0, max_tokens=6)
+    assert len(reply.choices) == 2 and reply.choices[0].text == reply.choices[1].text
+
+
+def test_chat_with_n_2_and_no_max_tokens_is_capped_to_what_the_pool_holds(client):
+    # 96 blocks of 16: two candidates of the rest of a 512-token context would not fit.
+    reply = client.chat.completions.create(model="paged_llm", n=2, temperature=0.8, seed=1,
+                                           messages=[{"role": "user", "content": "Hi"}])
+    assert len(reply.choices) == 2 and reply.usage.completion_tokens > 0
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(client):
+    prompt = "A long shared preamble that fills more than two blocks of sixteen tokens. " * 4
+    first = client.completions.create(model="paged_llm", prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model="paged_llm", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 32 <= second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+
+
+def test_a_text_part_with_extra_keys_is_read_for_its_text(client):
+    reply = client.chat.completions.create(model="paged_llm", max_tokens=3, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}])
+    assert reply.usage.completion_tokens == 3
+
+
 def _long_prompt() -> str:
     return "word " * 600
 
@@ -238,7 +299,14 @@ def _long_prompt() -> str:
     (lambda c: c.completions.create(model="no_such_model", prompt="Hi"), 404, ["no_such_model", "does not exist"]),
     (lambda c: c.completions.create(model="paged_llm", prompt=_long_prompt()), 400,
      ["exceeds the maximum context length"]),
-    (lambda c: c.completions.create(model="paged_llm", prompt="Hi", n=2, temperature=0), 400, ["temperature > 0"]),
+    (lambda c: c.completions.create(model="paged_llm", prompt="Hi", n=2, temperature=0, extra_body={"best_of": 3}),
+     400, ["greedy candidates are all the same"]),
+    (lambda c: c.completions.create(model="paged_llm", prompt="Hi", stop=""), 400, ["stop must be a non-empty"]),
+    (lambda c: c.completions.create(model="paged_llm", prompt="Hi", extra_body={"length_penalty": 0.5}), 400,
+     ["length_penalty", "beam search only"]),
+    (lambda c: c.completions.create(model="paged_llm", prompt="Hi", max_tokens=3, n=2, temperature=0, logprobs=1,
+                                    extra_body={"use_beam_search": True}), 400,
+     ["logprobs are not returned with beam search"]),
     (lambda c: c.completions.create(model="paged_llm", prompt="Hi", extra_body={"top_k": -5}), 400, ["top_k"]),
     (lambda c: c.completions.create(model="paged_llm", prompt="x" * (2 << 20)), 413, ["larger than the limit"]),
     (lambda c: c.chat.completions.create(model="paged_llm", messages=[]), 400, ["messages"]),
@@ -248,8 +316,8 @@ def _long_prompt() -> str:
     (lambda c: c.chat.completions.create(model="paged_llm", messages=[{"role": "user", "content": "Hi"}],
                                          stream=True, max_tokens=400, extra_body={"min_tokens": 500}), 400,
      ["min_tokens"]),
-], ids=["negative-temperature", "unknown-field", "unknown-model", "over-long-prompt", "greedy-n2",
-        "model-refuses-top_k", "body-too-large", "no-messages", "image-part", "streamed-refusal"])
+], ids=["negative-temperature", "unknown-field", "unknown-model", "over-long-prompt", "greedy-best_of",
+        "empty-stop", "length_penalty-without-beams", "beam-logprobs", "model-refuses-top_k", "body-too-large", "no-messages", "image-part", "streamed-refusal"])
 def test_a_bad_request_gets_an_openai_error_with_a_4xx_status(client, call, status, words):
     with pytest.raises(openai.APIStatusError) as refused:
         call(client)

@@ -45,7 +45,13 @@ from pagedbackend.sampling_params import MAX_LOGPROBS
     ({"ignore_eos": 3}, "ignore_eos must be true or false"),
     ({"use_beam_search": True, "best_of": 2, "temperature": 0.0, "repetition_penalty": 1.2},
      "beam search does not combine with penalties"),
-    ({"temperature": 0.0, "best_of": 2}, "best_of > 1 \\(2\\) needs temperature > 0"),
+    ({"temperature": 0.0, "best_of": 2}, "best_of \\(2\\) > n \\(1\\) needs temperature > 0"),
+    ({"length_penalty": 0.8}, "length_penalty \\(0.8\\) applies to beam search only"),
+    ({"early_stopping": True}, "early_stopping applies to beam search only"),
+    ({"use_beam_search": True, "best_of": 2, "temperature": 0.0, "early_stopping": "always"},
+     'early_stopping must be true, false or "never"'),
+    ({"use_beam_search": True, "best_of": 2, "temperature": 0.0, "logprobs": 1},
+     "logprobs are not returned with beam search"),
 ])
 def test_invalid_values_are_refused_naming_the_parameter(fields, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -102,3 +108,15 @@ def test_defaults_need_no_logits_processing():
     assert not params.has_penalties and not params.has_logits_processing
     assert params.top_k == -1 and SamplingParams(top_k=0).top_k == -1
     assert math.isclose(params.temperature, 1.0)
+
+
+def test_greedy_with_several_outputs_is_accepted_as_openai_does():
+    params = SamplingParams(n=3, temperature=0.0)
+    assert params.best_of == 3 and params.is_greedy
+
+
+def test_beam_search_takes_every_early_stopping_value_of_hugging_face():
+    for value, expected in ((True, True), (False, False), ("never", "never"), ("false", False)):
+        params = SamplingParams.from_dict({"use_beam_search": True, "best_of": 2, "temperature": 0,
+                                           "early_stopping": value})
+        assert params.early_stopping == expected

@@ -2,6 +2,7 @@
 concurrency, cancellation, refused requests, parallel sampling and beam search,
 and the /metrics it exports. One server per module, on a tiny random model."""
 import asyncio
+import json
 import time
 
 import numpy as np
@@ -221,6 +222,22 @@ def test_generate_endpoint_request_parameters_are_sampling_parameters(server):
         collect_http(server, {"colour": "blue"})
 
 
+@pytest.mark.timeout(120)
+def test_list_fields_go_in_generate_request_parameters_as_json_text(server, offline):
+    """Triton's generate endpoints take only scalar parameters: stop, logit_bias
+    and the id lists come as JSON text there, a plain stop string as itself."""
+    from pagedbackend import SamplingParams
+    greedy = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    text = offline.generate(PROMPTS[0], SamplingParams(**greedy))[0].outputs[0].text
+    word = text[4:7]
+    for stop in (json.dumps([word, "\u2603\u2603"]), word):
+        result = collect_http(server, {**greedy, "stop": stop})
+        assert result.finish_reasons == ["stop"] and result.texts[0] == text[:text.index(word)], (stop, result)
+    ids = offline.generate(PROMPTS[0], SamplingParams(**greedy))[0].outputs[0].token_ids
+    banned = collect_http(server, {**greedy, "logit_bias": json.dumps({str(ids[0]): -100})})
+    assert banned.texts[0] != text
+
+
 def collect_http(server, params):
     from client import collect
     return collect(http_stream(PROMPTS[0], params, url=server.http_url, as_request_parameters=True,
@@ -291,9 +308,12 @@ def test_the_model_step_compiles_inside_the_stub(tmp_path, tiny_model_dir, offli
     if reason is not None:
         pytest.skip(f"torch.compile cannot run here: {reason}")
     repo = make_model_repository(tmp_path / "repo", {"model": tiny_model_dir, **SETTINGS, "compile": True})
-    with TritonServer(repo, ready_timeout_s=600) as running:
+    with TritonServer(repo, ready_timeout_s=600, wait_for_compiled_step=True) as running:
         results = [generate(prompt, GREEDY, url=running.grpc_url, timeout=120) for prompt in PROMPTS]
         log = running.log_path.read_text(errors="replace")
+        compiled = running.metrics()
     assert "runs eager" not in log, log[-3000:]
+    assert "the compiled model step serves from now on" in log, log[-3000:]
+    assert 'pagedbackend:model_step_compiled{model="paged_llm",version="1"} 1' in compiled
     expected = [out.outputs[0].text for out in offline.generate(PROMPTS, SamplingParams(**GREEDY))]
     assert [r.texts[0] for r in results] == expected

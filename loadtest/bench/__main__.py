@@ -17,6 +17,9 @@ BENCHMARKS = {
     "broadcast": "tensor parallelism: per-step cost of the step message on two CPU ranks",
     "openai_api": "time to first token added by the OpenAI-compatible API over direct gRPC",
     "contention": "serving tok/s, TTFT and TPOT idle and beside 1 and 2 busy processes, ours and vLLM's",
+    "fairness": "canary TTFT beside an 8k-token prompt, an n=64 request and preempted groups",
+    "startup": "time from starting the launcher to ready, to a first token, and to the compiled step",
+    "aiperf": "NVIDIA's AIPerf against our OpenAI API and vLLM's, concurrency 1, 8 and 32",
     "peers": "offline tokens/s and serving TTFT/TPOT/ITL beside vLLM's CPU build and llama.cpp",
     "gpu": "on a CUDA machine: Triton-lang kernel checks, decode attention timing, offline run",
     "quant_kernels": "weight-only int8 / int4 and bf16 matmuls vs fp32 on SmolLM2's linear shapes",
@@ -24,6 +27,8 @@ BENCHMARKS = {
     "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
 }
 NEEDS_CUDA = {"gpu"}
+# Installs a client of its own from PyPI on first use: run it by name only.
+NOT_IN_ALL = {"aiperf"}
 
 # Small settings for `all --quick` (benchmarks without a --quick flag of their own).
 QUICK_ARGS = {
@@ -32,6 +37,7 @@ QUICK_ARGS = {
     "overhead": ["--seqs", "32", "--steps", "5"],
     "peers": ["--quick", "--model", "tiny"],
     "contention": ["--quick", "--model", "tiny"],
+    "fairness": ["--quick", "--model", "tiny"],
 }
 
 
@@ -46,6 +52,9 @@ def run_all(argv) -> int:
     passed = [a for a in argv if a != "--quick"]
     failed = []
     for name in BENCHMARKS:
+        if name in NOT_IN_ALL:
+            print(f"== {name}: skipped in 'all' (python -m loadtest.bench {name} runs it)", flush=True)
+            continue
         if name in NEEDS_CUDA and not _has_cuda():
             print(f"== {name}: skipped, no CUDA device", flush=True)
             continue

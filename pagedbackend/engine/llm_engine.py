@@ -10,6 +10,7 @@ sees token ids only.
 """
 import dataclasses
 import logging
+import threading
 import time
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence as Seq, Tuple, Union
@@ -31,19 +32,45 @@ PROMPT_CHARS_PER_TOKEN = 16   # default max_prompt_chars per token of max_model_
 logger = logging.getLogger("pagedbackend")
 
 
+class _Background:
+    """``work(*args)`` in a thread; ``result()`` waits and returns it, or raises its error."""
+
+    def __init__(self, work, *args):
+        self._value, self._error = None, None
+
+        def run():
+            try:
+                self._value = work(*args)
+            except BaseException as exc:   # raised again in result()
+                self._error = exc
+        self._thread = threading.Thread(target=run, name="pagedbackend-load", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner=None):
+    def __init__(self, config: EngineConfig, runner=None, compile_in_background: bool = False):
+        """``compile_in_background``: serve eager steps from the start and switch
+        to the compiled step once it is built (``ModelRunner``); a server's choice."""
         model_path = resolve_model_path(config.model)
         self.config = config = dataclasses.replace(config, model=str(model_path))
-        self.tokenizer = load_tokenizer(model_path)
-        self.eos_token_ids = eos_token_ids(model_path, self.tokenizer)
+        # The tokenizer (most of it importing transformers) loads beside the weights.
+        tokenizer = _Background(load_tokenizer, model_path)
         if runner is None:
             from ..worker import make_executor
-            runner = make_executor(config)
+            runner = make_executor(config, compile_in_background)
         self.runner = runner
+        self.tokenizer = tokenizer.result()
+        self.eos_token_ids = eos_token_ids(model_path, self.tokenizer)
         self.vocab_size = runner.vocab_size
-        self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.max_model_len,
-                                   cache_salt=str(model_path).encode())
+        # Prefix-cache keys cover everything that changes K/V besides the tokens.
+        model_key = f"{model_path}|{config.dtype}|{config.quantization}".encode()
+        self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.max_model_len, cache_salt=model_key)
         self.max_model_len = self._fit_max_model_len(runner.max_model_len)
         self.scheduler.max_model_len = self.max_model_len
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
@@ -102,11 +129,11 @@ class LLMEngine:
             text = None if text is None else self.tokenizer.decode(token_ids)
         max_tokens = params.max_tokens
         room = self.max_model_len - len(token_ids)
-        if max_tokens is None:
+        if max_tokens is None:   # the rest of the context, as far as the pool holds every candidate
             if room < 1:
                 raise InvalidRequestError(f"prompt has {len(token_ids)} tokens; the model's context "
                                           f"is {self.max_model_len}, leaving no room to generate")
-            max_tokens = room
+            max_tokens = self.scheduler.max_tokens_that_fit(len(token_ids), params.best_of, room) or room
         if len(token_ids) + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = "
@@ -502,4 +529,7 @@ class LLMEngine:
         st.num_preemptions = sch.num_swap_preemptions + sch.num_recompute_preemptions
         st.prefix_cache_queries = bm.prefix_queries
         st.prefix_cache_hits = bm.prefix_hits
+        st.compiled_step = getattr(self.runner, "compiled", None) is not None
+        governor = getattr(self.runner, "wait_governor", None)
+        st.cpu_contended = governor is not None and governor.contended
         return EngineStats(**st.__dict__)

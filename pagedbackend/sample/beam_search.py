@@ -13,7 +13,7 @@ more than once is forked (its blocks shared), a beam not chosen is freed, and
 only the block being extended is copied on write.
 """
 from dataclasses import dataclass, field
-from typing import List, Sequence, Set, Tuple
+from typing import List, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -36,7 +36,7 @@ class BeamStep:
 class BeamSearchState:
     width: int
     length_penalty: float = 1.0
-    early_stopping: bool = False
+    early_stopping: Union[bool, str] = False   # True, False or "never", as Hugging Face's
     finished: List[Hypothesis] = field(default_factory=list)   # best first, at most width
     improvable: bool = True
 
@@ -66,14 +66,16 @@ class BeamSearchState:
             elif len(continuations) < width:
                 continuations.append((parent, token, score))
         if len(self.finished) == width and continuations:
-            best_possible = continuations[0][2] / length ** self.length_penalty
+            # "never": the best live beam might still grow to max_tokens (HF's canonical rule)
+            reach = max_tokens if self.early_stopping == "never" and self.length_penalty > 0 else length
+            best_possible = continuations[0][2] / reach ** self.length_penalty
             if best_possible <= self.finished[-1].score:
                 self.improvable = False
         done = ends_all or not self.improvable or self._full_and_early() or not continuations
         return BeamStep(continuations, done)
 
     def _full_and_early(self) -> bool:
-        return self.early_stopping and len(self.finished) == self.width
+        return self.early_stopping is True and len(self.finished) == self.width
 
     def _add(self, hyp: Hypothesis) -> None:
         self.finished.append(hyp)

@@ -5,6 +5,7 @@ model's ``logprobs`` output (NVIDIA vllm_backend's format) to OpenAI's shapes.
 Pure data: no network, no Triton, no tokenizer.
 """
 import json
+import re
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -74,6 +75,7 @@ class _GenerationRequest(_Strict):
     early_stopping: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
+    cache_salt: Optional[str] = None   # vLLM's: prefix-cache blocks shared only with the same salt
 
     def check(self) -> None:
         """Refusals that a field's type cannot say."""
@@ -106,7 +108,8 @@ class CompletionRequest(_GenerationRequest):
         return prompts
 
 
-class TextPart(_Strict):
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")   # e.g. cache_control, which changes nothing here
     type: Literal["text"]
     text: str
 
@@ -167,12 +170,39 @@ def parse_request(cls, body: bytes):
         raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    where = lone_surrogate(data)
+    if where is not None:
+        raise OpenAIError(400, f"{where or 'the request'} holds a lone UTF-16 surrogate (\\ud800-\\udfff "
+                               "without its pair), which is not a Unicode character",
+                          re.split(r"[.\[]", where)[0] or None)
     try:
         request = cls.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
     request.check()
     return request
+
+
+def lone_surrogate(value, where: str = "") -> Optional[str]:
+    """The dotted path of the first string (key or value) in ``value`` that
+    holds a lone surrogate (valid JSON escapes, but no character: they cannot
+    be encoded as UTF-8), or None. A pair of escapes is one character already."""
+    if isinstance(value, str):
+        return where if any("\ud800" <= ch <= "\udfff" for ch in value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where else str(key)
+            if lone_surrogate(key) is not None:
+                return path
+            found = lone_surrogate(item, path)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def validation_error(exc: ValidationError) -> OpenAIError:
@@ -193,7 +223,7 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 FORWARDED = ("temperature", "top_p", "seed", "top_k", "min_p", "min_tokens", "ignore_eos",
              "stop_token_ids", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
              "use_beam_search", "length_penalty", "early_stopping", "skip_special_tokens",
-             "include_stop_str_in_output", "best_of")
+             "include_stop_str_in_output", "best_of", "cache_salt")
 # Sent only when they do something, so that clients which always send the
 # neutral value (0 or 1) work with a model that lacks the parameter.
 PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -207,7 +237,7 @@ def sampling_parameters(request: _GenerationRequest, max_tokens: Optional[int],
         value = getattr(request, name)
         if value is not None:
             params[name] = value
-    if request.stop:
+    if request.stop is not None:   # "" and [""] alike reach the model, which refuses an empty stop
         params["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
     if request.logit_bias:  # token id (a string key in JSON) -> bias; the model checks both
         params["logit_bias"] = request.logit_bias

@@ -15,7 +15,7 @@ from pagedbackend.config import coerce
 from pagedbackend.sampling_params import SamplingParams
 
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
-         "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")
+         "return_logprobs", "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens")
 # Request parameters that Triton itself defines; the rest are sampling parameters.
 TRITON_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout"}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -100,8 +100,28 @@ def read_sampling_params(request) -> SamplingParams:
     if len(text) > MAX_PARAMETERS_BYTES:
         raise ValueError(f"request parameters have {len(text)} characters; the limit is {MAX_PARAMETERS_BYTES}")
     params = json.loads(text)
-    return SamplingParams.from_dict({k: v for k, v in params.items()
+    return SamplingParams.from_dict({k: _from_json_text(k, v) for k, v in params.items()
                                      if k not in TRITON_PARAMETERS and not k.startswith("triton_")})
+
+
+# Request parameters of the generate endpoints may only be scalars (tritonserver
+# refuses a list or an object itself), so these fields also come as JSON text.
+JSON_TEXT_FIELDS = ("stop", "stop_token_ids", "logit_bias", "bad_words", "allowed_token_ids")
+
+
+def _from_json_text(name: str, value):
+    """``value`` decoded from JSON text when ``name`` takes a list or an object
+    (``"stop": "[\"a\", \"b\"]"``, ``"logit_bias": "{\"50\": -100}"``); a plain
+    stop string, or text that is no such JSON, stays as it is."""
+    if name not in JSON_TEXT_FIELDS or not isinstance(value, str) or value[:1] not in ("[", "{"):
+        return value
+    try:
+        decoded = json.loads(value)
+    except ValueError:
+        return value
+    if name == "stop" and not (isinstance(decoded, list) and all(isinstance(s, str) for s in decoded)):
+        return value
+    return decoded
 
 
 def model_flag(parameters: dict, name: str, default: bool) -> bool:
@@ -175,6 +195,9 @@ def build_response(job: Job, out, delta: bool):
     if job.flags["return_num_input_tokens"]:
         tensors.append(pb_utils.Tensor("num_input_tokens", np.array(
             [len(out.prompt_token_ids)], dtype=np.uint32)))
+    if job.flags["return_num_cached_tokens"]:   # prompt tokens found in the prefix cache
+        cached = out.metrics.num_cached_prompt_tokens if out.metrics is not None else 0
+        tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([cached], dtype=np.uint32)))
     if job.flags["return_num_output_tokens"]:
         tensors.append(pb_utils.Tensor("num_output_tokens", np.array(
             [parts[i][1] for i in indices], dtype=np.uint32)))

@@ -1,0 +1,180 @@
+"""NVIDIA's AIPerf against our OpenAI API and vLLM's CPU server, with the same
+flags, at several concurrencies: its metrics side by side.
+
+AIPerf (``aiperf`` 0.13.0 on PyPI) runs in a virtual environment of its own:
+``--aiperf`` or ``BENCH_AIPERF`` names its ``aiperf`` command; without one it is
+installed on demand into ``$PAGEDBACKEND_CACHE/aiperf-venv`` (about a minute;
+never part of ``make setup``). vLLM is found as in ``peers`` (``--vllm-python``
+/ ``BENCH_VLLM_PYTHON``); a missing one is skipped with a message.
+
+Each run: synthetic prompts of ``--isl`` tokens (AIPerf's own, seeded),
+``--osl`` output tokens forced with ``ignore_eos`` and ``min_tokens``,
+streamed ``/v1/completions``, ``--request-count`` requests per concurrency
+after a warm-up. Our server is the shipped configuration (tritonserver and the
+OpenAI API of ``make serve``), measured once its compiled step serves.
+"""
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+from . import peer_servers
+from .common import write_result
+from .peers import cpu_model
+
+AIPERF_VERSION = "0.13.0"
+# AIPerf's metric tags and what we report of each.
+METRICS = {"output_token_throughput": "avg", "request_throughput": "avg", "time_to_first_token": "p50",
+           "inter_token_latency": "p50", "request_latency": "p50", "request_count": "avg"}
+
+
+def find_aiperf(given: Optional[str]) -> str:
+    """The aiperf command: the one given, or one installed here on demand."""
+    if given:
+        if not (os.path.isfile(given) and os.access(given, os.X_OK)):
+            raise SystemExit(f"no aiperf command at {given!r}")
+        return given
+    from pagedbackend.config import cache_root
+    venv = cache_root() / "aiperf-venv"
+    command = venv / "bin" / "aiperf"
+    if not command.exists():
+        print(f"installing aiperf {AIPERF_VERSION} into {venv} (once)...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"aiperf=={AIPERF_VERSION}"], check=True)
+    return str(command)
+
+
+def run_aiperf(aiperf: str, url: str, model: str, tokenizer: str, concurrency: int, requests: int,
+               args, artifacts: pathlib.Path) -> dict:
+    command = [aiperf, "profile", "--model", model, "--url", url, "--endpoint-type", "completions",
+               "--streaming", "--tokenizer", tokenizer, "--isl", str(args.isl), "--isl-stddev", "0",
+               "--osl", str(args.osl), "--osl-stddev", "0", "--extra-inputs", "ignore_eos:true",
+               "--extra-inputs", f"min_tokens:{args.osl}", "--concurrency", str(concurrency),
+               "--request-count", str(requests), "--warmup-request-count", str(min(8, requests)),
+               "--random-seed", str(args.seed), "--artifact-dir", str(artifacts), "--ui-type", "none"]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.time_limit,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    summary = next(iter(artifacts.rglob("profile_export_aiperf.json")), None)
+    if done.returncode != 0 or summary is None:
+        raise RuntimeError(f"aiperf exited with {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
+    return {"concurrency": concurrency, "requests": requests, "wall_s": round(time.perf_counter() - started, 1),
+            **read_summary(json.loads(summary.read_text())), "command": " ".join(command)}
+
+
+def read_summary(data: dict) -> Dict[str, Optional[float]]:
+    """The metrics we report from AIPerf's profile_export_aiperf.json."""
+    records = data.get("records", data)
+    out = {}
+    for tag, stat in METRICS.items():
+        record = records.get(tag) if isinstance(records, dict) else None
+        out[tag] = None if not isinstance(record, dict) else record.get(stat)
+    errors = data.get("error_summary") or []
+    out["errors"] = sum(e.get("count", 1) for e in errors) if isinstance(errors, list) else errors
+    return out
+
+
+def run_system(name: str, start_server, url: str, model: str, tokenizer: str, aiperf: str, args,
+               out_dir: pathlib.Path) -> List[dict]:
+    rows = []
+    with start_server():
+        for concurrency in args.concurrency:
+            requests = args.request_count or max(16, 3 * concurrency)
+            try:
+                row = run_aiperf(aiperf, url, model, tokenizer, concurrency, requests, args,
+                                 out_dir / f"{name.replace(' ', '_')}-c{concurrency}")
+            except Exception as exc:
+                row = {"concurrency": concurrency, "error": peer_servers.error_text(exc)}
+            row["system"] = name
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+    return rows
+
+
+class _Ours:
+    """tritonserver (shipped settings) and the OpenAI API in front of it."""
+
+    def __init__(self, model: str, port: int, threads: int):
+        self.model, self.port, self.threads = model, port, threads
+
+    def __enter__(self):
+        from pagedbackend.serving.launcher import TritonServer, make_model_repository
+        from pagedbackend.serving.openai_server import OpenAIServer
+        self.tmp = tempfile.mkdtemp(prefix="bench-aiperf-")
+        repo = make_model_repository(self.tmp, {"model": self.model})
+        env = {"OMP_NUM_THREADS": str(self.threads)} if self.threads else {}
+        self.triton = TritonServer(repo, env=env, ready_timeout_s=900, wait_for_compiled_step=True)
+        self.triton.start()
+        self.api = OpenAIServer(self.triton.grpc_url, tokenizer=self.model, port=self.port)
+        self.api.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.api.stop()
+        self.triton.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def main(argv=None):
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="python -m loadtest.bench aiperf", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--aiperf", default=env("BENCH_AIPERF"), help="the aiperf command (else installed here)")
+    ap.add_argument("--vllm-python", default=env("BENCH_VLLM_PYTHON"), help="Python of vLLM's venv")
+    ap.add_argument("--vllm-env", default=env("BENCH_VLLM_ENV"), help="shell file of exports for vLLM")
+    ap.add_argument("--systems", default="ours,vllm")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--request-count", type=int, default=None, help="requests per run (default 3 x concurrency, >= 16)")
+    ap.add_argument("--isl", type=int, default=200)
+    ap.add_argument("--osl", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="vLLM's --max-num-seqs (ours: the shipped 64)")
+    ap.add_argument("--time-limit", type=float, default=900.0, help="seconds per aiperf run at most")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", default="results/bench")
+    ap.add_argument("--quick", action="store_true", help="concurrency 2, 4 requests of 16 tokens, ours only")
+    args = ap.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.systems = [s for s in args.systems.split(",") if s]
+    if args.quick:
+        args.concurrency, args.request_count, args.isl, args.osl, args.systems = [2], 4, 32, 16, ["ours"]
+    from pagedbackend.models.default_model import resolve_model_path
+    from pagedbackend.serving.launcher import free_port
+    model_dir = str(resolve_model_path("default"))
+    aiperf = find_aiperf(args.aiperf)
+    out_dir = pathlib.Path(args.out) / "aiperf"
+    rows, skipped = [], []
+    if "ours" in args.systems:
+        port = free_port()
+        rows += run_system("ours", lambda: _Ours("default", port, args.threads), f"http://127.0.0.1:{port}",
+                           "paged_llm", model_dir, aiperf, args, out_dir)
+    if "vllm" in args.systems:
+        python = args.vllm_python if args.vllm_python and os.access(args.vllm_python, os.X_OK) else None
+        if python is None:
+            skipped.append(f"vLLM: no Python at {args.vllm_python!r} (--vllm-python / BENCH_VLLM_PYTHON)")
+        else:
+            port = free_port()
+            rows += run_system("vLLM CPU", lambda: peer_servers.vllm(python, model_dir, port, args.threads,
+                                                                     args.max_num_seqs, args.vllm_env),
+                               f"http://127.0.0.1:{port}", model_dir, model_dir, aiperf, args, out_dir)
+    for message in skipped:
+        print(f"skipped: {message}", flush=True)
+    ours = {r["concurrency"]: r for r in rows if r["system"] == "ours" and "error" not in r}
+    for r in rows:
+        base = ours.get(r["concurrency"])
+        if r["system"] != "ours" and base and r.get("output_token_throughput"):
+            r["ours_vs_this"] = round(base["output_token_throughput"] / r["output_token_throughput"], 2)
+    path = write_result(args.out, "aiperf", {"cpu_model": cpu_model(), "isl": args.isl, "osl": args.osl,
+                                             "rows": rows, "peers_skipped": skipped})
+    print(f"wrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
