@@ -44,6 +44,12 @@ class EngineConfig:
     max_prompt_chars: Optional[int] = None
     # Reuse KV blocks of shared prompt prefixes across requests.
     enable_prefix_caching: bool = True
+    # "fcfs": requests are scheduled in arrival order and the newest is
+    # preempted first. "priority" (vLLM's): by each request's priority (lower
+    # first), then arrival; when KV blocks run out the lowest-priority running
+    # request is preempted first, also to admit a waiting request of higher
+    # priority. Strict: lower priorities run on what higher ones leave.
+    scheduling_policy: str = "fcfs"
     # What happens to a preempted group: "recompute" or "swap".
     preemption_mode: str = "recompute"
     # Host (CPU) blocks available to swapped-out groups.
@@ -96,6 +102,7 @@ class EngineConfig:
         if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size!r}")
         choice("preemption_mode", ("recompute", "swap"))
+        choice("scheduling_policy", ("fcfs", "priority"))
         choice("kv_reservation", ("paged", "max", "pow2", "oracle"))
         choice("dtype", ("float32", "float16", "bfloat16"))
         choice("attention_backend", ("auto", "triton", "torch", "sdpa"))

@@ -80,6 +80,9 @@ class SamplingParams:
     # vLLM's per-request field: prefix-cache blocks are shared only between
     # requests with the same salt (one tenant's prompts stay out of another's reach)
     cache_salt: Optional[str] = None
+    # vLLM's per-request priority: under scheduling_policy=priority lower values
+    # are scheduled first and preempted last (ties by arrival); ignored under fcfs
+    priority: int = 0
     stop_list: List[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self):
@@ -146,6 +149,8 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         integer("truncate_prompt_tokens", 1, optional=True)
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            bad(f"priority must be an integer, got {self.priority!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             bad(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_list):

@@ -443,3 +443,40 @@ def test_an_engine_failure_reaches_every_open_stream_and_refuses_new_requests(ti
         assert not engine.is_alive()
     finally:
         engine.shutdown()
+
+
+def first_token_steps(model_dir, policy: str, num_kv_blocks: int):
+    """Low-priority requests fill the pool; high-priority ones arrive every 3
+    steps. Returns (steps from arrival to first token of each high one, every
+    request's greedy tokens)."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), compile=False, num_kv_blocks=num_kv_blocks,
+                                    block_size=8, max_num_seqs=16, scheduling_policy=policy))
+    prompts = make_prompts(10, seed=9, low=20, high=40)
+    low = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, priority=10)
+    high = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, priority=0)
+    for i in range(6):
+        engine.add_request(f"low{i}", prompts[i], low)
+    arrived, first, tokens, step = {}, {}, {}, 0
+    while engine.has_unfinished_requests() or len(arrived) < 4:
+        if step % 3 == 0 and step >= 6 and len(arrived) < 4:
+            name = f"high{len(arrived)}"
+            engine.add_request(name, prompts[6 + len(arrived)], high)
+            arrived[name] = step
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            if out.request_id in arrived and out.request_id not in first and out.outputs[0].token_ids:
+                first[out.request_id] = step - arrived[out.request_id]
+        step += 1
+        assert step < 2000
+    return first, tokens, engine
+
+
+def test_priority_requests_start_sooner_under_a_full_pool_and_everyone_finishes_unchanged(tiny_model_dir):
+    fcfs_first, fcfs_tokens, _ = first_token_steps(tiny_model_dir, "fcfs", 30)
+    prio_first, prio_tokens, engine = first_token_steps(tiny_model_dir, "priority", 30)
+    _, reference, _ = first_token_steps(tiny_model_dir, "fcfs", 400)   # no pressure, no preemption
+    assert len(prio_first) == len(fcfs_first) == 4
+    assert sum(prio_first.values()) * 3 <= sum(fcfs_first.values()), (prio_first, fcfs_first)
+    assert engine.scheduler.num_recompute_preemptions > 0
+    assert prio_tokens == reference and fcfs_tokens == reference   # every request finished, same greedy tokens
+    assert engine.check_idle() == []

@@ -210,3 +210,67 @@ def test_default_max_tokens_is_capped_so_every_candidate_fits_the_pool(width):
     assert scheduler.max_blocks(100, fit, width) <= scheduler.usable_blocks
     assert scheduler.max_blocks(100, fit + 16, width) > scheduler.usable_blocks
     assert scheduler.admission_error(100, fit, width) is None
+
+
+def prioritized(name, prompt_len, max_tokens, priority):
+    group = make_group(name, prompt_len, max_tokens)
+    group.priority = group.params.priority = priority
+    return group
+
+
+def test_priority_policy_admits_lower_values_first_and_fcfs_ignores_them():
+    for policy, expected in (("priority", ["p0", "p3", "p5"]), ("fcfs", ["p5", "p0", "p3"])):
+        scheduler = make_scheduler(num_blocks=400, max_num_seqs=1, scheduling_policy=policy)
+        groups = [prioritized(f"p{p}", 10, 2, p) for p in (5, 0, 3)]
+        for group in groups:
+            scheduler.add(group)
+        order = []
+        while scheduler.has_unfinished:
+            out = step(scheduler)
+            order += [i.group.request_id for i in out.scheduled if i.group.request_id not in order]
+        assert order == expected, policy
+
+
+def test_under_priority_the_lowest_priority_running_group_is_preempted_first():
+    scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=8, scheduling_policy="priority")
+    low = prioritized("low", 12, 40, 9)       # oldest, but least important
+    high = [prioritized(f"high{i}", 12, 40, 0) for i in range(2)]
+    for group in [low] + high:
+        scheduler.add(group)
+    preempted = []
+    for _ in range(30):
+        preempted += [g.request_id for g in step(scheduler).preempted]
+        if preempted:
+            break
+    assert preempted[0] == "low"
+
+
+def test_a_high_priority_arrival_preempts_lower_priority_work_to_start_at_once():
+    scheduler = make_scheduler(num_blocks=32, max_num_seqs=8, scheduling_policy="priority")
+    batch = [prioritized(f"batch{i}", 100, 40, 5) for i in range(4)]   # 7 blocks each with output: pool full
+    for group in batch:
+        scheduler.add(group)
+    for _ in range(3):
+        step(scheduler)
+    urgent = prioritized("urgent", 100, 8, 0)
+    scheduler.add(urgent)
+    out = step(scheduler)
+    assert urgent.status == GroupStatus.RUNNING and tokens_of(out, urgent) > 0
+    assert out.preempted and all(g.priority == 5 for g in out.preempted)
+    while scheduler.has_unfinished:   # the preempted ones still finish
+        step(scheduler)
+    assert all(g.status == GroupStatus.FINISHED for g in batch)
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_the_waiting_queue_is_a_heap_with_removal_from_the_middle():
+    from pagedbackend.core.request_queue import RequestQueue
+    queue = RequestQueue(lambda g: (g.priority, g.arrival_time))
+    groups = [prioritized(f"g{i}", 4, 1, p) for i, p in enumerate([3, 1, 2, 1, 0])]
+    for group in groups:
+        queue.push(group)
+    queue.remove(groups[2])
+    assert [g.request_id for g in queue] == ["g4", "g1", "g3", "g0"] and len(queue) == 4
+    assert queue.peek() is groups[4] and queue.pop() is groups[4] and groups[2] not in queue
+    with pytest.raises(ValueError, match="already queued"):
+        queue.push(groups[1])

@@ -80,9 +80,11 @@ def measure(server, case: dict, with_canary: bool) -> dict:
     url, metrics = server.http_url, server.metrics_url
     results = [None] * len(case["prompts"])
     started = threading.Event()
+    # A salt per run: the run beside the canary meets no prefix the run alone left cached.
+    params = {**case["params"], "cache_salt": f"{case['name']}-{'beside' if with_canary else 'alone'}"}
     preemptions = counter(metrics, "pagedbackend:num_preemptions_total")
     t0 = time.perf_counter()
-    heavy = threading.Thread(target=run_heavy, args=(url, case["prompts"], case["params"], started, results),
+    heavy = threading.Thread(target=run_heavy, args=(url, case["prompts"], params, started, results),
                              daemon=True)
     heavy.start()
     canary = None

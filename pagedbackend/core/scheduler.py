@@ -34,17 +34,19 @@ generated tokens, reusing whatever prefix blocks are still cached.
 """
 import bisect
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, List, Optional, Set, Tuple
+from typing import List, Optional, Set, Tuple
 
 from ..config import EngineConfig
 from ..sampling_params import InvalidRequestError
 from .block_manager import AllocStatus, BlockManager
 from .kv_memory import reserved_positions
+from .request_queue import RequestQueue
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
 BlockMapping = List[Tuple[int, int]]
+# Groups tried past a blocker in one step at most (each costs a prefix lookup).
+PASS_SCAN = 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -108,9 +110,10 @@ class Scheduler:
         self.bm = BlockManager(num_kv_blocks, config.block_size, num_swap_blocks=config.swap_space_blocks,
                                enable_prefix_caching=config.enable_prefix_caching,
                                watermark=config.watermark, cache_salt=cache_salt)
-        self.waiting: List[SequenceGroup] = []   # kept in arrival order
-        self.running: List[SequenceGroup] = []   # kept in arrival order
-        self.swapped: Deque[SequenceGroup] = deque()
+        self.priority = config.scheduling_policy == "priority"
+        self.waiting = RequestQueue(self.order_key)
+        self.swapped = RequestQueue(self.order_key)
+        self.running: List[SequenceGroup] = []   # kept in scheduling order (order_key)
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
 
@@ -172,20 +175,24 @@ class Scheduler:
             raise InvalidRequestError(message)
 
     # ------------------------------------------------------------ queue changes
+    def order_key(self, group: SequenceGroup) -> tuple:
+        """Scheduling order: arrival (fcfs), or priority then arrival (priority)."""
+        return (group.priority, group.arrival_time) if self.priority else (group.arrival_time,)
+
     def add(self, group: SequenceGroup) -> None:
         group.status = GroupStatus.WAITING
-        self._insert_by_arrival(self.waiting, group)
+        self.waiting.push(group)
 
-    @staticmethod
-    def _insert_by_arrival(queue: List[SequenceGroup], group: SequenceGroup) -> None:
-        keys = [g.arrival_time for g in queue]
-        queue.insert(bisect.bisect_right(keys, group.arrival_time), group)
+    def _run(self, group: SequenceGroup) -> None:
+        group.status = GroupStatus.RUNNING
+        bisect.insort(self.running, group, key=self.order_key)
 
     def remove(self, group: SequenceGroup) -> None:
         """Take a group out of whichever queue holds it and free all its blocks."""
-        for queue in (self.waiting, self.running, self.swapped):
-            if group in queue:
-                queue.remove(group)
+        self.waiting.remove(group)
+        self.swapped.remove(group)
+        if group in self.running:
+            self.running.remove(group)
         for seq in group.seqs:
             if self.bm.has_seq(seq.seq_id):
                 self.bm.free(seq.seq_id)
@@ -240,9 +247,9 @@ class Scheduler:
             seq_cap -= len(group.seqs)
             budget = self._schedule_prefill(group, budget, out)
 
-        # 3. swapped groups return, oldest first
+        # 3. swapped groups return, first in order first
         while self.swapped and not out.preempted:
-            group = self.swapped[0]
+            group = self.swapped.peek()
             live = group.seqs
             ids = [s.seq_id for s in live]
             if len(live) > budget or len(live) > seq_cap:
@@ -250,10 +257,9 @@ class Scheduler:
             needed = self.bm.blocks_to_swap_in(ids) + len(live)
             if self.bm.num_free_blocks - needed < self.bm.watermark_blocks:
                 break
-            self.swapped.popleft()
+            self.swapped.pop()
             out.swap_in_pairs += self.bm.swap_in(ids)
-            group.status = GroupStatus.RUNNING
-            self._insert_by_arrival(self.running, group)
+            self._run(group)
             if self._is_prefilling(group):
                 seq_cap -= len(live)
                 budget = self._schedule_prefill(group, budget, out)
@@ -264,32 +270,9 @@ class Scheduler:
             budget -= len(live)
             seq_cap -= len(live)
 
-        # 4. admission of waiting groups, in arrival order, past a blocker when it is safe
-        blocker = self.swapped[0] if self.swapped else None
-        i = 0
-        while i < len(self.waiting) and not out.preempted and budget > 0:
-            group = self.waiting[i]
-            token_lists = [s.token_ids for s in group.seqs]
-            reserve = self.reserve_tokens(len(group.prompt_token_ids) + group.max_tokens)
-            status = self.bm.can_allocate(token_lists, reserve, group.cache_salt)
-            if status == AllocStatus.NEVER:  # cannot happen after check_admissible; kept as a guard
-                self.waiting.pop(i)
-                out.rejected.append((group, f"request {group.request_id} can never fit the KV pool"))
-                continue
-            fits = status == AllocStatus.OK and self._step_slots(group) <= seq_cap
-            if not fits or (blocker is not None and not self._may_pass(blocker, group)):
-                blocker = blocker or group
-                i += 1
-                continue
-            self.waiting.pop(i)
-            for seq in group.seqs:
-                seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids, reserve, group.cache_salt)
-            if group.metrics.num_cached_prompt_tokens == 0:
-                group.metrics.num_cached_prompt_tokens = group.seqs[0].num_computed_tokens
-            group.status = GroupStatus.RUNNING
-            self._insert_by_arrival(self.running, group)
-            seq_cap -= self._step_slots(group)
-            budget = self._schedule_prefill(group, budget, out)
+        # 4. admission of waiting groups, in order, past a blocker when it is safe
+        if not out.preempted:
+            budget = self._admit(out, budget, seq_cap)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         now = time.time()
@@ -329,6 +312,57 @@ class Scheduler:
     def _is_prefilling(group: SequenceGroup) -> bool:
         return any(s.num_uncomputed_tokens > 1 for s in group.seqs)
 
+    def _admit(self, out: SchedulerOutput, budget: int, seq_cap: int) -> int:
+        """Admit waiting groups in scheduling order while the step has budget.
+        The first that cannot be admitted (or the first swapped-out group)
+        becomes the blocker; at most PASS_SCAN later groups are tried past it,
+        each under ``_may_pass``. Under the priority policy a group that does
+        not fit preempts running groups of lower priority (higher value) first."""
+        blocker = self.swapped.peek()
+        passed, tried = [], 0
+        while self.waiting and budget > 0 and tried <= PASS_SCAN:
+            group = self.waiting.pop()
+            if group in out.preempted:   # preempted in this very step: not back at once
+                passed.append(group)
+                continue
+            token_lists = [s.token_ids for s in group.seqs]
+            reserve = self.reserve_tokens(len(group.prompt_token_ids) + group.max_tokens)
+            status = self.bm.can_allocate(token_lists, reserve, group.cache_salt)
+            if status == AllocStatus.NEVER:  # cannot happen after check_admissible; kept as a guard
+                out.rejected.append((group, f"request {group.request_id} can never fit the KV pool"))
+                continue
+            if blocker is None and self.priority:
+                while not (status == AllocStatus.OK and self._step_slots(group) <= seq_cap):
+                    victim = self._lower_priority_victim(group)
+                    if victim is None:
+                        break
+                    seq_cap += sum(1 for item in out.scheduled if item.group is victim)
+                    budget += sum(item.num_new_tokens for item in out.scheduled if item.group is victim)
+                    self._preempt(victim, out)
+                    status = self.bm.can_allocate(token_lists, reserve, group.cache_salt)
+            fits = status == AllocStatus.OK and self._step_slots(group) <= seq_cap
+            if not fits or (blocker is not None and not self._may_pass(blocker, group)):
+                blocker = blocker or group
+                passed.append(group)
+                tried += blocker is not group
+                continue
+            for seq in group.seqs:
+                seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids, reserve, group.cache_salt)
+            if group.metrics.num_cached_prompt_tokens == 0:
+                group.metrics.num_cached_prompt_tokens = group.seqs[0].num_computed_tokens
+            self._run(group)
+            seq_cap -= self._step_slots(group)
+            budget = self._schedule_prefill(group, budget, out)
+        for group in passed:
+            self.waiting.push(group)
+        return budget
+
+    def _lower_priority_victim(self, group: SequenceGroup) -> Optional[SequenceGroup]:
+        """The running group last in order whose priority is lower than ``group``'s."""
+        if self.running and self.running[-1].priority > group.priority:
+            return self.running[-1]
+        return None
+
     @staticmethod
     def _max_live_seqs(group: SequenceGroup) -> int:
         return len(group.seqs) if group.forked else group.params.best_of
@@ -359,7 +393,8 @@ class Scheduler:
         """Whether ``group`` may be admitted before the older ``blocker``: the
         eventual needs of the running groups younger than the blocker, of
         ``group`` and of the blocker fit the pool and the sequence cap at once."""
-        younger = [g for g in self.running if g.arrival_time > blocker.arrival_time]
+        after = self.order_key(blocker)
+        younger = [g for g in self.running if self.order_key(g) > after]
         blocks = sum(self._eventual_blocks(g) for g in younger + [group, blocker])
         slots = sum(self._step_slots(g) for g in younger + [group, blocker])
         return blocks <= self.usable_blocks and slots <= self.config.max_num_seqs
@@ -405,13 +440,12 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and self.bm.can_swap_out(ids):
             out.swap_out_pairs += self.bm.swap_out(ids)
             group.status = GroupStatus.SWAPPED
-            self.swapped.append(group)
-            self.swapped = deque(sorted(self.swapped, key=lambda g: g.arrival_time))
+            self.swapped.push(group)
             self.num_swap_preemptions += 1
             return
         for seq in group.seqs:
             self.bm.free(seq.seq_id)
             seq.num_computed_tokens = 0
         group.status = GroupStatus.WAITING
-        self._insert_by_arrival(self.waiting, group)
+        self.waiting.push(group)
         self.num_recompute_preemptions += 1

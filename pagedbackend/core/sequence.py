@@ -119,6 +119,7 @@ class SequenceGroup:
         self.wants_logprob = params.logprobs is not None or params.best_of > params.n
         self.num_preemptions = 0
         self.bad_words_ids: List[List[int]] = []   # token sequences never to complete
+        self.priority = params.priority         # lower first under scheduling_policy=priority
         # The request's prefix-cache namespace: blocks are shared only with equal salts.
         self.cache_salt: bytes = (params.cache_salt or "").encode("utf-8", "surrogatepass")
 

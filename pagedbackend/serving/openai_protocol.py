@@ -76,6 +76,7 @@ class _GenerationRequest(_Strict):
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
     cache_salt: Optional[str] = None   # vLLM's: prefix-cache blocks shared only with the same salt
+    priority: Optional[int] = None     # vLLM's: lower first under scheduling_policy=priority
 
     def check(self) -> None:
         """Refusals that a field's type cannot say."""
@@ -223,7 +224,7 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 FORWARDED = ("temperature", "top_p", "seed", "top_k", "min_p", "min_tokens", "ignore_eos",
              "stop_token_ids", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
              "use_beam_search", "length_penalty", "early_stopping", "skip_special_tokens",
-             "include_stop_str_in_output", "best_of", "cache_salt")
+             "include_stop_str_in_output", "best_of", "cache_salt", "priority")
 # Sent only when they do something, so that clients which always send the
 # neutral value (0 or 1) work with a model that lacks the parameter.
 PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
