@@ -27,7 +27,6 @@ MAX_LOGIT_BIAS = 100.0
 UNSUPPORTED = {
     "lora_name": "LoRA adapters are not supported",
     "lora_request": "LoRA adapters are not supported",
-    "prompt_logprobs": "prompt log-probabilities are not supported",
     "logits_processors": "custom logits processors are not supported",
     "guided_decoding": "guided (structured) decoding is not supported",
     "structured_outputs": "structured outputs are not supported",
@@ -40,7 +39,7 @@ UNSUPPORTED = {
     "extra_args": "extra_args are not supported",
 }
 ACCEPTED_AT_DEFAULT = {"detokenize": True, "spaces_between_special_tokens": True,
-                       "output_kind": None, "prompt_logprobs": None, "lora_name": None}
+                       "output_kind": None, "lora_name": None}
 
 
 class InvalidRequestError(ValueError):
@@ -67,6 +66,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: Optional[int] = None     # top log-probabilities returned per generated token (<= MAX_LOGPROBS)
+    # vLLM's: for every prompt token after the first, its log-probability and
+    # rank plus the top k (0: the prompt token alone), from the model's raw logits
+    prompt_logprobs: Optional[int] = None
     logit_bias: Optional[Dict[int, float]] = None   # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: Optional[List[int]] = None   # only these tokens may be generated
     truncate_prompt_tokens: Optional[int] = None    # keep only the last k prompt tokens
@@ -148,6 +150,10 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         integer("truncate_prompt_tokens", 1, optional=True)
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             bad(f"priority must be an integer, got {self.priority!r}")

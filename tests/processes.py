@@ -13,3 +13,28 @@ def processes_mentioning(text: str) -> list:
         except OSError:
             continue
     return found
+
+
+def _stat_fields(pid) -> list:
+    """The fields of /proc/PID/stat after the command name."""
+    return (pathlib.Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def children_of(pids: list) -> list:
+    """Ids of live processes whose parent is one of ``pids``."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int(_stat_fields(entry.name)[1]) in pids:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    try:
+        return _stat_fields(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -480,3 +480,63 @@ def test_priority_requests_start_sooner_under_a_full_pool_and_everyone_finishes_
     assert engine.scheduler.num_recompute_preemptions > 0
     assert prio_tokens == reference and fcfs_tokens == reference   # every request finished, same greedy tokens
     assert engine.check_idle() == []
+
+
+def hf_prompt_logprobs(model, prompt):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("caching,threshold", [(True, 0), (False, 0), (True, 7)])
+def test_prompt_logprobs_equal_hugging_face_with_caching_and_chunked_prefill(tiny_model_dir, hf_model, caching,
+                                                                             threshold):
+    prompts = make_prompts(3, seed=21, low=20, high=50)
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=64, block_size=8,
+                                    enable_prefix_caching=caching, long_prefill_token_threshold=threshold))
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    got = {}
+
+    def run():
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.prompt_logprobs is not None:
+                    assert out.request_id not in got, "prompt log-probabilities sent twice"
+                    got[out.request_id] = out.prompt_logprobs
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    run()
+    # The first prompt again: with caching on its blocks are cached now, and it
+    # must still be scored whole (a cached prefix has no logits).
+    engine.add_request("r3", prompts[0], params)
+    run()
+    assert sorted(got) == ["r0", "r1", "r2", "r3"]
+    for i, prompt in enumerate(prompts + prompts[:1]):
+        expected = hf_prompt_logprobs(hf_model, prompt)
+        entries = got[f"r{i}"]
+        assert len(entries) == len(prompt) and entries[0] is None
+        for p in range(1, len(prompt)):
+            token, row = prompt[p], expected[p - 1]
+            mine = entries[p]
+            assert list(mine)[0] == token
+            assert abs(mine[token].logprob - float(row[token])) < 1e-4
+            # the rank, up to tokens within float error of the prompt token's log-probability
+            value = float(row[token])
+            assert int((row > value + 1e-4).sum()) + 1 <= mine[token].rank <= int((row > value - 1e-4).sum()) + 1
+            top = row.topk(3).indices.tolist()
+            assert [t for t in mine if t != token] == [t for t in top if t != token][:len(mine) - 1]
+            assert all(abs(mine[t].logprob - float(row[t])) < 1e-4 for t in mine)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_prompt_logprobs_zero_gives_the_prompt_token_alone_and_others_pay_nothing(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, num_kv_blocks=64))
+    prompt = make_prompts(1, seed=2, low=12, high=13)[0]
+    engine.add_request("with", prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    engine.add_request("without", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert all(len(step) == 1 for step in outs["with"][-1].prompt_logprobs[1:])
+    assert all(o.prompt_logprobs is None for o in outs["without"])

@@ -138,7 +138,7 @@ def test_completions_default_to_16_tokens_as_openai_does():
     (CompletionRequest, {"prompt": "x", "colour": "blue"}, "colour", ["unrecognized", "colour"]),
     (CompletionRequest, {}, "prompt", ["prompt is required"]),
     (CompletionRequest, {"prompt": "x", "logprobs": 21}, "logprobs", ["logprobs"]),
-    (CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1}, "echo", ["echo with logprobs"]),
+    (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens", ["needs echo"]),
     (CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
      ["stream is true"]),
     (ChatCompletionRequest, {"messages": []}, "messages", ["messages", "at least 1"]),
@@ -148,7 +148,7 @@ def test_completions_default_to_16_tokens_as_openai_does():
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "tools", ["tools are not supported"]),
 ], ids=["temperature", "top_p", "max_tokens-type", "unknown-field", "no-prompt", "too-many-logprobs",
-        "echo-logprobs", "stream_options-without-stream", "no-messages", "bad-role",
+        "max_tokens-0-without-echo", "stream_options-without-stream", "no-messages", "bad-role",
         "top_logprobs-alone", "tools"])
 def test_a_bad_request_is_a_400_naming_the_field(cls, fields, param, words):
     with pytest.raises(OpenAIError) as refused:
@@ -173,11 +173,21 @@ def test_a_body_that_is_not_a_json_object_is_a_400(raw, words):
     assert all(word in refused.value.message for word in words)
 
 
-def test_token_id_prompts_are_refused_because_the_model_takes_text():
-    request = parse_request(CompletionRequest, body(prompt=[1, 2, 3]))
+def test_prompts_are_strings_or_token_id_lists_one_or_many():
+    assert parse_request(CompletionRequest, body(prompt=[1, 2, 3])).prompts() == [[1, 2, 3]]
+    assert parse_request(CompletionRequest, body(prompt=[[1, 2], [3]])).prompts() == [[1, 2], [3]]
+    assert parse_request(CompletionRequest, body(prompt=["a", "b"])).prompts() == ["a", "b"]
+    with pytest.raises(OpenAIError, match="must not be empty"):
+        parse_request(CompletionRequest, body(prompt=[[1], []])).prompts()
 
-    with pytest.raises(OpenAIError, match="not token ids"):
-        request.prompts()
+
+def test_an_echoed_prompts_logprobs_start_with_its_first_token_without_one():
+    from pagedbackend.serving.openai_protocol import prompt_completion_logprobs
+    positions = [None, {"7": {"logprob": -1.5, "rank": 3, "decoded_token": " b"},
+                        "2": {"logprob": -0.5, "rank": 1, "decoded_token": " x"}}]
+    out = prompt_completion_logprobs("a", positions, 1)
+    assert out == {"tokens": ["a", " b"], "token_logprobs": [None, -1.5],
+                   "top_logprobs": [None, {" x": -0.5, " b": -1.5}], "text_offset": [0, 1]}
 
 
 def test_chat_messages_reach_the_template_as_text_with_developer_as_system():

@@ -16,7 +16,7 @@ import pytest
 
 from client import generate
 from pagedbackend.serving.launcher import TritonServer, free_port, make_model_repository
-from processes import processes_mentioning
+from processes import alive, children_of, processes_mentioning
 from pagedbackend.serving.openai_server import OpenAIServer
 
 pytestmark = pytest.mark.slow
@@ -281,6 +281,51 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(client):
     assert 32 <= second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
 
 
+@pytest.fixture(scope="module")
+def offline_engine(tiny_model_dir):
+    from pagedbackend import LLM
+    return LLM(model=str(tiny_model_dir), **SETTINGS)
+
+
+def test_echo_with_logprobs_and_no_tokens_scores_a_token_id_prompt_like_the_engine(client, tokenizer,
+                                                                                    offline_engine):
+    """lm-evaluation-harness's log-likelihood request: token ids, echo, logprobs 1, max_tokens 0."""
+    from pagedbackend import SamplingParams
+    ids = tokenizer(PROMPT + " and then some more words to score").input_ids
+    reply = client.completions.create(model="paged_llm", prompt=ids, echo=True, logprobs=1, max_tokens=0,
+                                      temperature=0)
+    choice, expected = reply.choices[0], offline_engine.generate(
+        ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))[0].prompt_logprobs
+    assert choice.text == tokenizer.decode(ids) and reply.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert len(choice.logprobs.tokens) == len(ids) and choice.logprobs.text_offset[0] == 0
+    for p in range(1, len(ids)):
+        assert abs(choice.logprobs.token_logprobs[p] - expected[p][ids[p]].logprob) < 1e-4
+        assert choice.logprobs.tokens[p] == expected[p][ids[p]].decoded_token
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_gives_the_prompts_then_the_generated_tokens(client, tokenizer, stream):
+    kwargs = dict(model="paged_llm", prompt=PROMPT, echo=True, logprobs=2, max_tokens=3, temperature=0,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        first = chunks[0].choices[0].logprobs
+    else:
+        choice = client.completions.create(**kwargs).choices[0]
+        text, tokens, first = choice.text, choice.logprobs.tokens, choice.logprobs
+    prompt_ids = tokenizer(PROMPT).input_ids
+    assert text.startswith(PROMPT) and len(tokens) == len(prompt_ids) + 3
+    assert first.token_logprobs[0] is None and all(v is not None for v in first.token_logprobs[1:])
+
+
+def test_max_tokens_zero_without_echo_is_refused_by_name(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0"):
+        client.completions.create(model="paged_llm", prompt="Hi", max_tokens=0)
+
+
 def test_a_text_part_with_extra_keys_is_read_for_its_text(client):
     reply = client.chat.completions.create(model="paged_llm", max_tokens=3, temperature=0, messages=[
         {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}])
@@ -461,24 +506,6 @@ def test_a_short_locust_run_through_the_openai_api_has_no_failures(triton, api, 
 
 
 
-def _children(pids: list) -> list:
-    found = []
-    for entry in pathlib.Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) in pids:
-                found.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return (pathlib.Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.timeout(300)
 def test_make_serve_starts_triton_and_the_openai_api_and_sigterm_stops_both(tiny_model_dir, tmp_path):
     ports = {name: free_port() for name in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT", "OPENAI_PORT")}
@@ -503,7 +530,7 @@ def test_make_serve_starts_triton_and_the_openai_api_and_sigterm_stops_both(tiny
         tritonserver = processes_mentioning(f"--grpc-port={ports['GRPC_PORT']}")
         launcher = processes_mentioning(f"--grpc-port\0{ports['GRPC_PORT']}")
         api = processes_mentioning(f"--port\0{ports['OPENAI_PORT']}")
-        stubs = _children(tritonserver)  # the model's Python backend stub
+        stubs = children_of(tritonserver)  # the model's Python backend stub
         started = tritonserver + stubs + launcher + api
 
         make.send_signal(signal.SIGTERM)
@@ -516,6 +543,6 @@ def test_make_serve_starts_triton_and_the_openai_api_and_sigterm_stops_both(tiny
     assert reply["usage"]["completion_tokens"] == 3
     assert len(tritonserver) == len(launcher) == len(api) == 1 and stubs
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert [pid for pid in started if _alive(pid)] == []
+    assert [pid for pid in started if alive(pid)] == []

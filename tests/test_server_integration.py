@@ -238,6 +238,23 @@ def test_list_fields_go_in_generate_request_parameters_as_json_text(server, offl
     assert banned.texts[0] != text
 
 
+@pytest.mark.timeout(120)
+def test_prompt_logprobs_come_back_as_json_equal_to_the_offline_engine(server, offline):
+    import urllib.request
+    from pagedbackend import SamplingParams
+    params = {"max_tokens": 2, "temperature": 0.0, "prompt_logprobs": 2}
+    body = {"text_input": PROMPTS[0], "return_prompt_logprobs": True, "parameters": params}
+    request = urllib.request.Request(f"{server.http_url}/v2/models/paged_llm/generate", json.dumps(body).encode())
+    got = json.loads(json.loads(urllib.request.urlopen(request, timeout=60).read())["prompt_logprobs"])
+    expected = offline.generate(PROMPTS[0], SamplingParams(**params))[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(expected) > 2
+    for mine, theirs in zip(got[1:], expected[1:]):
+        assert list(mine) == [str(t) for t in theirs]
+        for token, entry in theirs.items():
+            assert abs(mine[str(token)]["logprob"] - entry.logprob) < 1e-5
+            assert mine[str(token)]["rank"] == entry.rank and mine[str(token)]["decoded_token"] == entry.decoded_token
+
+
 def collect_http(server, params):
     from client import collect
     return collect(http_stream(PROMPTS[0], params, url=server.http_url, as_request_parameters=True,

@@ -17,7 +17,7 @@ import pytest
 from client import http_stream
 from loadtest.tiny_model import build_tiny_llama
 from pagedbackend.serving.launcher import EXIT_TIMEOUT_S, free_port
-from processes import processes_mentioning
+from processes import alive, children_of, processes_mentioning
 
 pytestmark = pytest.mark.slow
 
@@ -30,24 +30,6 @@ STOP_LIMIT_S = EXIT_TIMEOUT_S + 5 + 10
 @pytest.fixture(scope="module")
 def long_context_model(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_long"), max_position_embeddings=4096)
-
-
-def children_of(pids):
-    found = []
-    for entry in pathlib.Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) in pids:
-                found.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return (pathlib.Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class Serve:

@@ -20,6 +20,7 @@ BENCHMARKS = {
     "fairness": "canary TTFT beside an 8k-token prompt, an n=64 request and preempted groups",
     "startup": "time from starting the launcher to ready, to a first token, and to the compiled step",
     "aiperf": "NVIDIA's AIPerf against our OpenAI API and vLLM's, concurrency 1, 8 and 32",
+    "eval": "lm-evaluation-harness through our OpenAI API beside its hf model: log-likelihoods, accuracy",
     "peers": "offline tokens/s and serving TTFT/TPOT/ITL beside vLLM's CPU build and llama.cpp",
     "gpu": "on a CUDA machine: Triton-lang kernel checks, decode attention timing, offline run",
     "quant_kernels": "weight-only int8 / int4 and bf16 matmuls vs fp32 on SmolLM2's linear shapes",
@@ -27,8 +28,8 @@ BENCHMARKS = {
     "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
 }
 NEEDS_CUDA = {"gpu"}
-# Installs a client of its own from PyPI on first use: run it by name only.
-NOT_IN_ALL = {"aiperf"}
+# Each installs a client of its own from PyPI on first use: run them by name only.
+NOT_IN_ALL = {"aiperf", "eval"}
 
 # Small settings for `all --quick` (benchmarks without a --quick flag of their own).
 QUICK_ARGS = {

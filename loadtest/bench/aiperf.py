@@ -19,35 +19,18 @@ import os
 import pathlib
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Dict, List, Optional
 
 from . import peer_servers
-from .common import write_result
+from .common import tool_command, write_result
 from .peers import cpu_model
 
 AIPERF_VERSION = "0.13.0"
 # AIPerf's metric tags and what we report of each.
 METRICS = {"output_token_throughput": "avg", "request_throughput": "avg", "time_to_first_token": "p50",
            "inter_token_latency": "p50", "request_latency": "p50", "request_count": "avg"}
-
-
-def find_aiperf(given: Optional[str]) -> str:
-    """The aiperf command: the one given, or one installed here on demand."""
-    if given:
-        if not (os.path.isfile(given) and os.access(given, os.X_OK)):
-            raise SystemExit(f"no aiperf command at {given!r}")
-        return given
-    from pagedbackend.config import cache_root
-    venv = cache_root() / "aiperf-venv"
-    command = venv / "bin" / "aiperf"
-    if not command.exists():
-        print(f"installing aiperf {AIPERF_VERSION} into {venv} (once)...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"aiperf=={AIPERF_VERSION}"], check=True)
-    return str(command)
 
 
 def run_aiperf(aiperf: str, url: str, model: str, tokenizer: str, concurrency: int, requests: int,
@@ -59,8 +42,9 @@ def run_aiperf(aiperf: str, url: str, model: str, tokenizer: str, concurrency: i
                "--request-count", str(requests), "--warmup-request-count", str(min(8, requests)),
                "--random-seed", str(args.seed), "--artifact-dir", str(artifacts), "--ui-type", "none"]
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.time_limit,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    # Not HF_HUB_OFFLINE: AIPerf then looks for the folder in the hub's cache, not on disk.
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.time_limit, env=env)
     summary = next(iter(artifacts.rglob("profile_export_aiperf.json")), None)
     if done.returncode != 0 or summary is None:
         raise RuntimeError(f"aiperf exited with {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
@@ -147,7 +131,7 @@ def main(argv=None):
     from pagedbackend.models.default_model import resolve_model_path
     from pagedbackend.serving.launcher import free_port
     model_dir = str(resolve_model_path("default"))
-    aiperf = find_aiperf(args.aiperf)
+    aiperf = tool_command(args.aiperf, "aiperf-venv", "aiperf", [[f"aiperf=={AIPERF_VERSION}"]])
     out_dir = pathlib.Path(args.out) / "aiperf"
     rows, skipped = [], []
     if "ours" in args.systems:

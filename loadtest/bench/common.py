@@ -60,3 +60,23 @@ def add_common_args(ap, out: str = "results/bench", threads: int = 1) -> None:
 def set_threads(n: int) -> None:
     if n and n > 0:
         torch.set_num_threads(n)
+
+
+def tool_command(given, venv_name: str, command: str, packages) -> str:
+    """A benchmark client's command: ``given`` (checked), else ``command`` in a
+    virtual environment of its own under the cache, made on first use with
+    ``packages`` installed in turn (each a list of pip arguments)."""
+    import subprocess
+    if given:
+        if not (os.path.isfile(given) and os.access(given, os.X_OK)):
+            raise SystemExit(f"no {command} command at {given!r}")
+        return given
+    from pagedbackend.config import cache_root
+    venv = cache_root() / venv_name
+    path = venv / "bin" / command
+    if not path.exists():
+        print(f"installing {command} into {venv} (once)...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        for args in packages:
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *args], check=True)
+    return str(path)

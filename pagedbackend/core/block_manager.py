@@ -151,10 +151,12 @@ class BlockManager:
         quantisation) and the request's cache salt."""
         return self.cache_salt + b"\0" + salt if salt else self.cache_salt
 
-    def _cached_prefix(self, token_ids: Sequence[int], salt: bytes = b"") -> Tuple[List[KVBlock], List[bytes]]:
-        """Cached blocks the sequence's first tokens map to. At least the last token
-        is left to compute, since its logits are needed."""
-        if not self.enable_prefix_caching:
+    def _cached_prefix(self, token_ids: Sequence[int], salt: bytes = b"",
+                       reuse: bool = True) -> Tuple[List[KVBlock], List[bytes]]:
+        """Cached blocks the sequence's first tokens map to (none without
+        ``reuse``). At least the last token is left to compute, since its
+        logits are needed."""
+        if not self.enable_prefix_caching or not reuse:
             return [], []
         hits: List[KVBlock] = []
         hashes: List[bytes] = []
@@ -170,20 +172,20 @@ class BlockManager:
             parent = h
         return hits, hashes
 
-    def blocks_needed(self, token_ids: Sequence[int], salt: bytes = b"") -> int:
+    def blocks_needed(self, token_ids: Sequence[int], salt: bytes = b"", reuse: bool = True) -> int:
         """Free blocks that ``allocate`` would take for these tokens now."""
-        hits, _ = self._cached_prefix(token_ids, salt)
+        hits, _ = self._cached_prefix(token_ids, salt, reuse)
         revived = sum(1 for b in hits if b.ref_cnt == 0)
         return _cdiv(len(token_ids), self.block_size) - len(hits) + revived
 
     def can_allocate(self, token_id_lists: Sequence[Sequence[int]], reserve_tokens: int = 0,
-                     salt: bytes = b"") -> AllocStatus:
+                     salt: bytes = b"", reuse: bool = True) -> AllocStatus:
         """Whether sequences with these tokens (one group) can be allocated."""
         extra = [self._reserved_extra(len(t), reserve_tokens) for t in token_id_lists]
         total = sum(_cdiv(len(t), self.block_size) for t in token_id_lists) + sum(extra)
         if total > self.pool.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        needed = sum(self.blocks_needed(t, salt) for t in token_id_lists) + sum(extra)
+        needed = sum(self.blocks_needed(t, salt, reuse) for t in token_id_lists) + sum(extra)
         if self.pool.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -192,13 +194,14 @@ class BlockManager:
         return max(0, _cdiv(reserve_tokens, self.block_size) - _cdiv(num_tokens, self.block_size))
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int = 0,
-                 salt: bytes = b"") -> int:
+                 salt: bytes = b"", reuse: bool = True) -> int:
         """Give a new sequence blocks for all its tokens, mapping cached prefix
         blocks where it can. Returns how many leading tokens are already computed.
         ``reserve_tokens`` takes blocks for that many positions up front, as a
         contiguous-reservation server would (benchmark baselines only). ``salt``
         (a request's cache_salt) keeps its prefix blocks apart from requests
-        with another salt, or none."""
+        with another salt, or none; ``reuse=False`` maps no cached block (the
+        whole prompt is computed; its full blocks are still registered)."""
         if seq_id in self._seqs:
             raise BlockManagerError(f"sequence {seq_id} already has blocks")
         if not token_ids:
@@ -208,7 +211,7 @@ class BlockManager:
             raise BlockManagerError(
                 f"sequence {seq_id} needs {n_blocks} blocks for {len(token_ids)} tokens; "
                 f"the whole pool has {self.pool.num_blocks}")
-        hits, hashes = self._cached_prefix(token_ids, salt)
+        hits, hashes = self._cached_prefix(token_ids, salt, reuse)
         needed = n_blocks - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
         if needed > self.pool.num_free:
             raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} free blocks, {self.pool.num_free} left")

@@ -67,6 +67,7 @@ class ScheduledSeq:
     start_pos: int = 0
     block_table: List[int] = field(default_factory=list)
     need_logits: bool = False
+    prompt_logits: bool = False    # the logits of every token of the chunk (prompt_logprobs)
 
 
 @dataclass
@@ -284,6 +285,7 @@ class Scheduler:
             item.token_ids = seq.token_ids[item.start_pos:item.start_pos + item.num_new_tokens]
             item.block_table = self.bm.get_block_table(seq.seq_id)
             item.need_logits = item.start_pos + item.num_new_tokens == seq.num_tokens
+            item.prompt_logits = item.group.needs_prompt_logits and item.start_pos < seq.num_prompt_tokens
         return out
 
     def update_from_output(self, out: SchedulerOutput, update: StepUpdate) -> None:
@@ -327,7 +329,9 @@ class Scheduler:
                 continue
             token_lists = [s.token_ids for s in group.seqs]
             reserve = self.reserve_tokens(len(group.prompt_token_ids) + group.max_tokens)
-            status = self.bm.can_allocate(token_lists, reserve, group.cache_salt)
+            # A cached prefix has no logits: prompt_logprobs computes the whole prompt.
+            reuse = not group.needs_prompt_logits
+            status = self.bm.can_allocate(token_lists, reserve, group.cache_salt, reuse)
             if status == AllocStatus.NEVER:  # cannot happen after check_admissible; kept as a guard
                 out.rejected.append((group, f"request {group.request_id} can never fit the KV pool"))
                 continue
@@ -339,7 +343,7 @@ class Scheduler:
                     seq_cap += sum(1 for item in out.scheduled if item.group is victim)
                     budget += sum(item.num_new_tokens for item in out.scheduled if item.group is victim)
                     self._preempt(victim, out)
-                    status = self.bm.can_allocate(token_lists, reserve, group.cache_salt)
+                    status = self.bm.can_allocate(token_lists, reserve, group.cache_salt, reuse)
             fits = status == AllocStatus.OK and self._step_slots(group) <= seq_cap
             if not fits or (blocker is not None and not self._may_pass(blocker, group)):
                 blocker = blocker or group
@@ -347,7 +351,8 @@ class Scheduler:
                 tried += blocker is not group
                 continue
             for seq in group.seqs:
-                seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids, reserve, group.cache_salt)
+                seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids, reserve, group.cache_salt,
+                                                           reuse)
             if group.metrics.num_cached_prompt_tokens == 0:
                 group.metrics.num_cached_prompt_tokens = group.seqs[0].num_computed_tokens
             self._run(group)

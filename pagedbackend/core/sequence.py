@@ -120,8 +120,17 @@ class SequenceGroup:
         self.num_preemptions = 0
         self.bad_words_ids: List[List[int]] = []   # token sequences never to complete
         self.priority = params.priority         # lower first under scheduling_policy=priority
+        # With prompt_logprobs: one entry per prompt token computed so far (the
+        # first is None); collected from the prefill's logits, chunk by chunk.
+        self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
         # The request's prefix-cache namespace: blocks are shared only with equal salts.
         self.cache_salt: bytes = (params.cache_salt or "").encode("utf-8", "surrogatepass")
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt log-probabilities are asked for and not all computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def is_beam_search(self) -> bool:

@@ -66,6 +66,8 @@ def merge_delta(merged: Dict[str, RequestOutput], delta: RequestOutput) -> Reque
     if acc is None:
         acc = merged[delta.request_id] = RequestOutput(
             delta.request_id, delta.prompt, delta.prompt_token_ids, [], False, delta.metrics)
+    if delta.prompt_logprobs is not None:
+        acc.prompt_logprobs = delta.prompt_logprobs
     by_index = {o.index: o for o in acc.outputs}
     for out in delta.outputs:
         cur = by_index.get(out.index)

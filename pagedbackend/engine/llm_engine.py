@@ -242,6 +242,8 @@ class LLMEngine:
         update = StepUpdate()
         failed: Dict[str, Tuple[SequenceGroup, str]] = {}
         with torch.inference_mode():
+            if any(item.prompt_logits for item in sched.scheduled):
+                logits = self._take_prompt_logprobs(logits, sched.scheduled, failed)
             touched = self._sample_and_update(logits, [i for i in sched.scheduled if i.need_logits],
                                               update, failed)
         self.scheduler.update_from_output(sched, update)
@@ -287,6 +289,45 @@ class LLMEngine:
                 if done[0]:
                     touched[group.request_id] = group
         return [g for g in touched.values() if g.request_id not in failed]
+
+    def _take_prompt_logprobs(self, logits: torch.Tensor, scheduled: Seq[ScheduledSeq],
+                              failed: Dict) -> torch.Tensor:
+        """Record the prompt log-probabilities that this step's chunks give
+        (the logits of position p score the prompt token at p + 1) and return
+        the logits of the rows to sample, one per entry that needs logits."""
+        row, sample_rows = 0, []
+        for item in scheduled:
+            count = len(item.token_ids) if item.prompt_logits else int(item.need_logits)
+            if item.prompt_logits:
+                group = item.group
+                self._isolated(group, failed, "computing prompt log-probabilities",
+                               lambda: self._prompt_logprobs(group, item, logits[row:row + count]))
+            if item.need_logits:
+                sample_rows.append(row + count - 1)
+            row += count
+        return logits[sample_rows]
+
+    def _prompt_logprobs(self, group: SequenceGroup, item: ScheduledSeq, logits: torch.Tensor) -> None:
+        prompt, have = group.prompt_token_ids, len(group.prompt_logprobs)
+        # Row j is position start + j; it scores the token at start + j + 1.
+        first = have - 1 - item.start_pos
+        count = min(len(prompt) - have, logits.shape[0] - first)
+        if first < 0 or count <= 0:
+            return
+        logprobs = torch.log_softmax(logits[first:first + count].float(), dim=-1)
+        targets = torch.tensor(prompt[have:have + count], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])
+        ranks = (logprobs > chosen).sum(dim=1) + 1
+        k = group.params.prompt_logprobs
+        top = logprobs.topk(k, dim=-1) if k else None
+        decode = self.tokenizer.decode
+        for j, token in enumerate(prompt[have:have + count]):
+            entries = {token: Logprob(float(chosen[j]), int(ranks[j]), decode([token]))}
+            if top is not None:
+                for rank, (value, other) in enumerate(zip(top.values[j].tolist(), top.indices[j].tolist()), 1):
+                    if other != token:
+                        entries[other] = Logprob(value, rank, decode([other]))
+            group.prompt_logprobs.append(entries)
 
     def _sample_owners(self, logits: torch.Tensor, owners, failed: Dict) -> List[list]:
         """Samples per owner: the whole batch at once; should that raise, each
@@ -482,8 +523,11 @@ class LLMEngine:
             if group.params.best_of > group.params.n:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)
             outputs = [self._delta(group, s, index=i) for i, s in enumerate(seqs[:group.params.n])]
+        prompt_logprobs = None
+        if group.prompt_logprobs is not None and not group.needs_prompt_logits and not group.prompt_logprobs_sent:
+            prompt_logprobs, group.prompt_logprobs_sent = group.prompt_logprobs, True
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                             finished, dataclasses.replace(group.metrics))
+                             finished, dataclasses.replace(group.metrics), prompt_logprobs=prompt_logprobs)
 
     def _delta(self, group: SequenceGroup, seq: Sequence, index: Optional[int] = None) -> CompletionOutput:
         """New tokens and text since the last delta. Text that might still turn

@@ -39,6 +39,10 @@ class RequestOutput:
     finished: bool
     metrics: Optional[RequestMetrics] = None
     error: Optional[str] = None      # set when the engine failed this request
+    # With SamplingParams.prompt_logprobs: per prompt token (None for the first),
+    # ``{token id: Logprob}`` with the prompt token first; in the first output
+    # after the prompt is computed (and in the final one of requests that stream nothing)
+    prompt_logprobs: Optional[List[Optional[Dict[int, "Logprob"]]]] = None
 
 
 @dataclass

@@ -86,7 +86,8 @@ class _GenerationRequest(_Strict):
 
 class CompletionRequest(_GenerationRequest):
     prompt: Union[str, List[str], List[int], List[List[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 with echo scores the prompt only
+    max_tokens: Optional[int] = Field(16, ge=0)
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: Optional[str] = None
@@ -95,17 +96,24 @@ class CompletionRequest(_GenerationRequest):
         super().check()
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise OpenAIError(400, "echo with logprobs is not supported: the model does not return "
-                              "prompt log-probabilities", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(400, "max_tokens 0 generates nothing: it needs echo (to score the prompt)",
+                              "max_tokens")
 
-    def prompts(self) -> List[str]:
-        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
-        if not prompts:
+    @property
+    def score_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its log-probabilities) alone."""
+        return self.max_tokens == 0
+
+    def prompts(self) -> List[Union[str, List[int]]]:
+        """Each prompt: a string, or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts or any(len(p) == 0 for p in prompts):
             raise OpenAIError(400, "prompt must not be empty", "prompt")
-        if not all(isinstance(p, str) for p in prompts):
-            raise OpenAIError(400, "prompt must be a string or a list of strings: the model takes "
-                              "text, not token ids", "prompt")
         return prompts
 
 
@@ -280,6 +288,19 @@ def _position(entries: dict, top: int) -> Tuple[Tuple[str, float], List[Tuple[st
     sampled = below[0] if len(items) > top and len(below) == 1 else items[0]
     by_rank = sorted(items, key=lambda item: (item[2] if item[2] is not None else float("inf"), -item[1]))
     return sampled[:2], [item[:2] for item in by_rank[:top]]
+
+
+def prompt_completion_logprobs(first_token: str, positions: List[Optional[dict]], top: int) -> dict:
+    """Completions ``logprobs`` of an echoed prompt: its first token (``first_token``,
+    with no log-probability, as OpenAI and vLLM give it), then one entry per
+    later prompt token from the model's ``prompt_logprobs`` output."""
+    rest = completion_logprobs(positions[1:], top, len(first_token))
+    return {"tokens": [first_token] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
 
 
 def completion_logprobs(positions: List[dict], top: int, text_offset: int = 0) -> dict:

@@ -29,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedbackend.serving.launcher import ADMIN_KEY_ENV, free_port
 from pagedbackend.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError,
-                                                  chat_logprobs, completion_logprobs, parse_request,
+                                                  chat_logprobs, completion_logprobs, join_logprobs,
+                                                  parse_request, prompt_completion_logprobs,
                                                   sampling_parameters)
 from pagedbackend.serving.openai_triton import ClientGone, Generation, Triton, Update, is_text_model
 
@@ -78,12 +79,16 @@ class Run:
         self.choices = [Choice(p * n + i) for p in range(num_prompts) for i in range(n)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens: List[Optional[int]] = [None] * num_prompts
+        self.prompt_logprobs: List[Optional[list]] = [None] * num_prompts
+        self.score_only = False   # echo with max_tokens 0: what was generated is not returned
 
     def count_prompt(self, prompt: int, update: Update) -> None:
         if update.num_input_tokens is not None:
             self.prompt_tokens[prompt] = update.num_input_tokens
         if update.num_cached_tokens is not None:
             self.cached_tokens[prompt] = update.num_cached_tokens
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt] = update.prompt_logprobs
 
     def fold(self, prompt: int, update: Update):
         """Per output of ``update``, folded in turn: (choice, new text, new
@@ -94,7 +99,8 @@ class Run:
             yield (choice, *choice.add(update, i))
 
     def usage(self) -> dict:
-        prompt, completion = sum(self.prompt_tokens), sum(c.num_tokens for c in self.choices)
+        prompt = sum(self.prompt_tokens)
+        completion = 0 if self.score_only else sum(c.num_tokens for c in self.choices)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if any(c is not None for c in self.cached_tokens):   # prefix-cache hits, as OpenAI reports them
             usage["prompt_tokens_details"] = {"cached_tokens": sum(c or 0 for c in self.cached_tokens)}
@@ -103,6 +109,8 @@ class Run:
 
 class _Answer:
     """How one endpoint shapes its choices: as stream chunks or one object."""
+
+    wants_prompt_logprobs = False
 
     def __init__(self, req, model: str, prefix: str, top: Optional[int]):
         self.req, self.model, self.top = req, model, top
@@ -142,33 +150,59 @@ class _Answer:
 
     def whole(self, run: Run) -> dict:
         return {"id": self.id, "object": self.whole_object, "created": self.created, "model": self.model,
-                "choices": [self.whole_choice(c) for c in run.choices], "usage": run.usage()}
+                "choices": [self.whole_choice(c, run) for c in run.choices], "usage": run.usage()}
 
 
 class CompletionAnswer(_Answer):
     chunk_object = whole_object = "text_completion"
 
-    def __init__(self, req: CompletionRequest, model: str, prompts: List[str]):
+    def __init__(self, req: CompletionRequest, model: str, prompts: list, tokenizer):
         super().__init__(req, model, "cmpl", req.logprobs)
-        self.prompts = prompts
+        # Echoed text: the prompt, or the text of its token ids.
+        self.texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+        self.wants_prompt_logprobs = req.echo and req.logprobs is not None
+        self.first_tokens = []   # the text of each prompt's first token (it has no log-probability)
+        if self.wants_prompt_logprobs:
+            for p in prompts:
+                ids = p if not isinstance(p, str) else tokenizer.encode(p)
+                self.first_tokens.append(tokenizer.decode(ids[:1]))
 
     def _echo(self, choice: Choice) -> str:
-        return self.prompts[choice.index // self.req.n] if self.req.echo else ""
+        return self.texts[choice.index // self.req.n] if self.req.echo else ""
+
+    def _prompt_logprobs(self, run: Run, choice: Choice) -> Optional[dict]:
+        prompt = choice.index // self.req.n
+        if not self.wants_prompt_logprobs or run.prompt_logprobs[prompt] is None:
+            return None
+        return prompt_completion_logprobs(self.first_tokens[prompt], run.prompt_logprobs[prompt], self.top)
 
     def delta(self, run, choice, text, positions, finished) -> Optional[bytes]:
+        if run.score_only:
+            text, positions = "", []
         echo = "" if choice.sent else self._echo(choice)
         if not (echo or text or positions or finished):
             return None
         logprobs = None
-        if self.top is not None:  # offsets continue the choice's text (echo and logprobs exclude each other)
-            logprobs = completion_logprobs(positions, self.top, len(choice.text) - len(text))
+        if self.top is not None:  # offsets continue the choice's text, echoed prompt included
+            sent = len(echo) if echo else len(self._echo(choice)) + len(choice.text) - len(text)
+            logprobs = completion_logprobs(positions, self.top, sent)
+            prompt = self._prompt_logprobs(run, choice) if echo else None
+            if prompt is not None:
+                logprobs = join_logprobs(prompt, logprobs)
         return self.chunk(run, [{"index": choice.index, "text": echo + text, "logprobs": logprobs,
                                  "finish_reason": finished}])
 
-    def whole_choice(self, choice: Choice) -> dict:
-        return {"index": choice.index, "text": self._echo(choice) + choice.text,
-                "finish_reason": choice.finish_reason,
-                "logprobs": None if self.top is None else completion_logprobs(choice.positions, self.top)}
+    def whole_choice(self, choice: Choice, run: Run) -> dict:
+        text, positions = ("", []) if run.score_only else (choice.text, choice.positions)
+        logprobs = None
+        if self.top is not None:
+            echo = self._echo(choice)
+            logprobs = completion_logprobs(positions, self.top, len(echo))
+            prompt = self._prompt_logprobs(run, choice)
+            if prompt is not None:
+                logprobs = join_logprobs(prompt, logprobs)
+        return {"index": choice.index, "text": self._echo(choice) + text,
+                "finish_reason": choice.finish_reason, "logprobs": logprobs}
 
 
 class ChatAnswer(_Answer):
@@ -188,7 +222,7 @@ class ChatAnswer(_Answer):
         return self.chunk(run, [{"index": choice.index, "delta": {"content": text} if text else {},
                                  "logprobs": logprobs, "finish_reason": finished}])
 
-    def whole_choice(self, choice: Choice) -> dict:
+    def whole_choice(self, choice: Choice, run: Run) -> dict:
         return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
                 "logprobs": None if self.top is None else {"content": chat_logprobs(choice.positions, self.top)},
                 "finish_reason": choice.finish_reason}
@@ -326,12 +360,17 @@ async def answer(request: Request, triton: Triton, model: str, prompts: List[str
     up, at any point, cancels the Triton requests still running."""
     if open_generations.closing:
         raise OpenAIError(503, open_generations.closing)
-    cached = "num_cached_tokens" in {o["name"] for o in (await triton.config(model)).get("output", [])}
-    generation = Generation([triton.stream(model, p, params, logprobs, cached) for p in prompts])
+    outputs = {o["name"] for o in (await triton.config(model)).get("output", [])}
+    if shape.wants_prompt_logprobs and "prompt_logprobs" not in outputs:
+        raise OpenAIError(400, f"echo with logprobs needs prompt log-probabilities, which model {model} "
+                          "does not return (no prompt_logprobs output)", "echo")
+    generation = Generation([triton.stream(model, p, params, logprobs, "num_cached_tokens" in outputs,
+                                           shape.wants_prompt_logprobs) for p in prompts])
     open_generations.running.add(generation)
     watcher = asyncio.ensure_future(_watch_disconnect(request.receive, generation.cancel))
     updates = generation.updates()
     run = Run(len(prompts), shape.req.n)
+    run.score_only = getattr(shape.req, "score_only", False)
 
     def stop():
         open_generations.running.discard(generation)
@@ -458,9 +497,13 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         req = parse_request(CompletionRequest, await request.body())
         prompts = req.prompts()
         model = await model_for(req.model, req.logprobs is not None)
-        params = sampling_parameters(req, req.max_tokens, req.logprobs)
+        # max_tokens 0 (score the prompt): one token is generated and not returned.
+        params = sampling_parameters(req, max(req.max_tokens or 0, 1) if req.max_tokens is not None else None,
+                                     req.logprobs)
+        if req.echo and req.logprobs is not None:
+            params["prompt_logprobs"] = req.logprobs
         return await answer(request, triton, model, prompts, params, req.logprobs is not None,
-                            CompletionAnswer(req, model, prompts), req.stream, open_generations)
+                            CompletionAnswer(req, model, prompts, tokenizer), req.stream, open_generations)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -37,6 +37,7 @@ class Update:
     num_input_tokens: Optional[int]
     logprobs: Optional[List[Optional[list]]]
     num_cached_tokens: Optional[int] = None   # prompt tokens found in the prefix cache
+    prompt_logprobs: Optional[list] = None    # per prompt token (None first), once computed
 
 
 _NUMBERS = {"UINT32": "I", "INT32": "i", "UINT64": "Q", "INT64": "q", "FP32": "f"}
@@ -69,11 +70,13 @@ def read_update(response) -> Update:
     prompt_tokens = outputs.get("num_input_tokens")
     cached = outputs.get("num_cached_tokens")
     logprobs = outputs.get("logprobs")
+    prompt_logprobs = outputs.get("prompt_logprobs")
     return Update(texts, [None if r in (None, "", "None") else r for r in reasons],
                   outputs.get("num_output_tokens", [0] * len(texts)),
                   prompt_tokens[0] if prompt_tokens else None,
                   None if logprobs is None else [parse_logprobs(e) for e in logprobs],
-                  cached[0] if cached else None)
+                  cached[0] if cached else None,
+                  parse_logprobs(prompt_logprobs[0]) if prompt_logprobs else None)
 
 
 def _input(name: str, value) -> "aioclient.InferInput":
@@ -89,6 +92,13 @@ FLAGS = [_input(name, True) for name in ("stream", "exclude_input_in_output", "r
                                          "return_num_input_tokens", "return_num_output_tokens")]
 RETURN_LOGPROBS = _input("return_logprobs", True)
 RETURN_CACHED = _input("return_num_cached_tokens", True)
+RETURN_PROMPT_LOGPROBS = _input("return_prompt_logprobs", True)
+
+
+def _ids_input(ids: List[int]) -> "aioclient.InferInput":
+    tensor = aioclient.InferInput("input_ids", [len(ids)], "INT64")
+    tensor.set_data_from_numpy(np.array(ids, dtype=np.int64))
+    return tensor
 
 
 class TritonStream:
@@ -268,10 +278,15 @@ class Triton:
                 ready.append(name)
         return ready
 
-    def stream(self, model: str, prompt: str, params: dict, logprobs: bool,
-               cached_tokens: bool = False) -> TritonStream:
-        """``cached_tokens``: ask for ``num_cached_tokens`` (a model that declares it)."""
-        inputs = [_input("text_input", prompt), _input("sampling_parameters", json.dumps(params)), *FLAGS]
+    def stream(self, model: str, prompt, params: dict, logprobs: bool, cached_tokens: bool = False,
+               prompt_logprobs: bool = False) -> TritonStream:
+        """``prompt``: text, or a list of token ids (the model's ``input_ids``);
+        ``cached_tokens``, ``prompt_logprobs``: ask for those outputs (a model
+        that declares them)."""
+        first = _input("text_input", prompt) if isinstance(prompt, str) else _ids_input(prompt)
+        inputs = [first, _input("sampling_parameters", json.dumps(params)), *FLAGS]
+        if prompt_logprobs:
+            inputs.append(RETURN_PROMPT_LOGPROBS)
         if logprobs:
             inputs.append(RETURN_LOGPROBS)
         if cached_tokens:

@@ -15,7 +15,8 @@ from pagedbackend.config import coerce
 from pagedbackend.sampling_params import SamplingParams
 
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
-         "return_logprobs", "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens")
+         "return_logprobs", "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens",
+         "return_prompt_logprobs")
 # Request parameters that Triton itself defines; the rest are sampling parameters.
 TRITON_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout"}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -42,6 +43,7 @@ class Job:
     reasons: dict = field(default_factory=dict)
     logprobs: dict = field(default_factory=dict)       # output index -> cumulative logprob
     token_logprobs: dict = field(default_factory=dict)  # output index -> per-token entries, or None
+    prompt_logprobs: Optional[list] = None              # once the engine has sent them
 
 
 def read_text(request, name: str, max_bytes: Optional[int] = None, limit: str = "") -> str:
@@ -69,6 +71,21 @@ def read_prompt(request, max_chars: int) -> str:
     (a character is at most 4 UTF-8 bytes; the engine checks characters)."""
     return read_text(request, "text_input", 4 * max_chars,
                      f"prompts are limited to {max_chars} characters (engine setting max_prompt_chars)")
+
+
+def read_prompt_or_ids(request, max_chars: int):
+    """The prompt: ``text_input``, or the token ids of ``input_ids`` (INT32 or
+    INT64, one dimension) when that is given instead."""
+    tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    if tensor is None:
+        return read_prompt(request, max_chars)
+    if pb_utils.get_input_tensor_by_name(request, "text_input") is not None:
+        raise ValueError("give text_input or input_ids, not both")
+    ids = tensor.as_numpy()
+    if ids.dtype not in (np.int32, np.int64) or ids.size == 0:
+        raise ValueError(f"input input_ids must be a non-empty list of INT32 or INT64 token ids, got "
+                         f"{ids.dtype} of shape {list(ids.shape)}")
+    return [int(t) for t in ids.reshape(-1)]
 
 
 def read_flag(request, name: str) -> Optional[bool]:
@@ -139,6 +156,8 @@ def send_error(sender, message: str, code) -> None:
 
 def accumulate(job: Job, out) -> int:
     """Fold an engine delta into the job; returns the most new tokens of any output."""
+    if out.prompt_logprobs is not None:
+        job.prompt_logprobs = out.prompt_logprobs
     new_tokens = 0
     for o in out.outputs:
         job.texts[o.index] = job.texts.get(o.index, "") + o.text
@@ -152,6 +171,15 @@ def accumulate(job: Job, out) -> int:
                 job.token_logprobs.setdefault(o.index, []).extend(o.logprobs)
         new_tokens = max(new_tokens, len(o.token_ids))
     return new_tokens
+
+
+def prompt_logprobs_json(entries) -> bytes:
+    """The prompt's log-probabilities as JSON: ``null`` for the first token, then
+    per token ``{token_id: {"logprob", "rank", "decoded_token"}}`` (the prompt
+    token first); ``null`` as a whole when they are not (or not yet) given."""
+    if entries is None:
+        return b"null"
+    return b"[null" + b"".join(b"," + logprobs_json([step])[1:-1] for step in entries[1:]) + b"]"
 
 
 def logprobs_json(entries) -> bytes:
@@ -195,6 +223,10 @@ def build_response(job: Job, out, delta: bool):
     if job.flags["return_num_input_tokens"]:
         tensors.append(pb_utils.Tensor("num_input_tokens", np.array(
             [len(out.prompt_token_ids)], dtype=np.uint32)))
+    if job.flags["return_prompt_logprobs"]:   # when streaming, in the response that first carries them
+        prompt = out.prompt_logprobs if delta else job.prompt_logprobs
+        tensors.append(pb_utils.Tensor("prompt_logprobs", np.array([prompt_logprobs_json(prompt)],
+                                                                   dtype=np.object_)))
     if job.flags["return_num_cached_tokens"]:   # prompt tokens found in the prefix cache
         cached = out.metrics.num_cached_prompt_tokens if out.metrics is not None else 0
         tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([cached], dtype=np.uint32)))

@@ -27,11 +27,14 @@ class SeqEntry:
     start_pos: int
     block_table: List[int]
     need_logits: bool = True
+    prompt_logits: bool = False    # the logits of every token, not only the last
 
 
 @dataclass
 class StepBatch:
-    """One step's flat batch; ``logits_rows``: rows whose logits are returned."""
+    """One step's flat batch; ``logits_rows``: rows whose logits are returned
+    (per entry in order: every row with ``prompt_logits``, else its last row
+    when it needs logits)."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
@@ -81,7 +84,13 @@ def build_step_batch(entries: Sequence[SeqEntry], block_size: int, max_model_len
     seq_of_token = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(q_lens))
     slots = block_tables[seq_of_token, pos // bs].long() * bs + pos % bs
     cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-    logits_rows = (cu_seqlens_q[1:] - 1)[torch.tensor([e.need_logits for e in entries])]
+    if any(getattr(e, "prompt_logits", False) for e in entries):
+        rows = []
+        for e, start, end in zip(entries, cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
+            rows += range(start, end) if e.prompt_logits else [end - 1] if e.need_logits else []
+        logits_rows = torch.tensor(rows, dtype=torch.long)
+    else:
+        logits_rows = (cu_seqlens_q[1:] - 1)[torch.tensor([e.need_logits for e in entries])]
     meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
                              cu_seqlens_q=cu_seqlens_q,
                              seq_lens=torch.tensor(seq_lens, dtype=torch.int32))

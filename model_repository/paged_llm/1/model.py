@@ -27,8 +27,8 @@ from pagedbackend.serving.health import EngineFailurePolicy
 from pagedbackend.serving.lifecycle import (log_to_stderr, on_sigterm, use_utf8_locale, watch_listener,
                                             watch_server)
 from pagedbackend.serving.metrics import Metrics, metric_settings
-from pagedbackend.serving.triton_io import (FINAL, Job, accumulate, build_response, read_flags, read_prompt,
-                                            read_sampling_params, send_error)
+from pagedbackend.serving.triton_io import (FINAL, Job, accumulate, build_response, read_flags,
+                                            read_prompt_or_ids, read_sampling_params, send_error)
 
 TICK_S = 0.1             # cancellation poll period
 STATS_EVERY_TICKS = 2    # gauges and counters refreshed every 0.2 s
@@ -102,8 +102,9 @@ class TritonPythonModel:
     def _submit(self, request, sender) -> Job:
         if self.closing:
             raise EngineDeadError(self.closing)
-        prompt = read_prompt(request, self.engine.engine.max_prompt_chars)
-        job = Job(uuid.uuid4().hex, prompt, read_flags(request), sender, triton_id=request.request_id())
+        prompt = read_prompt_or_ids(request, self.engine.engine.max_prompt_chars)
+        text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)   # what echo shows
+        job = Job(uuid.uuid4().hex, text, read_flags(request), sender, triton_id=request.request_id())
         params = read_sampling_params(request)
         job.n, job.logprobs_requested = params.n, params.logprobs is not None
         # cumulative_logprob is computed only for requests that ask for it.
