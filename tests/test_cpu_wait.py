@@ -7,8 +7,9 @@ import time
 import pytest
 import torch
 
-from pagedbackend.worker.cpu_wait import (ENTER_DELAY, LEAVE_DELAY, LEAVE_WINDOWS, WINDOW_S, ParkedTeam,
-                                          WaitGovernor, governor_for, run_queue_seconds)
+from pagedbackend.worker.cpu_wait import (ENTER_DELAY, ENTER_WINDOWS, LEAVE_DELAY, LEAVE_WINDOWS, MAX_LEAVE_WINDOWS,
+                                          REENTER_S, WINDOW_S, ParkedTeam, WaitGovernor, governor_for,
+                                          run_queue_seconds)
 
 
 class Counter:
@@ -28,46 +29,83 @@ def parked_threads():
     return calls, lambda threads: calls.append(threads) or threads
 
 
-def test_governor_enters_short_spin_in_the_first_window_of_contention():
+def windows(governor, counter, count: int, rate: float) -> None:
+    for _ in range(count):
+        counter.advance(WINDOW_S, rate)
+        governor.poll()
+
+
+def governed():
     counter, (calls, park) = Counter(), parked_threads()
-    governor = WaitGovernor(park, 2, read_delay=lambda: counter.delay, clock=lambda: counter.now)
-    counter.advance(WINDOW_S, LEAVE_DELAY / 2)
-    governor.poll()
+    return counter, calls, WaitGovernor(park, 2, read_delay=lambda: counter.delay, clock=lambda: counter.now)
+
+
+def test_governor_enters_short_spin_after_enter_windows_of_contention():
+    counter, calls, governor = governed()
+    windows(governor, counter, 1, LEAVE_DELAY / 2)
+    windows(governor, counter, ENTER_WINDOWS - 1, ENTER_DELAY * 1.5)
     assert not governor.contended
-    counter.advance(WINDOW_S, ENTER_DELAY * 2)
-    governor.poll()
+    windows(governor, counter, 1, ENTER_DELAY * 1.5)
     assert governor.contended and calls == [2]
     governor.close()
     assert not governor.contended
 
 
+def test_one_busy_window_among_quiet_ones_changes_nothing():
+    """Our own load has bursts (a burst of arrivals, tokenising): one window
+    over the threshold is not a neighbour."""
+    counter, calls, governor = governed()
+    for _ in range(5):
+        windows(governor, counter, ENTER_WINDOWS - 1, 2.0)
+        windows(governor, counter, 1, (LEAVE_DELAY + ENTER_DELAY) / 2)
+    assert not governor.contended and calls == []
+
+
 def test_governor_decides_once_per_window():
-    counter, (calls, park) = Counter(), parked_threads()
-    governor = WaitGovernor(park, 2, read_delay=lambda: counter.delay, clock=lambda: counter.now)
+    counter, calls, governor = governed()
     counter.advance(WINDOW_S / 4, 10.0)   # a burst, but the window is not over
     governor.poll()
     assert not governor.contended and calls == []
 
 
 def test_governor_leaves_only_after_enough_quiet_windows():
-    counter, (calls, park) = Counter(), parked_threads()
-    governor = WaitGovernor(park, 2, read_delay=lambda: counter.delay, clock=lambda: counter.now)
-    counter.advance(WINDOW_S, 1.0)
-    governor.poll()
+    counter, calls, governor = governed()
+    windows(governor, counter, ENTER_WINDOWS, 1.0)
     assert governor.contended
-    for _ in range(LEAVE_WINDOWS - 1):
-        counter.advance(WINDOW_S, LEAVE_DELAY / 2)
-        governor.poll()
-        assert governor.contended
-    counter.advance(WINDOW_S, ENTER_DELAY)   # a busy window resets the count
-    governor.poll()
-    for _ in range(LEAVE_WINDOWS - 1):
-        counter.advance(WINDOW_S, LEAVE_DELAY / 2)
-        governor.poll()
-        assert governor.contended
-    counter.advance(WINDOW_S, LEAVE_DELAY / 2)
-    governor.poll()
+    windows(governor, counter, LEAVE_WINDOWS - 1, LEAVE_DELAY / 2)
+    assert governor.contended
+    windows(governor, counter, 1, (LEAVE_DELAY + ENTER_DELAY) / 2)   # a busy window resets the count
+    windows(governor, counter, LEAVE_WINDOWS - 1, LEAVE_DELAY / 2)
+    assert governor.contended
+    windows(governor, counter, 1, LEAVE_DELAY / 2)
     assert not governor.contended and governor.switches == 2
+
+
+def test_a_quick_return_to_contention_doubles_the_quiet_windows_needed_to_leave():
+    """A neighbour whose short-spin rate reads as quiet would make the governor
+    flap (leave, wait a second in the long spin, enter again); each quick
+    return doubles the patience, and a long calm resets it."""
+    counter, _, governor = governed()
+    windows(governor, counter, ENTER_WINDOWS, 1.0)
+    needed = []
+    for _ in range(3):
+        windows(governor, counter, governor.leave_windows, LEAVE_DELAY / 2)
+        assert not governor.contended
+        windows(governor, counter, ENTER_WINDOWS, 1.0)   # back at once
+        assert governor.contended
+        needed.append(governor.leave_windows)
+    assert needed == [2 * LEAVE_WINDOWS, 4 * LEAVE_WINDOWS, 8 * LEAVE_WINDOWS]
+    windows(governor, counter, governor.leave_windows - 1, LEAVE_DELAY / 2)
+    assert governor.contended
+    windows(governor, counter, 1, LEAVE_DELAY / 2)
+    assert not governor.contended
+    windows(governor, counter, int(REENTER_S / WINDOW_S) + 1, 0.1)   # a long calm
+    windows(governor, counter, ENTER_WINDOWS, 1.0)
+    assert governor.contended and governor.leave_windows == LEAVE_WINDOWS
+    for _ in range(10):
+        windows(governor, counter, governor.leave_windows, 0.0)
+        windows(governor, counter, ENTER_WINDOWS, 1.0)
+    assert governor.leave_windows == MAX_LEAVE_WINDOWS
 
 
 def test_governor_without_a_counter_never_switches():
@@ -153,8 +191,7 @@ def test_logs_name_each_switch(caplog):
     counter, (_, park) = Counter(), parked_threads()
     governor = WaitGovernor(park, 2, read_delay=lambda: counter.delay, clock=lambda: counter.now)
     with caplog.at_level("INFO", logger="pagedbackend"):
-        counter.advance(WINDOW_S, 1.0)
-        governor.poll()
+        windows(governor, counter, ENTER_WINDOWS, 1.0)
         for _ in range(LEAVE_WINDOWS):
             counter.advance(WINDOW_S, 0.0)
             governor.poll()

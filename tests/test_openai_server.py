@@ -233,6 +233,36 @@ def test_a_model_can_be_retrieved_by_its_id_and_an_unknown_one_is_404(client):
     assert "does not exist" in missing.value.message
 
 
+def test_tokenize_counts_a_prompt_with_the_models_tokenizer_and_detokenize_inverts_it(api, tokenizer):
+    text = "The capital of France is"
+    reply = httpx.post(f"{api.url}/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=60).json()
+    ids = tokenizer.encode(text)
+    assert reply["tokens"] == ids and reply["count"] == len(ids)
+    assert reply["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    back = httpx.post(f"{api.url}/detokenize", json={"tokens": ids}, timeout=60).json()
+    assert back == {"prompt": tokenizer.decode(ids)}
+
+
+def test_tokenize_runs_messages_through_the_chat_template(api, tokenizer):
+    messages = [{"role": "user", "content": "Hi there"}]
+    reply = httpx.post(f"{api.url}/tokenize", json={"messages": messages}, timeout=60).json()
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert reply["tokens"] == tokenizer.encode(prompt, add_special_tokens=False)
+    assert reply["token_strs"] is None
+
+
+@pytest.mark.parametrize("path, body, words", [
+    ("/detokenize", {"tokens": [10 ** 9]}, "outside the vocabulary"),
+    ("/detokenize", {"tokens": "12"}, "tokens"),
+    ("/tokenize", {"prompt": "a", "model": "no_such_model"}, "no_such_model"),
+    ("/tokenize", {"prompt": "a", "stream": True}, "unrecognized request argument: stream"),
+])
+def test_a_bad_tokenize_or_detokenize_request_is_a_400_naming_the_problem(api, path, body, words):
+    reply = httpx.post(f"{api.url}{path}", json=body, timeout=60)
+    assert reply.status_code in (400, 404), reply.text
+    assert words in reply.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("path, body, where", [
     ("/v1/completions", b'{"prompt": "Hi \\ud800"}', "prompt"),
     ("/v1/completions", b'{"prompt": "Hi", "stop": ["\\ud83d"]}', "stop[0]"),

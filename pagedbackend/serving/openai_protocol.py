@@ -171,6 +171,38 @@ class ChatCompletionRequest(_GenerationRequest):
             raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's POST /tokenize, completions form: a prompt string."""
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        pass
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's POST /tokenize, chat form: messages through the chat template."""
+    model: Optional[str] = None
+    messages: List[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False   # the template writes its own special tokens
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        pass
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize: token ids back to text."""
+    model: Optional[str] = None
+    tokens: List[int]
+
+    def check(self) -> None:
+        pass
+
+
 def parse_request(cls, body: bytes):
     """The request body as ``cls``, or an OpenAIError naming the bad field."""
     try:

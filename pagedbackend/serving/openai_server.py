@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedbackend.serving.launcher import ADMIN_KEY_ENV, free_port
-from pagedbackend.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError,
+from pagedbackend.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  OpenAIError, TokenizeChatRequest, TokenizeRequest,
                                                   chat_logprobs, completion_logprobs, join_logprobs,
                                                   parse_request, prompt_completion_logprobs,
                                                   sampling_parameters)
@@ -514,6 +515,31 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         params = sampling_parameters(req, req.max_completion_tokens or req.max_tokens, shape.top)
         return await answer(request, triton, model, [prompt], params, req.logprobs, shape, req.stream,
                             open_generations)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            data = None   # parse_request names the problem
+        chat = isinstance(data, dict) and "messages" in data
+        req = parse_request(TokenizeChatRequest if chat else TokenizeRequest, body)
+        await model_for(req.model, False)
+        text = chat_prompt(tokenizer, req) if chat else req.prompt
+        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "tokens": ids,
+                "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = parse_request(DetokenizeRequest, await request.body())
+        await model_for(req.model, False)
+        bad = next((t for t in req.tokens if not 0 <= t < len(tokenizer)), None)
+        if bad is not None:
+            raise OpenAIError(400, f"token id {bad} is outside the vocabulary (0..{len(tokenizer) - 1})",
+                              "tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
 
     app.state.triton = triton
     app.state.open_generations = open_generations

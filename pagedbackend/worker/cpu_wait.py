@@ -17,7 +17,8 @@ process's threads keep waiting on a run queue (``/proc/self/task/*/schedstat``,
 the kernel's count of time runnable but not running), a thread of ours holds a
 parked team of idle threads, which tips libgomp into the short spin; once the
 waiting stops, the team is let go and the long spin returns. The decision is
-taken at most every ``WINDOW_S`` from the steps' own calls to ``poll``.
+taken at most every ``WINDOW_S`` from the steps' own calls to ``poll``, with
+thresholds that tell a busy neighbour from our own serving load.
 """
 import ctypes
 import glob
@@ -30,12 +31,25 @@ from typing import Callable, Optional
 logger = logging.getLogger("pagedbackend")
 
 WINDOW_S = 0.5
-# Core-seconds our threads waited on a run queue per second of wall time.
-# Measured on 2 cores: 0.01-0.02 alone, 0.6-0.9 beside one busy process.
-ENTER_DELAY = 0.15      # above this in one window: short spin
-LEAVE_DELAY = 0.05      # below this for LEAVE_WINDOWS windows in a row: long spin again
+# Core-seconds our threads waited on a run queue per second of wall time, as
+# measured on 2 cores (Intel Xeon VM, the shipped configuration, median of
+# 0.5 s windows; BENCHMARKS.md "CPU contention"):
+#                         long spin              short spin
+#   1 stream, alone       0.12                   0.05
+#   32 streams, alone     0.33 (0.40 at most)    0.23 (0.31 at most)
+#   1 stream, 1 busy      1.08                   0.55
+#   32 streams, 1 busy    1.10                   0.69
+# Our own load (the client, tokenising, Triton's threads) waits too, so the
+# thresholds sit between "alone under load" and "beside a busy process".
+ENTER_DELAY = 0.6       # above this in ENTER_WINDOWS windows in a row: short spin
+ENTER_WINDOWS = 2
+LEAVE_DELAY = 0.42      # below this for the quiet windows required: long spin again
 LEAVE_WINDOWS = 3
-
+# A return to the short spin within REENTER_S of leaving it doubles the quiet
+# windows required next time (up to MAX_LEAVE_WINDOWS): a neighbour that makes
+# the short-spin rate look quiet cannot make the governor flap.
+REENTER_S = 10.0
+MAX_LEAVE_WINDOWS = 96
 
 def run_queue_seconds(task_glob: str = "/proc/self/task/*/schedstat") -> Optional[float]:
     """Seconds this process's threads have spent runnable but not running, or
@@ -92,7 +106,9 @@ class WaitGovernor:
         self._park, self._cpus = park, cpus
         self._read_delay, self._clock = read_delay, clock
         self._team: Optional[ParkedTeam] = None
-        self._quiet_windows = 0
+        self._busy_windows = self._quiet_windows = 0
+        self.leave_windows = LEAVE_WINDOWS   # quiet windows needed to leave the short spin
+        self._left_at: Optional[float] = None
         self.switches = 0
         self._start, self._delay = clock(), read_delay()
 
@@ -111,19 +127,28 @@ class WaitGovernor:
         rate = (delay - self._delay) / (now - self._start)
         self._start, self._delay = now, delay
         if self._team is None:
-            if rate > ENTER_DELAY:
-                self._team = ParkedTeam(self._park, self._cpus)
-                self._quiet_windows = 0
-                self.switches += 1
-                logger.info("pagedbackend: CPU contention (threads waited %.2f s/s for a core): "
-                            "OpenMP threads now sleep between regions", rate)
+            self._busy_windows = self._busy_windows + 1 if rate > ENTER_DELAY else 0
+            if self._busy_windows >= ENTER_WINDOWS:
+                self._enter(now, rate)
             return
         self._quiet_windows = self._quiet_windows + 1 if rate < LEAVE_DELAY else 0
-        if self._quiet_windows >= LEAVE_WINDOWS:
+        if self._quiet_windows >= self.leave_windows:
             self._team.close()
             self._team = None
+            self._left_at = now
             self.switches += 1
             logger.info("pagedbackend: CPU contention over: OpenMP threads spin between regions again")
+
+    def _enter(self, now: float, rate: float) -> None:
+        if self._left_at is not None and now - self._left_at < REENTER_S:
+            self.leave_windows = min(2 * self.leave_windows, MAX_LEAVE_WINDOWS)
+        elif self._left_at is not None:
+            self.leave_windows = LEAVE_WINDOWS
+        self._team = ParkedTeam(self._park, self._cpus)
+        self._busy_windows = self._quiet_windows = 0
+        self.switches += 1
+        logger.info("pagedbackend: CPU contention (threads waited %.2f s/s for a core): "
+                    "OpenMP threads now sleep between regions", rate)
 
     def close(self) -> None:
         if self._team is not None:
