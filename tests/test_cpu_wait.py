@@ -2,14 +2,15 @@
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
-from pagedbackend.worker.cpu_wait import (ENTER_DELAY, ENTER_WINDOWS, LEAVE_DELAY, LEAVE_WINDOWS, MAX_LEAVE_WINDOWS,
-                                          REENTER_S, WINDOW_S, ParkedTeam, WaitGovernor, governor_for,
-                                          run_queue_seconds)
+from pagedbackend.worker.cpu_wait import (ENTER_AT_ONCE, ENTER_DELAY, ENTER_WINDOWS, LEAVE_DELAY,
+                                          LEAVE_WINDOWS, MAX_LEAVE_WINDOWS, REENTER_S, WINDOW_S, ParkedTeam,
+                                          WaitGovernor, build_governor, governor_for, run_queue_seconds)
 
 
 class Counter:
@@ -51,12 +52,18 @@ def test_governor_enters_short_spin_after_enter_windows_of_contention():
     assert not governor.contended
 
 
+def test_one_window_far_above_our_own_load_enters_at_once():
+    counter, calls, governor = governed()
+    windows(governor, counter, 1, ENTER_AT_ONCE * 1.1)
+    assert governor.contended and calls == [2]
+
+
 def test_one_busy_window_among_quiet_ones_changes_nothing():
     """Our own load has bursts (a burst of arrivals, tokenising): one window
     over the threshold is not a neighbour."""
     counter, calls, governor = governed()
     for _ in range(5):
-        windows(governor, counter, ENTER_WINDOWS - 1, 2.0)
+        windows(governor, counter, ENTER_WINDOWS - 1, (ENTER_DELAY + ENTER_AT_ONCE) / 2)
         windows(governor, counter, 1, (LEAVE_DELAY + ENTER_DELAY) / 2)
     assert not governor.contended and calls == []
 
@@ -117,13 +124,13 @@ def test_governor_without_a_counter_never_switches():
     assert not governor.contended and calls == []
 
 
-needs_governor = pytest.mark.skipif(governor_for("cpu", 2) is None,
+needs_governor = pytest.mark.skipif(build_governor(2) is None,
                                     reason="needs GNU OpenMP, schedstat and a C compiler")
 
 
 @needs_governor
 def test_parked_team_holds_real_openmp_threads_until_closed():
-    library_governor = governor_for("cpu", 2)
+    library_governor = build_governor(2)
     before = len(os.listdir("/proc/self/task"))
     team = ParkedTeam(library_governor._park, 3)
     assert team.size == 3
@@ -151,6 +158,15 @@ def test_governor_only_for_multithreaded_cpu_steps():
 
 
 @needs_governor
+def test_every_engine_in_a_process_shares_one_watching_governor():
+    """libgomp's wait is one per process: one governor, one watching thread."""
+    first = governor_for("cpu", 2)
+    assert first is governor_for("cpu", 2) and first._watcher.is_alive()
+    watchers = [t for t in threading.enumerate() if t.name == "pagedbackend-cpu-wait"]
+    assert len(watchers) == 1
+
+
+@needs_governor
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) > 4, reason="one busy process contends only on a few cores")
 def test_real_neighbour_switches_to_short_spin_and_back():
     """Matmuls on every core of ours beside processes that spin on every core:
@@ -158,7 +174,7 @@ def test_real_neighbour_switches_to_short_spin_and_back():
     cores = len(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
     torch.set_num_threads(cores)
-    governor = governor_for("cpu", cores)
+    governor = build_governor(cores).watch()
     x = torch.randn(384, 384)
 
     def work_until(predicate, limit_s: float) -> bool:
@@ -166,7 +182,6 @@ def test_real_neighbour_switches_to_short_spin_and_back():
         while time.monotonic() < deadline:
             for _ in range(20):
                 x @ x
-            governor.poll()
             if predicate():
                 return True
         return False

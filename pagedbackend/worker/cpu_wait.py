@@ -17,8 +17,8 @@ process's threads keep waiting on a run queue (``/proc/self/task/*/schedstat``,
 the kernel's count of time runnable but not running), a thread of ours holds a
 parked team of idle threads, which tips libgomp into the short spin; once the
 waiting stops, the team is let go and the long spin returns. The decision is
-taken at most every ``WINDOW_S`` from the steps' own calls to ``poll``, with
-thresholds that tell a busy neighbour from our own serving load.
+taken every ``WINDOW_S`` by a thread of the governor's own, with thresholds
+that tell a busy neighbour from our own serving load.
 """
 import ctypes
 import glob
@@ -43,6 +43,8 @@ WINDOW_S = 0.5
 # thresholds sit between "alone under load" and "beside a busy process".
 ENTER_DELAY = 0.6       # above this in ENTER_WINDOWS windows in a row: short spin
 ENTER_WINDOWS = 2
+ENTER_AT_ONCE = 0.9     # above this in one window: short spin at once (a long-spin step
+                        # beside a neighbour can last seconds; our own load never came near)
 LEAVE_DELAY = 0.42      # below this for the quiet windows required: long spin again
 LEAVE_WINDOWS = 3
 # A return to the short spin within REENTER_S of leaving it doubles the quiet
@@ -96,9 +98,10 @@ class ParkedTeam:
 
 
 class WaitGovernor:
-    """Call ``poll()`` once per step from the thread that runs the step;
-    ``contended`` says which wait is in force. ``read_delay`` and ``clock``
-    are the run-queue counter and the time source (tests pass their own)."""
+    """``watch()`` polls from a thread of its own every ``WINDOW_S`` (tests call
+    ``poll()`` themselves); ``contended`` says which wait is in force.
+    ``read_delay`` and ``clock`` are the run-queue counter and the time source
+    (tests pass their own)."""
 
     def __init__(self, park: Callable[[int], int], cpus: int,
                  read_delay: Callable[[], Optional[float]] = run_queue_seconds,
@@ -110,13 +113,32 @@ class WaitGovernor:
         self.leave_windows = LEAVE_WINDOWS   # quiet windows needed to leave the short spin
         self._left_at: Optional[float] = None
         self.switches = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
         self._start, self._delay = clock(), read_delay()
+
+    def watch(self) -> "WaitGovernor":
+        """Poll every window from a daemon thread until ``close``. A thread of
+        its own sees a neighbour arrive within a window or two, even in the
+        middle of a step that the long spin beside it stretches to seconds,
+        and windows never span the engine's idle time."""
+        def loop():
+            while not self._stop.wait(WINDOW_S):
+                self.poll()
+        self._watcher = threading.Thread(target=loop, name="pagedbackend-cpu-wait", daemon=True)
+        self._watcher.start()
+        return self
 
     @property
     def contended(self) -> bool:
         return self._team is not None
 
     def poll(self) -> None:
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         now = self._clock()
         if now - self._start < WINDOW_S:
             return
@@ -128,7 +150,7 @@ class WaitGovernor:
         self._start, self._delay = now, delay
         if self._team is None:
             self._busy_windows = self._busy_windows + 1 if rate > ENTER_DELAY else 0
-            if self._busy_windows >= ENTER_WINDOWS:
+            if self._busy_windows >= ENTER_WINDOWS or rate > ENTER_AT_ONCE:
                 self._enter(now, rate)
             return
         self._quiet_windows = self._quiet_windows + 1 if rate < LEAVE_DELAY else 0
@@ -151,16 +173,38 @@ class WaitGovernor:
                     "OpenMP threads now sleep between regions", rate)
 
     def close(self) -> None:
-        if self._team is not None:
-            self._team.close()
-            self._team = None
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+        with self._lock:
+            if self._team is not None:
+                self._team.close()
+                self._team = None
+
+
+_shared: Optional[WaitGovernor] = None
+_shared_lock = threading.Lock()
 
 
 def governor_for(device_type: str, torch_threads: int) -> Optional[WaitGovernor]:
-    """A governor for a CPU step with more than one thread under libgomp, or
-    None (with a log line saying why, where it could have helped)."""
+    """The process's governor for a CPU step with more than one thread under
+    libgomp, watching from its thread, or None (with a log line saying why,
+    where it could have helped). libgomp's wait is one per process, so every
+    engine in a process shares one governor."""
+    global _shared
     if device_type != "cpu" or torch_threads < 2:
         return None
+    with _shared_lock:
+        if _shared is None:
+            _shared = build_governor(torch_threads)
+            if _shared is not None:
+                _shared.watch()
+        return _shared
+
+
+def build_governor(torch_threads: int) -> Optional[WaitGovernor]:
+    """A new governor (not watching) for ``torch_threads`` threads, or None
+    where this process cannot have one (the log says why)."""
     if not uses_libgomp():
         logger.info("pagedbackend: no contention governor: this torch does not use GNU OpenMP")
         return None

@@ -230,8 +230,6 @@ class ModelRunner:
         """Run one step; float32 logits ``[entries needing logits, vocab]`` of
         each such entry's last token, in entry order. A decode step replays
         its CUDA graph when there is one (``cuda_graphs``)."""
-        if self.wait_governor is not None:
-            self.wait_governor.poll()
         batch = self._flat_batch(entries)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
