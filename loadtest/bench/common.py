@@ -74,9 +74,13 @@ def tool_command(given, venv_name: str, command: str, packages) -> str:
     from pagedbackend.config import cache_root
     venv = cache_root() / venv_name
     path = venv / "bin" / command
-    if not path.exists():
+    # What was installed, written once every install succeeded: a changed list installs again.
+    marker, wanted = venv / ".pagedbackend-packages", json.dumps(packages)
+    if not (path.exists() and marker.exists() and marker.read_text() == wanted):
         print(f"installing {command} into {venv} (once)...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        if not (venv / "bin" / "pip").exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         for args in packages:
             subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *args], check=True)
+        marker.write_text(wanted)
     return str(path)

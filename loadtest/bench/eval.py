@@ -43,10 +43,10 @@ metric_list:
 
 
 def run_lm_eval(lm_eval: str, model: str, model_args: str, include: pathlib.Path, out: pathlib.Path,
-                limit) -> List[dict]:
+                limit, extra=()) -> List[dict]:
     command = [lm_eval, "--model", model, "--model_args", model_args, "--tasks", TASK,
                "--include_path", str(include), "--output_path", str(out), "--log_samples",
-               "--batch_size", "1"]
+               "--batch_size", "1", *extra]
     if limit:
         command += ["--limit", str(limit)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -80,9 +80,10 @@ def main(argv=None):
     from pagedbackend.models.default_model import resolve_model_path
     from pagedbackend.serving.launcher import free_port
     folder = str(resolve_model_path("default"))
-    # The CPU torch first: lm-eval would otherwise pull a CUDA build.
+    # The CPU torch first: lm-eval would otherwise pull a CUDA build. hf: transformers for
+    # local-completions' tokenizer and for the offline model.
     lm_eval = tool_command(args.lm_eval, "lm-eval-venv", "lm_eval",
-                           [["torch==2.13.0"], [f"lm-eval[api]=={LM_EVAL_VERSION}"]])
+                           [["torch==2.13.0"], [f"lm-eval[api,hf]=={LM_EVAL_VERSION}"]])
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
         include = pathlib.Path(tmp) / "tasks"
         include.mkdir()
@@ -94,8 +95,8 @@ def main(argv=None):
                                  f"tokenizer_backend=huggingface,tokenizer={folder},tokenized_requests=True,"
                                  "num_concurrent=4,max_retries=1", include, pathlib.Path(tmp) / "served",
                                  args.limit)
-        offline = run_lm_eval(lm_eval, "hf", f"pretrained={folder},dtype=float32,device=cpu", include,
-                              pathlib.Path(tmp) / "hf", args.limit)
+        offline = run_lm_eval(lm_eval, "hf", f"pretrained={folder},dtype=float32", include,
+                              pathlib.Path(tmp) / "hf", args.limit, ["--device", "cpu"])
     ours, reference = loglikelihoods(served), loglikelihoods(offline)
     differences = [abs(a - b) for doc in reference for a, b in zip(ours[doc], reference[doc])]
     result = {"documents": len(reference), "choices": len(differences),
