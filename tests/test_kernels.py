@@ -4,6 +4,7 @@ and PyTorch's scaled_dot_product_attention agree on seeded random paged batches.
 Without a GPU the kernels run in the Triton interpreter, so shapes stay tiny.
 """
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -443,10 +444,14 @@ def test_unknown_backend_is_rejected_by_name():
         kernels.get_attention_ops("flash", "cpu")
 
 
-def test_importing_kernels_defers_triton_until_a_kernel_is_used():
-    code = ("import sys, kernels; assert 'triton' not in sys.modules; "
-            "kernels.write_kv; assert 'triton' in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1])
+def test_importing_kernels_defers_triton_and_its_interpreter_setting_until_a_kernel_is_used():
+    code = ("import os, sys, torch, pagedbackend.kernels as kernels\n"
+            "assert 'triton' not in sys.modules and 'TRITON_INTERPRET' not in os.environ\n"
+            "kernels.write_kv\n"
+            "assert 'triton' in sys.modules\n"
+            "assert os.environ.get('TRITON_INTERPRET') == (None if torch.cuda.is_available() else '1')")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1], env=env)
 
 
 # ---------------------------------------------------------------- on a GPU

@@ -5,8 +5,12 @@ A token's slot is ``physical_block * block_size + offset``; a negative slot
 means "do not store" (a padding token).
 """
 import torch
-import triton
-import triton.language as tl
+
+from pagedbackend.kernels import interpret_without_gpu
+
+interpret_without_gpu()   # before any kernel is defined
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

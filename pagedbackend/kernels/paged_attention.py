@@ -20,8 +20,12 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
 import torch
-import triton
-import triton.language as tl
+
+from pagedbackend.kernels import interpret_without_gpu
+
+interpret_without_gpu()   # before any kernel is defined
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 _LOG2E = 1.4426950408889634
 

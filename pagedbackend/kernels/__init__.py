@@ -1,7 +1,6 @@
 """Triton-lang kernels for the paged KV cache, each with a torch reference twin.
 
-Installed as ``pagedbackend.kernels`` (the folder stays at the top of the
-repository). Importing it stays cheap: the kernel modules (and with them ``triton``)
+Importing it stays cheap: the kernel modules (and with them ``triton``)
 load on first use, through :func:`get_attention_ops` or attribute access.
 """
 import importlib
@@ -10,10 +9,16 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-# Without a GPU the Triton-lang kernels run through the interpreter, which must
-# be chosen before `triton` is imported anywhere in the process.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def interpret_without_gpu() -> None:
+    """Without a GPU the Triton-lang kernels run through Triton's interpreter,
+    which ``triton.jit`` picks from ``TRITON_INTERPRET`` when a kernel is
+    defined: the kernel modules call this before they define theirs, so only
+    a process that loads them gets the setting (one that already chose keeps
+    its own)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 BACKENDS = ("triton", "torch", "sdpa", "auto")
 
