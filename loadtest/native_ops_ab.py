@@ -16,7 +16,7 @@ variants alternating step by step so that a noisy host weighs on both alike.
   default).
 - ``--compare w8a8_kernel``: ``quantization=w8a8`` with every matmul through
   ``torch._int_mm`` against steps of up to 16 rows through the VNNI kernel
-  (``pagedbackend/kernels/csrc/w8a8_gemm.c``, the default where the CPU has AVX-512 VNNI).
+  (``kernels/csrc/w8a8_gemm.c``, the default where the CPU has AVX-512 VNNI).
 
     python -m loadtest.native_ops_ab --rows 5 --steps 60 [--compare guards]
 """

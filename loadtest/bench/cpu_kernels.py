@@ -6,7 +6,7 @@ share the machine's drift; figures are medians over rounds):
 - ``matmuls``: one decode step's linear layers alone: 30 layers of distinct
   weights (qkv, o, gate_up, down; read from memory, as in a step) and the LM
   head, at M rows: ``F.linear`` against ``linear_backend=packed``
-  (``pagedbackend/kernels/csrc/packed_gemm.c``; above ``KERNEL_MAX_ROWS`` the weight
+  (``kernels/csrc/packed_gemm.c``; above ``KERNEL_MAX_ROWS`` the weight
   unpacked for torch's GEMM). ``--against REV`` adds the C kernel as it is
   in this tree and as it was at git revision REV, both built with the same
   flags and called the same way (ctypes) on the same packed weights: an A/B
@@ -17,7 +17,7 @@ share the machine's drift; figures are medians over rounds):
 - ``attention``: decode attention of one layer for N sequences with context
   lengths drawn (seeded) up to twice the given mean: the gather path
   (``index_select`` + batched matmuls) against the C kernel
-  (``pagedbackend/kernels/csrc/paged_decode.c``).
+  (``kernels/csrc/paged_decode.c``).
 - ``steps``: whole decode steps of the real engine (default model) with N
   sequences running, 100 tokens past their prompts: ``linear_backend=torch``
   with the gather path (before), ``packed`` with the gather path, and
@@ -57,16 +57,13 @@ def interleaved(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, 
 
 
 def kernel_at(rev: str) -> ctypes.CDLL:
-    """``pagedbackend/kernels/csrc/packed_gemm.c`` as of git revision ``rev``, built with
+    """``kernels/csrc/packed_gemm.c`` as of git revision ``rev``, built with
     the flags of this tree's kernel."""
     from pagedbackend.kernels import native
     from pagedbackend.models import packed_linear
     root = pathlib.Path(__file__).resolve().parents[2]
-    for folder in ("pagedbackend/kernels", "kernels"):   # revisions before the kernels moved into the package
-        shown = subprocess.run(["git", "show", f"{rev}:{folder}/csrc/packed_gemm.c"], cwd=root,
-                               capture_output=True, text=True)
-        if shown.returncode == 0:
-            break
+    shown = subprocess.run(["git", "show", f"{rev}:kernels/csrc/packed_gemm.c"], cwd=root,
+                           capture_output=True, text=True)
     if shown.returncode != 0:
         raise SystemExit(f"--against {rev}: {shown.stderr.strip()}")
     cc = native.compiler()

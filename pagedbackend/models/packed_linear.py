@@ -3,7 +3,7 @@
 A decode step multiplies a few dozen rows by every weight matrix of the model.
 At 4 to 64 rows torch's ``F.linear`` (MKL sgemm) reaches a fraction of the
 machine's peak: each call repacks the weight and the weight streams from
-memory while the cores wait. ``pagedbackend/kernels/csrc/packed_gemm.c`` reads a weight
+memory while the cores wait. ``kernels/csrc/packed_gemm.c`` reads a weight
 packed once, at load, in blocks of output columns, keeps each block in L2
 while every chunk of rows multiplies it, prefetches the next one, and splits
 the blocks over torch's OpenMP threads (BENCHMARKS.md, section 13). It is
@@ -17,7 +17,7 @@ graph as an opaque call, as it keeps torch's own GEMM. Two versions of each
 operator do the same: ``packed_linear`` (and ``packed_linear_int8``) has a
 Python kernel that calls the C function through ctypes; ``packed_linear_native``
 (and ``packed_linear_int8_native``) has a C++ kernel
-(``pagedbackend/kernels/csrc/packed_ops.cpp``, built at first use against the installed
+(``kernels/csrc/packed_ops.cpp``, built at first use against the installed
 torch) that calls the same C function. A compiled step calls the C++ kernel
 straight from its C++ wrapper, without entering Python: a step makes 121 such
 calls for SmolLM2. The layers use the C++ operators wherever they build
@@ -92,7 +92,7 @@ _native_lock, _decide_lock = threading.Lock(), threading.Lock()
 
 
 def load_library() -> ctypes.CDLL:
-    """The compiled kernel (``pagedbackend/kernels/csrc/packed_gemm.c``); raises RuntimeError saying why not."""
+    """The compiled kernel (``kernels/csrc/packed_gemm.c``); raises RuntimeError saying why not."""
     global _gemm, _gemm_i8
     library = native.load("packed_gemm")
     if _gemm is None:

@@ -1,6 +1,7 @@
 """Triton-lang kernels for the paged KV cache, each with a torch reference twin.
 
-Importing it stays cheap: the kernel modules (and with them ``triton``)
+Installed as ``pagedbackend.kernels`` (the folder stays at the top of the
+repository, as DESIGN.md lays it out). Importing it stays cheap: the kernel modules (and with them ``triton``)
 load on first use, through :func:`get_attention_ops` or attribute access.
 """
 import importlib
