@@ -270,7 +270,8 @@ def test_vllm_metric_names_count_the_same_requests_as_ours(server):
 def test_metric_names_and_report_custom_metrics_are_honoured_per_model(server):
     for model in ("paged_llm_vllm", "paged_llm_quiet"):
         infer(server, {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}, False, True, FLAGS, model=model)
-    values = wait_for(server, lambda v: v.get(("vllm:request_params_n_count", "paged_llm_vllm"), 0) >= 1)
+    wait_for(server, lambda v: v.get(("vllm:request_params_n_count", "paged_llm_vllm"), 0) >= 1)
+    values = settled(server)   # a scrape can fall between two metric updates of one refresh
     names_of = lambda model: {name for name, m in values if m == model}
 
     vllm_only = names_of("paged_llm_vllm")
