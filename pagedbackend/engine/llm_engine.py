@@ -493,21 +493,21 @@ class LLMEngine:
     def _fail_group(self, group: SequenceGroup, message: str) -> RequestOutput:
         """End a request whose handling raised: every block it holds goes back,
         and its final output carries the error (finish reason ``abort``)."""
-        self.groups.pop(group.request_id, None)
-        self.scheduler.remove(group)
-        group.metrics.finished_time = time.time()
         self.stats.failed_requests += 1
+        group.metrics.finished_time = time.time()   # it ran: its latencies count
+        return self._end_with_error(group, message)
+
+    def _reject(self, group: SequenceGroup, message: str) -> RequestOutput:
+        """End a request the scheduler refused (it can never fit)."""
+        self.stats.rejected_requests += 1
+        return self._end_with_error(group, message)
+
+    def _end_with_error(self, group: SequenceGroup, message: str) -> RequestOutput:
+        self.groups.pop(group.request_id, None)
+        self.scheduler.remove(group)   # wherever it stands; frees what it holds
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
                              [CompletionOutput(0, "", [], finish_reason="abort")], True,
                              dataclasses.replace(group.metrics), error=message)
-
-    def _reject(self, group: SequenceGroup, message: str) -> RequestOutput:
-        self.groups.pop(group.request_id, None)
-        group.status = GroupStatus.FINISHED
-        self.stats.rejected_requests += 1
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                             [CompletionOutput(0, "", [], finish_reason="abort")], True,
-                             group.metrics, error=message)
 
     # ------------------------------------------------------------ outputs
     def _output(self, group: SequenceGroup, finished: bool) -> Optional[RequestOutput]:
