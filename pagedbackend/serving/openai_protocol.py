@@ -204,7 +204,8 @@ class DetokenizeRequest(_Strict):
 
 
 def parse_request(cls, body: bytes):
-    """The request body as ``cls``, or an OpenAIError naming the bad field."""
+    """The request body as ``cls`` (a request class, or a function of the
+    decoded body that names one), or an OpenAIError naming the bad field."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -216,6 +217,8 @@ def parse_request(cls, body: bytes):
         raise OpenAIError(400, f"{where or 'the request'} holds a lone UTF-16 surrogate (\\ud800-\\udfff "
                                "without its pair), which is not a Unicode character",
                           re.split(r"[.\[]", where)[0] or None)
+    if not isinstance(cls, type):
+        cls = cls(data)
     try:
         request = cls.model_validate(data)
     except ValidationError as exc:

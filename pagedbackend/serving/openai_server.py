@@ -518,13 +518,9 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await request.body()
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            data = None   # parse_request names the problem
-        chat = isinstance(data, dict) and "messages" in data
-        req = parse_request(TokenizeChatRequest if chat else TokenizeRequest, body)
+        req = parse_request(lambda data: TokenizeChatRequest if "messages" in data else TokenizeRequest,
+                            await request.body())
+        chat = isinstance(req, TokenizeChatRequest)
         await model_for(req.model, False)
         text = chat_prompt(tokenizer, req) if chat else req.prompt
         ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
