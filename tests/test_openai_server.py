@@ -219,6 +219,18 @@ def test_max_completion_tokens_bounds_a_chat_reply(client):
 # ---------------------------------------------------------------- models, health, errors
 
 @pytest.mark.timeout(60)
+def test_health_is_503_while_the_served_model_is_not_ready(triton, tokenizer):
+    """With explicit model control Triton is ready before any model loads:
+    /health answers for the model the API serves, not for the server alone."""
+    from fastapi.testclient import TestClient
+    from pagedbackend.serving.openai_server import Settings, create_app
+    app = create_app(Settings(triton_url=triton.grpc_url, model_name="not_loaded"), tokenizer=tokenizer)
+    with TestClient(app) as http:
+        reply = http.get("/health")
+    assert reply.status_code == 503 and "not_loaded is not ready" in reply.json()["error"]["message"]
+
+
+@pytest.mark.timeout(60)
 def test_models_lists_the_ready_triton_models_and_health_is_ok(api, client):
     models = client.models.list()
 

@@ -122,7 +122,10 @@ def test_every_stop_route_ends_open_streams_with_an_error_and_exits_cleanly(long
             started = threading.Event()
             thread = threading.Thread(target=run, args=(serve, outcomes[name], started), daemon=True)
             thread.start()
-            assert started.wait(60), f"the {name} stream did not start: {serve.log()[-2000:]}"
+            deadline = time.monotonic() + 60
+            while not started.wait(0.2) and thread.is_alive() and time.monotonic() < deadline:
+                pass
+            assert started.is_set(), f"the {name} stream did not start: {outcomes[name]} {serve.log()[-2000:]}"
             threads.append(thread)
         time.sleep(0.5)
         signalled = time.monotonic()

@@ -478,9 +478,10 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if await triton.ready():
+        if await triton.ready(settings.model_name):
             return {"status": "ok"}
-        return JSONResponse(OpenAIError(503, f"Triton at {triton.url} is not ready").body(), status_code=503)
+        return JSONResponse(OpenAIError(503, f"Triton at {triton.url} or its model {settings.model_name} "
+                                             "is not ready").body(), status_code=503)
 
     @app.get("/v1/models")
     async def models():

@@ -233,9 +233,13 @@ class Triton:
         if self.client is not None:
             await self.client.close()
 
-    async def ready(self) -> bool:
+    async def ready(self, model: Optional[str] = None) -> bool:
+        """Triton is ready, and so is ``model`` where one is named (with
+        explicit model control the server is ready before any model loads)."""
         try:
-            return await self.client.is_server_ready(client_timeout=2.0)
+            if not await self.client.is_server_ready(client_timeout=2.0):
+                return False
+            return model is None or await self.client.is_model_ready(model, client_timeout=2.0)
         except InferenceServerException:
             return False
 
