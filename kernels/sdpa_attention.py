@@ -217,7 +217,7 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         else:
             k, v = k_flat.index_select(0, c.index), v_flat.index_select(0, c.index)
         # 4-D (a batch of one): on CPU that takes SDPA's flash kernel; 3-D
-        # inputs take its unfused math path, 3-4x slower (BENCHMARKS.md section 14).
+        # inputs take its unfused math path, slower (BENCHMARKS.md, "profile_step").
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             attn_mask=c.mask, is_causal=c.fresh, scale=scale, enable_gqa=gqa)

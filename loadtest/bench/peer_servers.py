@@ -36,7 +36,7 @@ def vllm_env(threads: int, env_file: Optional[str] = None, offline: bool = False
     # A run held to AVX2 (ATEN_CPU_CAPABILITY=avx2, as a CPU without AVX-512):
     # vLLM 0.32's CPU build emits only token 0 when torch is held so, so its
     # GEMMs are held by oneDNN's and MKL's own variables instead (the rest of
-    # vLLM keeps the CPU's instruction sets; BENCHMARKS.md section 17).
+    # vLLM keeps the CPU's instruction sets; BENCHMARKS.md, "peers").
     if env.pop("ATEN_CPU_CAPABILITY", "").strip().lower() == "avx2":
         env.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
         env.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")

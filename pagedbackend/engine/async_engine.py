@@ -7,8 +7,8 @@ its own, kept until that thread ends: an engine loaded and warmed up in one
 thread and stepped in another leaves two teams, more threads than cores, and
 libgomp then makes the working team's threads sleep between parallel regions
 instead of spinning. Each of the hundreds of regions of a step pays for a
-wake-up: on 2 cores a one-sequence decode step took 14-18 ms that way against
-9-12 ms built and stepped in one thread (BENCHMARKS.md section 21).
+wake-up, so steps are slower that way than built and stepped in one thread
+(BENCHMARKS.md, "served step").
 """
 import asyncio
 import logging

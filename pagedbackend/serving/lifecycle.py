@@ -27,8 +27,8 @@ answering drains the model just as the group's SIGTERM does (a probe every
 ``use_utf8_locale()``: the stub's embedded interpreter starts in the C locale
 whatever ``LANG`` says, so text files and subprocess output decode as ASCII
 there; inductor then fails on the first non-ASCII byte it reads and the step
-ran eager in every server started with a cold inductor cache (BENCHMARKS.md
-section 15).
+ran eager in every server started with a cold inductor cache (BENCHMARKS.md,
+"compiled step").
 """
 import locale
 import logging

@@ -78,8 +78,8 @@ def cpu_options() -> dict:
     """Inductor's settings for a CPU step: the graph's wrapper in C++
     (``cpp_wrapper``), which calls the fused loops and the custom ops without
     a Python line per kernel; ``PAGEDBACKEND_CPP_WRAPPER=0`` keeps inductor's
-    Python wrapper (a first compile about 90 s shorter, each step slower;
-    BENCHMARKS.md section 15)."""
+    Python wrapper (a shorter first compile, each step slower;
+    BENCHMARKS.md, "compiled step")."""
     return {"cpp_wrapper": os.environ.get("PAGEDBACKEND_CPP_WRAPPER", "1") != "0"}
 
 

@@ -31,16 +31,11 @@ from typing import Callable, Optional
 logger = logging.getLogger("pagedbackend")
 
 WINDOW_S = 0.5
-# Core-seconds our threads waited on a run queue per second of wall time, as
-# measured on 2 cores (Intel Xeon VM, the shipped configuration, median of
-# 0.5 s windows; BENCHMARKS.md "CPU contention"):
-#                         long spin              short spin
-#   1 stream, alone       0.12                   0.05
-#   32 streams, alone     0.33 (0.40 at most)    0.23 (0.31 at most)
-#   1 stream, 1 busy      1.08                   0.55
-#   32 streams, 1 busy    1.10                   0.69
-# Our own load (the client, tokenising, Triton's threads) waits too, so the
-# thresholds sit between "alone under load" and "beside a busy process".
+# The thresholds are core-seconds our threads waited on a run queue per second
+# of wall time, set from the rates measured alone and beside a busy process,
+# in each wait mode (BENCHMARKS.md, "contention", keeps the table). Our own
+# load (the client, tokenising, Triton's threads) waits too, so the thresholds
+# sit between "alone under load" and "beside a busy process".
 ENTER_DELAY = 0.6       # above this in ENTER_WINDOWS windows in a row: short spin
 ENTER_WINDOWS = 2
 ENTER_AT_ONCE = 0.9     # above this in one window: short spin at once (a long-spin step
