@@ -18,7 +18,7 @@ from greedy import default_model_greedy
 from pagedbackend.config import EngineConfig
 from pagedbackend.kernels import native
 from pagedbackend.models import packed_linear
-from pagedbackend.models.quant import Int8Linear
+from pagedbackend.quant.int8 import Int8Linear, PackedInt8Linear
 from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
 
 REASON = packed_linear.unavailable(torch.device("cpu"), torch.float32)
@@ -41,7 +41,7 @@ def ops(request, monkeypatch):
     """Layers calling the operators with Python kernels, then those with C++ kernels."""
     if request.param == "native":
         load_native_ops()
-    monkeypatch.setattr(packed_linear, "use_native_ops", request.param == "native")
+    monkeypatch.setattr(packed_linear.native_ops(), "use_native_ops", request.param == "native")
     return request.param
 
 
@@ -76,7 +76,7 @@ def test_packed_linear_computes_x_times_w_transposed(rows, out_features, in_feat
 def test_packed_int8_linear_computes_x_times_its_dequantised_weight(rows, out_features, in_features, ops):
     torch.manual_seed(rows + 1)
     weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
-    layer = packed_linear.PackedInt8Linear(weight)
+    layer = PackedInt8Linear(weight)
     dequantized = layer.dequantized()
     assert torch.equal(dequantized, Int8Linear(weight).dequantized())   # the same int8 values
     assert relative_error(dequantized, weight) < 0.01
@@ -98,7 +98,7 @@ def test_int8_steps_from_a_row_count_multiply_in_bfloat16_and_can_be_switched_of
     set to; fewer rows, or the path switched off, keep float32 rows. A row's
     result does not depend on the other rows."""
     torch.manual_seed(in_features)
-    layer = packed_linear.PackedInt8Linear(torch.randn(160, in_features))
+    layer = PackedInt8Linear(torch.randn(160, in_features))
     w = layer.dequantized()
     least = packed_linear.INT8_BF16_ROWS
     try:
@@ -118,7 +118,7 @@ def test_int8_steps_from_a_row_count_multiply_in_bfloat16_and_can_be_switched_of
         assert not packed_linear.int8_rounds_to_bf16(least - 1)
         assert relative_error(layer(x), F.linear(x, w)) < 1e-5
     finally:
-        packed_linear.set_int8_bf16_rows(packed_linear.INT8_BF16_MIN_ROWS)
+        packed_linear.set_int8_bf16_rows(packed_linear.native_ops().int8_bf16_min_rows)
 
 
 def test_int8_bfloat16_path_is_on_by_default_on_amd_cpus_and_follows_the_environment(monkeypatch):
@@ -133,7 +133,7 @@ def test_int8_bfloat16_path_is_on_by_default_on_amd_cpus_and_follows_the_environ
     expected = packed_linear.INT8_BF16_ROWS if vendor == "AuthenticAMD" else 0
     assert packed_linear.default_int8_bf16_rows() == expected
     if "PAGEDBACKEND_INT8_BF16" not in os.environ:
-        assert packed_linear.INT8_BF16_MIN_ROWS == expected
+        assert packed_linear.native_ops().int8_bf16_min_rows == expected
     monkeypatch.setenv("PAGEDBACKEND_INT8_BF16", "1")
     assert packed_linear.default_int8_bf16_rows() == packed_linear.INT8_BF16_ROWS
     monkeypatch.setenv("PAGEDBACKEND_INT8_BF16", " 0 ")
@@ -145,7 +145,7 @@ def test_int8_bfloat16_path_is_on_by_default_on_amd_cpus_and_follows_the_environ
 
 def test_packed_int8_results_do_not_depend_on_the_thread_count(ops):
     torch.manual_seed(6)
-    layer = packed_linear.PackedInt8Linear(torch.randn(200, 64))
+    layer = PackedInt8Linear(torch.randn(200, 64))
     threads = torch.get_num_threads()
     try:
         for rows in (1, 5, 20):
@@ -160,7 +160,7 @@ def test_packed_int8_results_do_not_depend_on_the_thread_count(ops):
 
 
 def test_packed_int8_refuses_inputs_it_was_not_built_for(ops):
-    layer = packed_linear.PackedInt8Linear(torch.randn(40, 32))
+    layer = PackedInt8Linear(torch.randn(40, 32))
     with pytest.raises(ValueError, match=r"packed_linear_int8 takes float32 \[rows, 32\] inputs"):
         layer(torch.randn(3, 33))
     with pytest.raises(ValueError, match="packed_linear_int8 takes float32"):
@@ -285,11 +285,11 @@ def test_layers_use_the_native_operators_and_a_compiled_call_stays_out_of_python
     """Where the C++ operators build, layers use them by default, and a compiled
     call runs their C++ kernel without entering Python."""
     load_native_ops()
-    assert packed_linear._decide_native_ops() and packed_linear.use_native_ops
+    assert packed_linear.native_ops().decide() and packed_linear.native_ops().use_native_ops
     layer = packed_linear.PackedLinear(torch.randn(40, 24))
     x = torch.randn(3, 24)
     for native_ops, entered in ((False, True), (True, False)):
-        monkeypatch.setattr(packed_linear, "use_native_ops", native_ops)
+        monkeypatch.setattr(packed_linear.native_ops(), "use_native_ops", native_ops)
         compiled = torch.compile(lambda x: layer(x) + 1, dynamic=True, fullgraph=True)
         compiled(x)
         assert (python_kernel_calls(compiled, x) > 0) == entered
@@ -300,8 +300,8 @@ def test_int8_runner_serves_every_layer_through_the_packed_kernel(tiny_untied_mo
     quantised = runner(tiny_untied_model_dir, quantization="int8")   # linear_backend auto
     assert quantised.linear_backend == "packed"
     layers = list(quantised.model.projections())
-    assert layers and all(isinstance(layer.matmul, packed_linear.PackedInt8Linear) for layer in layers)
-    assert isinstance(quantised.model.lm_head_matmul, packed_linear.PackedInt8Linear)
+    assert layers and all(isinstance(layer.matmul, PackedInt8Linear) for layer in layers)
+    assert isinstance(quantised.model.lm_head_matmul, PackedInt8Linear)
     reference = runner(tiny_untied_model_dir, linear_backend="torch")
     with torch.no_grad():   # the fp32 model of exactly the weights the int8 one holds
         for name, module in quantised.model.named_modules():
@@ -316,7 +316,7 @@ def test_int8_runner_serves_every_layer_through_the_packed_kernel(tiny_untied_mo
         for entries in ([SeqEntry(prompt, 0, [1, 2, 3])], [SeqEntry([prompt[0]], 40, [1, 2, 3])]):
             assert relative_error(quantised.execute_model(entries), reference.execute_model(entries)) < 1e-4
     finally:
-        packed_linear.set_int8_bf16_rows(packed_linear.INT8_BF16_MIN_ROWS)
+        packed_linear.set_int8_bf16_rows(packed_linear.native_ops().int8_bf16_min_rows)
     torch_int8 = runner(tiny_untied_model_dir, quantization="int8", linear_backend="torch")
     assert torch_int8.linear_backend == "torch"
     assert isinstance(torch_int8.model.lm_head_matmul, Int8Linear)
@@ -328,13 +328,11 @@ def test_layers_fall_back_to_the_python_operators_when_the_native_ones_cannot_bu
     def cannot_build(name):
         raise RuntimeError("the CPU operators need a C++ compiler (g++ or c++) on PATH, and none is there")
     monkeypatch.setattr(native, "load_op_library", cannot_build)
-    monkeypatch.setattr(packed_linear, "_native_ready", False)
-    monkeypatch.setattr(packed_linear, "use_native_ops", None)
-    monkeypatch.setattr(packed_linear, "native_ops_failure", None)
+    monkeypatch.setattr(packed_linear, "_state", packed_linear.NativeOps())   # nothing decided yet
     weight, x = torch.randn(30, 20), torch.randn(4, 20)
     layer = packed_linear.PackedLinear(weight)
-    assert packed_linear.use_native_ops is False
-    assert "C++ compiler" in packed_linear.native_ops_failure
+    assert packed_linear.native_ops().use_native_ops is False
+    assert "C++ compiler" in packed_linear.native_ops().native_ops_failure
     assert python_kernel_calls(layer, x) == 1
     assert relative_error(layer(x), F.linear(x, weight)) < 1e-5
 

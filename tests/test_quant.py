@@ -11,10 +11,12 @@ from greedy import default_model_greedy
 from tiny_model import build_tiny_llama
 from pagedbackend.config import EngineConfig, engine_config
 from pagedbackend.models import default_model
-from pagedbackend.models import smooth
+from pagedbackend.models import packed_linear
 from pagedbackend.models.gguf_q4 import cached_q4_1_weights, unpack_q4_1
-from pagedbackend.models.quant import (Int4Linear, Int8Linear, W8A8Linear, dequantize_int4,
-                                       quantize_int4, quantize_model, quantize_rows_int8)
+from pagedbackend.quant import apply, smooth
+from pagedbackend.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
+from pagedbackend.quant.int8 import Int8Linear
+from pagedbackend.quant.w8a8 import W8A8Linear, quantize_rows_int8
 from pagedbackend.worker.compiled import compile_unavailable
 from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
 
@@ -54,19 +56,20 @@ def test_w8a8_linear_computes_the_integer_product_of_both_roundings(rows):
 
 
 def _w8a8_kernel():
-    from pagedbackend.models import packed_linear
-    if not packed_linear._decide_native_ops():
-        return None, f"the C++ operators did not build: {packed_linear.native_ops_failure}"
-    if packed_linear._w8a8_kernel is None:
-        return None, f"no VNNI kernel here: {packed_linear.w8a8_kernel_failure}"
-    return packed_linear, None
+    """(this process's ``NativeOps``, None) where w8a8's VNNI kernel is in use, else (None, why)."""
+    ops = packed_linear.native_ops()
+    if not ops.decide():
+        return None, f"the C++ operators did not build: {ops.native_ops_failure}"
+    if ops.w8a8_kernel is None:
+        return None, f"no VNNI kernel here: {ops.w8a8_kernel_failure}"
+    return ops, None
 
 
 @pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (3, 100, 37), (4, 1536, 576), (7, 64, 9),
                                       (8, 576, 130), (13, 200, 21), (16, 576, 64)])
 def test_w8a8_vnni_kernel_gives_the_bits_of_int_mm(rows, k, n):
-    packed_linear, why = _w8a8_kernel()
-    if packed_linear is None:
+    ops, why = _w8a8_kernel()
+    if ops is None:
         pytest.skip(why)
     import ctypes
     torch.manual_seed(rows)
@@ -74,7 +77,7 @@ def test_w8a8_vnni_kernel_gives_the_bits_of_int_mm(rows, k, n):
     a, t = quantize_rows_int8(torch.randn(rows, k))
     want = torch._int_mm(a, layer.qweight.t()).float() * t * layer.scales
     y = torch.full((rows, n), float("nan"))
-    kernel = packed_linear._w8a8_kernel
+    kernel = ops.w8a8_kernel
     kernel.w8a8_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4
     assert kernel.w8a8_gemm(a.data_ptr(), t.data_ptr(), layer.qweight.data_ptr(), layer.colsum.data_ptr(),
                             layer.scales.data_ptr(), y.data_ptr(), rows, k, n, 2) == 0
@@ -96,8 +99,8 @@ def test_w8a8_vnni_kernel_gives_the_bits_of_int_mm(rows, k, n):
 
 
 def test_w8a8_operator_refuses_float_rows_by_name():
-    packed_linear, why = _w8a8_kernel()
-    if packed_linear is None and "C++" in why:
+    ops, why = _w8a8_kernel()
+    if ops is None and "C++" in why:
         pytest.skip(why)
     layer = W8A8Linear(torch.randn(8, 16))
     with pytest.raises(ValueError, match=r"w8a8_linear takes int8 \[rows, 16\] inputs"):
@@ -232,7 +235,7 @@ def test_smoothing_lowers_w8a8_error_where_a_channel_is_an_outlier(tiny_untied_m
     steps = _prefill_and_decode(6)
     want = [fp32.execute_model(entries) for entries in steps]
     smoothed = runner(model_dir, quantization="w8a8")
-    fp32.model.quantize("w8a8")   # the same rounding without smoothing
+    apply(fp32.model, EngineConfig(quantization="w8a8"), fp32.device, fp32.dtype)   # the same rounding, unsmoothed
     for entries, reference in zip(steps, want):
         plain_error = relative_error(fp32.execute_model(entries), reference)
         smoothed_error = relative_error(smoothed.execute_model(entries), reference)
@@ -311,4 +314,4 @@ def test_quantization_comes_from_config_pbtxt_parameters():
 
 def test_quantization_off_cpu_is_refused_by_name():
     with pytest.raises(ValueError, match="quantization=int8 runs on CPU only"):
-        quantize_model(torch.nn.Module(), EngineConfig(quantization="int8"), torch.device("cuda"))
+        apply(torch.nn.Module(), EngineConfig(quantization="int8"), torch.device("cuda"), torch.float32)

@@ -120,6 +120,14 @@ def gguf_path() -> pathlib.Path:
     return _gguf_dir() / GGUF_FILE
 
 
+def q4_1_weights(num_heads: int, num_kv_heads: int) -> dict:
+    """The GGUF's Q4_1 blocks as (q, scale, minimum) per Hugging Face tensor
+    name (``gguf_q4``), kept once beside the prepared model."""
+    from pagedbackend.models.gguf_q4 import cached_q4_1_weights
+    return cached_q4_1_weights(gguf_path(), cache_root() / f"{DEFAULT_MODEL_NAME}.Q4_1-int4.safetensors",
+                               num_heads, num_kv_heads)
+
+
 def _convert_gguf(gguf_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
     """Dequantise the GGUF checkpoint and save it as an fp32 safetensors folder."""
     import torch

@@ -14,7 +14,7 @@ into ``gate_up_proj``; ``load_weights`` takes the original HF tensors.
 """
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, Optional, Tuple
+from typing import Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +23,6 @@ from torch import nn
 from pagedbackend.models.attention import PagedAttention
 from pagedbackend.models.linear import (ColumnParallelLinear, QKVParallelLinear, Reduce,
                                         RowParallelLinear)
-from pagedbackend.models.packed_linear import PackedInt8Linear, PackedLinear
-from pagedbackend.models.quant import Int8Linear, W8A8Linear, quantized_linear
 from pagedbackend.models.rotary import (CosSin, RotaryEmbedding, apply_rotary, inverse_frequencies,
                                         rope_parameters)
 
@@ -151,6 +149,9 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _STACKED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
+# Our projection inside a decoder layer -> the HF projections merged into it.
+_MERGED = (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn.o_proj", ("o_proj",)),
+           ("mlp.gate_up_proj", ("gate_proj", "up_proj")), ("mlp.down_proj", ("down_proj",)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -180,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
-        self.lm_head_matmul: Optional[nn.Module] = None   # set by quantize() or pack_linears()
+        self.lm_head_matmul: Optional[nn.Module] = None   # set by use_head_matmul()
 
     @property
     def num_kv_heads(self) -> int:
@@ -201,58 +202,29 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.norm(hidden)
         if self.lm_head_matmul is not None:
             return self.lm_head_matmul(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.head_weight())
 
-    @torch.no_grad()
-    def quantize(self, mode: str, int4_weights: Optional[Dict[str, Tuple[torch.Tensor, ...]]] = None,
-                 group_size: int = 32, packed: bool = False) -> None:
-        """Weight-only quantisation (``models.quant``) of every projection, after
-        ``load_weights``. int4 takes ready (q, scale, minimum) HF-named tensors
-        from ``int4_weights`` when given (the GGUF's Q4_1 blocks), else rounds
-        the loaded weights in groups of ``group_size``. The LM head is int8 in
-        both modes, as the GGUF keeps it at 8 bits; the embedding stays as loaded.
-        ``packed``: int8 layers (and the int8 LM head of int8 mode) through
-        the packed C kernel instead of torch's. w8a8: int8's weights in every
-        projection and the LM head, their inputs rounded to int8 per row."""
-        int8_layer = PackedInt8Linear if packed and mode == "int8" else Int8Linear
-        if mode == "w8a8":
-            int8_layer = W8A8Linear
+    def hf_projections(self) -> Iterator[Tuple[Tuple[str, ...], nn.Module]]:
+        """Every linear projection of the decoder layers (not the LM head), with
+        the Hugging Face names of the weights merged into it, in shard order."""
         for i, layer in enumerate(self.layers):
-            for merged, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                                  ("self_attn.o_proj", ("o_proj",)),
-                                  ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
-                                  ("mlp.down_proj", ("down_proj",))):
-                linear, block = layer.get_submodule(merged), merged.split(".")[0]
-                given = None
-                if mode == "int4" and int4_weights is not None:
-                    shards = [int4_weights[f"model.layers.{i}.{block}.{p}.weight"] for p in parts]
-                    given = tuple(torch.cat(pieces) for pieces in zip(*shards))
-                    if given[0].shape != linear.weight.shape:
-                        raise ValueError(f"int4 weights for layer {i} {'/'.join(parts)} have shape "
-                                         f"{tuple(given[0].shape)}, the model {tuple(linear.weight.shape)}")
-                linear.use_matmul(int8_layer(linear.weight) if mode in ("int8", "w8a8")
-                                  else quantized_linear(linear.weight, mode, group_size, given))
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head_matmul = int8_layer(head)
-        self.lm_head = None
+            for merged, parts in _MERGED:
+                block = merged.split(".")[0]
+                yield (tuple(f"model.layers.{i}.{block}.{part}.weight" for part in parts),
+                       layer.get_submodule(merged))
 
     def projections(self) -> Iterator[nn.Module]:
         """Every linear projection of the decoder layers (not the LM head)."""
-        for layer in self.layers:
-            yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                        layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        return (linear for _, linear in self.hf_projections())
 
-    @torch.no_grad()
-    def pack_linears(self) -> None:
-        """Serve every float32 projection and the LM head through packed
-        weights (``models.packed_linear``), after ``load_weights``. A tied
-        LM head gets its own packed copy; the embedding stays as loaded."""
-        for linear in self.projections():
-            linear.use_matmul(PackedLinear(linear.weight))
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head_matmul = PackedLinear(head)
-        self.lm_head = None
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight (the embedding's, when they are tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def use_head_matmul(self, module: nn.Module) -> None:
+        """Serve the LM head through ``module`` (holding its own copy of the
+        weight: a tied head's embedding stays as loaded) and drop the float head."""
+        self.lm_head_matmul, self.lm_head = module, None
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:

@@ -25,7 +25,9 @@ calls for SmolLM2. The layers use the C++ operators wherever they build
 """
 import ctypes
 import os
+import sys
 import threading
+import types
 from typing import Optional
 
 import torch
@@ -78,26 +80,59 @@ def default_int8_bf16_rows() -> int:
     return INT8_BF16_ROWS if cpu_vendor() == "AuthenticAMD" else 0
 
 
-INT8_BF16_MIN_ROWS = default_int8_bf16_rows()
+class NativeOps:
+    """What this process knows of its native operators: whether layers call
+    the C++ ones, why they or w8a8's kernel are not used, the CPU's int8
+    bfloat16 setting. One per process (``native_ops()``), made at first use."""
 
-_gemm = None   # the kernel's packed_gemm, once loaded
-_gemm_i8 = None   # and its packed_gemm_i8
-use_native_ops: Optional[bool] = None   # whether layers call the C++ operators (decided at first layer)
-native_ops_failure: Optional[str] = None   # why they could not be built, when they could not
-w8a8_kernel_failure: Optional[str] = None   # why w8a8's small-step kernel is not used, when it is not
-_w8a8_kernel = None   # w8a8_gemm.c's build, where it has the VNNI kernel
-_w8a8_library = None   # that build, wherever it loads
-_native_ready = False
-_native_lock, _decide_lock = threading.Lock(), threading.Lock()
+    def __init__(self):
+        self.int8_bf16_min_rows = default_int8_bf16_rows()   # reads /proc/cpuinfo
+        self.gemm = self.gemm_i8 = None   # the kernel's packed_gemm and packed_gemm_i8, once loaded
+        self.use_native_ops: Optional[bool] = None   # whether layers call the C++ operators (decided at first layer)
+        self.native_ops_failure: Optional[str] = None   # why they could not be built, when they could not
+        self.w8a8_kernel_failure: Optional[str] = None   # why w8a8's small-step kernel is not used, when it is not
+        self.w8a8_kernel = None   # w8a8_gemm.c's build, where it has the VNNI kernel
+        self.w8a8_library = None   # that build, wherever it loads
+        self.registered = False   # the C++ operators have their kernels and fakes
+        self.register_lock, self.decide_lock = threading.Lock(), threading.Lock()
+
+    def decide(self) -> bool:
+        """Whether layers call the C++ operators: yes where they build, unless
+        ``PAGEDBACKEND_NATIVE_OPS=0``. Decided once, at the first packed layer."""
+        with self.decide_lock:
+            if self.use_native_ops is None:
+                use = False
+                if os.environ.get("PAGEDBACKEND_NATIVE_OPS", "1") != "0":
+                    try:
+                        load_native_ops()
+                        use = True
+                    except RuntimeError as exc:
+                        self.native_ops_failure = str(exc)
+                self.use_native_ops = use
+        return self.use_native_ops
+
+
+_state: Optional[NativeOps] = None
+_state_lock = threading.Lock()
+
+
+def native_ops() -> NativeOps:
+    """This process's ``NativeOps``, made on the first call."""
+    global _state
+    if _state is None:
+        with _state_lock:
+            if _state is None:
+                _state = NativeOps()
+    return _state
 
 
 def load_library() -> ctypes.CDLL:
     """The compiled kernel (``kernels/csrc/packed_gemm.c``); raises RuntimeError saying why not."""
-    global _gemm, _gemm_i8
+    state = native_ops()
     library = native.load("packed_gemm")
-    if _gemm is None:
+    if state.gemm is None:
         declare(library)
-        _gemm, _gemm_i8 = library.packed_gemm, library.packed_gemm_i8
+        state.gemm, state.gemm_i8 = library.packed_gemm, library.packed_gemm_i8
     return library
 
 
@@ -112,7 +147,7 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
         library.packed_gemm_set_bf16_rows.argtypes = [ctypes.c_int]
         library.packed_gemm_set_bf16_rows.restype = ctypes.c_int
         library.packed_gemm_has_bf16.restype = ctypes.c_int
-        library.packed_gemm_set_bf16_rows(INT8_BF16_MIN_ROWS)
+        library.packed_gemm_set_bf16_rows(native_ops().int8_bf16_min_rows)
     return library
 
 
@@ -142,11 +177,11 @@ def load_native_ops() -> None:
     """Build and register the C++ operators (``packed_linear_native`` and
     ``packed_linear_int8_native``) and hand them the C kernels; raises
     RuntimeError saying why they cannot be."""
-    global _native_ready
+    state = native_ops()
     library = load_library()
     ops = native.load_op_library("packed_ops")
-    with _native_lock:
-        if not _native_ready:
+    with state.register_lock:
+        if not state.registered:
             ops.packed_ops_set_kernels.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
             ops.packed_ops_set_kernels.restype = None
             ops.packed_ops_set_kernels(ctypes.cast(library.packed_gemm, ctypes.c_void_p),
@@ -155,26 +190,26 @@ def load_native_ops() -> None:
             torch.library.register_fake("pagedbackend::packed_linear_int8_native")(_packed_linear_int8_fake)
             torch.library.register_fake("pagedbackend::w8a8_linear_native")(_w8a8_linear_fake)
             _hand_over_w8a8_kernel(ops)
-            _native_ready = True
+            state.registered = True
 
 
 def _hand_over_w8a8_kernel(ops: ctypes.CDLL) -> None:
     """Give the C++ w8a8 operator the VNNI kernel, where it builds and this CPU
     has AVX-512 VNNI; otherwise every step goes to torch._int_mm."""
-    global w8a8_kernel_failure, _w8a8_kernel, _w8a8_library
+    state = native_ops()
     ops.packed_ops_set_w8a8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
     ops.packed_ops_set_w8a8.restype = None
     try:
         library = native.load("w8a8_gemm")
         library.w8a8_gemm_available.restype = ctypes.c_int
         library.w8a8_gemm_max_rows.restype = ctypes.c_int
-        _w8a8_library = library   # its w8a8_rescale serves every CPU
+        state.w8a8_library = library   # its w8a8_rescale serves every CPU
         if not library.w8a8_gemm_available():
             raise RuntimeError("w8a8_gemm.c was built without AVX-512 VNNI (this CPU, or "
                                "ATEN_CPU_CAPABILITY, lacks it)")
-        _w8a8_kernel = library
+        state.w8a8_kernel = library
     except RuntimeError as exc:
-        w8a8_kernel_failure = str(exc)
+        state.w8a8_kernel_failure = str(exc)
     set_w8a8_kernel_rows(W8A8_KERNEL_MAX_ROWS, ops)
 
 
@@ -182,9 +217,10 @@ def set_w8a8_kernel_rows(rows: int, ops: Optional[ctypes.CDLL] = None) -> int:
     """Steps of up to ``rows`` rows take the VNNI kernel from now on (0: none,
     for comparisons); the number it was set to, capped by the kernel's own."""
     ops = ops or native.load_op_library("packed_ops")
-    rows = max(0, min(rows, _w8a8_kernel.w8a8_gemm_max_rows() if _w8a8_kernel is not None else 0))
-    kernel = ctypes.cast(_w8a8_kernel.w8a8_gemm, ctypes.c_void_p) if _w8a8_kernel is not None else None
-    rescale = ctypes.cast(_w8a8_library.w8a8_rescale, ctypes.c_void_p) if _w8a8_library is not None else None
+    kernel, library = native_ops().w8a8_kernel, native_ops().w8a8_library
+    rows = max(0, min(rows, kernel.w8a8_gemm_max_rows() if kernel is not None else 0))
+    rescale = ctypes.cast(library.w8a8_rescale, ctypes.c_void_p) if library is not None else None
+    kernel = ctypes.cast(kernel.w8a8_gemm, ctypes.c_void_p) if kernel is not None else None
     ops.packed_ops_set_w8a8(kernel, rescale, rows)
     return rows
 
@@ -194,20 +230,8 @@ def _w8a8_linear_fake(a, row_scales, qweight, colsum, scales):
 
 
 def _decide_native_ops() -> bool:
-    """Whether layers call the C++ operators: yes where they build, unless
-    ``PAGEDBACKEND_NATIVE_OPS=0``. Decided once, at the first packed layer."""
-    global use_native_ops, native_ops_failure
-    with _decide_lock:
-        if use_native_ops is None:
-            native_ops = False
-            if os.environ.get("PAGEDBACKEND_NATIVE_OPS", "1") != "0":
-                try:
-                    load_native_ops()
-                    native_ops = True
-                except RuntimeError as exc:
-                    native_ops_failure = str(exc)
-            use_native_ops = native_ops
-    return use_native_ops
+    """``native_ops().decide()`` (the name callers used before ``NativeOps``)."""
+    return native_ops().decide()
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> Optional[str]:
@@ -262,7 +286,7 @@ def _packed_linear_cpu(x: torch.Tensor, packed: torch.Tensor, out_features: int)
     x = x.contiguous()
     y = x.new_empty((rows, out_features))
     if rows:
-        gemm = _gemm or load_library().packed_gemm
+        gemm = native_ops().gemm or load_library().packed_gemm
         gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), rows, k, out_features,
              torch.get_num_threads())
     return y
@@ -286,11 +310,12 @@ class PackedLinear(nn.Module):
                              f"{tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed", pack(weight.detach()))
-        _decide_native_ops()
+        self.ops = native_ops()
+        self.ops.decide()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if use_native_ops:
+        if self.ops.use_native_ops:
             y = torch.ops.pagedbackend.packed_linear_native(flat, self.packed, self.out_features)
         else:
             y = torch.ops.pagedbackend.packed_linear(flat, self.packed, self.out_features)
@@ -322,7 +347,7 @@ def _packed_linear_int8_cpu(x: torch.Tensor, qpacked: torch.Tensor, scales: torc
     x = x.contiguous()
     y = x.new_empty((rows, out_features))
     if rows:
-        gemm = _gemm_i8 or load_library().packed_gemm_i8
+        gemm = native_ops().gemm_i8 or load_library().packed_gemm_i8
         if gemm(x.data_ptr(), qpacked.data_ptr(), scales.data_ptr(), y.data_ptr(), rows, k,
                 out_features, torch.get_num_threads()):
             raise MemoryError("packed_linear_int8: no memory for a widened weight block")
@@ -337,34 +362,22 @@ def _packed_linear_int8_fake(x, qpacked, scales, out_features):
     return x.new_empty((x.shape[0], out_features))
 
 
-class PackedInt8Linear(nn.Module):
-    """``x W^T`` (no bias) with W int8 per output channel (``models.quant``'s
-    ``quantize_int8``: the same values as ``Int8Linear``), held packed."""
+class _CompatibleModule(types.ModuleType):
+    """The names this module had before ``NativeOps`` (read and written by
+    ``loadtest.native_ops_ab``), held by the one ``native_ops()``."""
 
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        from pagedbackend.models.quant import quantize_int8
-        if weight.dim() != 2 or weight.device.type != "cpu":
-            raise ValueError(f"PackedInt8Linear takes a 2-D CPU weight; got {tuple(weight.shape)} "
-                             f"on {weight.device}")
-        self.out_features, self.in_features = weight.shape
-        q, scales = quantize_int8(weight.detach())
-        packed = pack(q)
-        padded = scales.new_zeros(packed.shape[0] * packed.shape[2])
-        padded[:self.out_features] = scales
-        self.register_buffer("qpacked", packed)
-        self.register_buffer("scales", padded)
-        _decide_native_ops()
+    INT8_BF16_MIN_ROWS = property(lambda self: native_ops().int8_bf16_min_rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if use_native_ops:
-            y = torch.ops.pagedbackend.packed_linear_int8_native(flat, self.qpacked, self.scales,
-                                                                 self.out_features)
-        else:
-            y = torch.ops.pagedbackend.packed_linear_int8(flat, self.qpacked, self.scales, self.out_features)
-        return y.reshape(*x.shape[:-1], self.out_features)
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 weight ``q * scale`` (the reference of the kernel)."""
-        return unpack(self.qpacked, self.out_features).float() * self.scales[:self.out_features, None]
+for _name in ("use_native_ops", "native_ops_failure", "w8a8_kernel_failure"):
+    setattr(_CompatibleModule, _name, property(lambda self, name=_name: getattr(native_ops(), name),
+                                               lambda self, value, name=_name: setattr(native_ops(), name, value)))
+sys.modules[__name__].__class__ = _CompatibleModule
+
+
+def __getattr__(name):
+    # PackedInt8Linear is the int8 scheme's (quant.int8); still importable from here.
+    if name == "PackedInt8Linear":
+        from pagedbackend.quant.int8 import PackedInt8Linear
+        return PackedInt8Linear
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ import pathlib
 import sys
 import threading
 import time
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,9 +23,8 @@ from pagedbackend.kernels import get_attention_ops
 from pagedbackend.models import MODEL_CLASSES, LlamaArgs
 from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
-from pagedbackend.models import packed_linear, smooth
 from pagedbackend.models.linear import Reduce
-from pagedbackend.models.quant import INT8_KERNEL_MAX_ROWS, quantize_model
+from pagedbackend import quant
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
 from pagedbackend.worker.compiled import CompiledStep, compile_failure, compile_unavailable
 from pagedbackend.worker.cpu_wait import governor_for
@@ -64,21 +63,12 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_class(args, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
-        self.linear_backend = "torch"   # what serves the float32 or int8 linear layers
         self.num_heads = self.model.layers[0].self_attn.num_heads
         self._allocate_kv_cache(args)
-        if config.quantization == "w8a8":
-            self._smooth()
-        if config.quantization in ("int4", "w8a8"):
-            quantize_model(self.model, config, self.device)
-        elif self._packed_usable():
-            if config.quantization == "int8":
-                quantize_model(self.model, config, self.device, packed=True)
-            else:
-                self.model.pack_linears()
-            self.linear_backend = "packed"
-        elif config.quantization == "int8":
-            quantize_model(self.model, config, self.device)
+        room = min((self.num_kv_blocks - 1) * self.block_size, self.max_model_len)
+        calibration = quant.Calibration(self.model_path, room, self._calibration_prefill)
+        self.linear_plan = quant.apply(self.model, config, self.device, self.dtype, calibration)
+        self.linear_backend = self.linear_plan.backend   # what serves the float32 or int8 linear layers
         self.model.eval()
         self.compiled: Optional[CompiledStep] = None
         self.graphs: Optional[DecodeGraphs] = None
@@ -89,40 +79,13 @@ class ModelRunner:
         # How OpenMP threads wait between regions, by whether the cores are ours (cpu_wait).
         self.wait_governor = governor_for(self.device.type, torch.get_num_threads())
 
-    def _smooth(self) -> None:
-        """Before w8a8: measure each projection's input channels on a float32
-        prefill of the calibration text and fold the smoothing factors into
-        the weights (``models.smooth``). The prefill writes only KV blocks no
-        sequence holds yet."""
-        count = min(smooth.CALIBRATION_TOKENS, (self.num_kv_blocks - 1) * self.block_size,
-                    self.max_model_len)
-        ids = smooth.calibration_token_ids(self.model_path, count) if count > 0 else []
-        if not ids:
-            logger.warning("pagedbackend: w8a8 without smoothing: %d KV blocks leave no room "
-                           "for a calibration prefill", self.num_kv_blocks)
-            return
+    def _calibration_prefill(self, ids: List[int]) -> torch.Tensor:
+        """The hidden states of a prefill of ``ids`` (for w8a8's smoothing); it
+        writes only KV blocks that no sequence holds yet (1 onwards)."""
         blocks = list(range(1, 1 + -(-len(ids) // self.block_size)))
         batch = self.prepare([SeqEntry(ids, 0, blocks, need_logits=False)]).to(self.device)
         with torch.inference_mode(), step_context(self.kv_caches, batch.meta, self.attention_ops):
-            maxima = smooth.input_maxima(self.model, lambda: self.model(batch.input_ids, batch.positions))
-        with torch.inference_mode(False):
-            smooth.smooth(self.model, maxima)
-
-    def _packed_usable(self) -> bool:
-        """Whether the linear layers go through the packed kernels: the config
-        asks (or leaves it to us) and they can run here."""
-        if self.config.linear_backend == "torch":
-            return False
-        reason = packed_linear.unavailable(self.device, self.dtype)
-        if reason is not None:
-            if self.config.linear_backend == "packed":
-                raise ValueError(f"linear_backend=packed cannot run here: {reason}")
-            logger.info("pagedbackend: linear layers use torch's kernels: %s", reason)
-            return False
-        if not packed_linear._decide_native_ops():
-            logger.info("pagedbackend: packed linear layers call their C kernels through Python: %s",
-                        packed_linear.native_ops_failure or "PAGEDBACKEND_NATIVE_OPS=0")
-        return True
+            return self.model(batch.input_ids, batch.positions)
 
     def _compile_and_warm_up(self, background: bool = False) -> None:
         """Compile the step when the config asks and this machine can (otherwise
@@ -185,12 +148,10 @@ class ModelRunner:
         (compiled or oneDNN's) is built now, not on the first request. Writes
         only to slot 0 of ``kv_caches`` (default the runner's, whose slot 0
         holds no sequence yet). ``step``: the ``(forward, logits)`` pair to warm
-        up (default ``step_functions()``). int8 weights in torch's kernel take
-        another branch above INT8_KERNEL_MAX_ROWS rows (a graph of its own):
-        one more step with that many sequences plus one."""
-        torch_int8 = self.config.quantization == "int8" and self.linear_backend == "torch"
-        sizes = [1, 2] + ([INT8_KERNEL_MAX_ROWS + 1] if torch_int8 else [])
-        for size in sizes:
+        up (default ``step_functions()``). Layers that take another branch
+        from some number of rows (a graph of its own: int8 weights in torch's
+        kernel) get one more step with that many sequences (``LinearPlan``)."""
+        for size in (1, 2, *self.linear_plan.warm_up_rows):
             self.execute_batch(self.prepare([SeqEntry([0], 0, [0]) for _ in range(size)]),
                                step=step, kv_caches=kv_caches)
 

@@ -19,7 +19,9 @@ folded into what computes ``x``, so it costs nothing at run time:
 text that ships with every Python (``pydoc_data``'s topics): not the text
 ``loadtest.bench quant_quality`` scores.
 """
+import logging
 import pathlib
+from dataclasses import dataclass
 from typing import Callable, Dict, List
 
 import torch
@@ -29,13 +31,42 @@ CALIBRATION_TOKENS = 512
 ALPHA = 0.5
 HEAD = "lm_head"
 
+logger = logging.getLogger("pagedbackend")
+
+
+@dataclass
+class Calibration:
+    """A float32 prefill that the runner runs for a scheme that measures
+    activations: ``prefill(ids)`` runs the model on ``ids`` (at most
+    ``max_tokens``, the room in its KV cache) and returns the hidden states,
+    writing only KV blocks that no sequence holds yet."""
+    model_path: pathlib.Path
+    max_tokens: int
+    prefill: Callable[[List[int]], torch.Tensor]
+
+
+def smooth_with(model: nn.Module, calibration: Calibration) -> None:
+    """Measure each projection's input channels on a prefill of the
+    calibration text and fold the smoothing factors into the weights."""
+    count = min(CALIBRATION_TOKENS, calibration.max_tokens)
+    ids = calibration_token_ids(calibration.model_path, count) if count > 0 else []
+    if not ids:
+        logger.warning("pagedbackend: w8a8 without smoothing: the KV cache leaves no room "
+                       "for a calibration prefill")
+        return
+    with torch.inference_mode():
+        maxima = input_maxima(model, lambda: calibration.prefill(ids))
+    with torch.inference_mode(False):
+        smooth(model, maxima)
+
 
 def calibration_token_ids(model_path: pathlib.Path, count: int) -> List[int]:
     """The first ``count`` token ids of the calibration text."""
     from pydoc_data.topics import topics
-    from pagedbackend.engine.tokenizer import load_tokenizer
+    from transformers import AutoTokenizer   # the model folder's own tokenizer, as the engine loads it
     text = "\n\n".join(topics[name] for name in sorted(topics))
-    ids = load_tokenizer(model_path).encode(text, add_special_tokens=False)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
     return [int(i) for i in ids[:count]]
 
 

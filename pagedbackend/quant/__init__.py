@@ -1,0 +1,15 @@
+"""Quantisation and linear backends: how a loaded model's linear layers multiply.
+
+``policy.apply`` is the one decision; each scheme has its module (``int8``,
+``int4``, ``w8a8`` with ``smooth``). The float32 packed layer, the C kernels'
+bindings and the native-operator state (``NativeOps``) stay with those
+bindings in ``models.packed_linear``.
+
+Layer: above ``models`` (it replaces the matmuls of a model's layers), below
+``worker`` (the runner calls ``apply`` once, at load); ``models`` never
+imports it.
+"""
+from pagedbackend.quant.policy import QUANTIZATION_MODES, LinearPlan, apply
+from pagedbackend.quant.smooth import Calibration
+
+__all__ = ["Calibration", "LinearPlan", "QUANTIZATION_MODES", "apply"]

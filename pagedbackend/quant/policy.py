@@ -1,0 +1,109 @@
+"""The one decision: how each linear projection and the LM head of a loaded
+model multiply, from ``EngineConfig.quantization`` and ``linear_backend``
+and what this machine can run.
+
+- ``none``: float weights, through the packed C kernel
+  (``models.packed_linear``) where it runs and ``linear_backend`` allows,
+  else torch's ``F.linear``;
+- ``int8``: int8 weights (``int8``), packed the same way or in torch's kernel;
+- ``int4``: int4 weights in groups (``int4``; the default model's shipped
+  Q4_1 blocks), an int8 LM head, as the GGUF keeps it at 8 bits;
+- ``w8a8``: int8 weights and activations (``w8a8``) after smoothing
+  (``smooth``), the LM head too.
+
+The embedding stays as loaded. The model class knows none of this: it offers
+its projections (``hf_projections``) and its LM head (``head_weight``,
+``use_head_matmul``), and each linear layer takes a matmul (``use_matmul``).
+"""
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from pagedbackend.models import default_model, packed_linear
+from pagedbackend.quant import int4, smooth
+from pagedbackend.quant.int8 import INT8_KERNEL_MAX_ROWS, Int8Linear, PackedInt8Linear
+from pagedbackend.quant.w8a8 import W8A8Linear
+
+QUANTIZATION_MODES = ("none", "int8", "int4", "w8a8")
+INT4_GROUP_SIZE = 32   # where the weights are rounded here (not the GGUF's blocks)
+
+logger = logging.getLogger("pagedbackend")
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """What the runner needs to know of the choice: which kernels serve the
+    float32 or int8 layers (``torch`` or ``packed``), and the step sizes at
+    which a layer takes a branch of its own (a graph to warm up each)."""
+    backend: str = "torch"
+    warm_up_rows: Tuple[int, ...] = ()
+
+
+@torch.no_grad()
+def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
+          calibration: Optional[smooth.Calibration] = None) -> LinearPlan:
+    """Give every projection and the LM head of ``model`` (loaded, float) the
+    matmul that ``config`` asks for and this machine runs; ``calibration``:
+    the prefill that w8a8's smoothing measures on (none: no smoothing)."""
+    mode = config.quantization
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {mode!r}")
+    if mode == "w8a8":
+        _require_cpu(mode, device)
+        if calibration is not None:
+            smooth.smooth_with(model, calibration)
+        _serve_through(model, W8A8Linear)
+        return LinearPlan()
+    if mode == "int4":
+        _require_cpu(mode, device)
+        ready = None
+        if config.model == "default":   # its GGUF's 4-bit values, not a second rounding
+            ready = default_model.q4_1_weights(model.args.num_heads, model.args.num_kv_heads)
+        for names, linear in model.hf_projections():
+            linear.use_matmul(int4.int4_layer(linear.weight, names, INT4_GROUP_SIZE, ready))
+        model.use_head_matmul(Int8Linear(model.head_weight()))
+        return LinearPlan()
+    if _packed_usable(config, device, dtype):
+        _serve_through(model, PackedInt8Linear if mode == "int8" else packed_linear.PackedLinear)
+        return LinearPlan("packed")
+    if mode == "int8":
+        _require_cpu(mode, device)
+        _serve_through(model, Int8Linear)
+        # Int8Linear widens the weight for F.linear above its kernel's rows: one more graph
+        return LinearPlan(warm_up_rows=(INT8_KERNEL_MAX_ROWS + 1,))
+    return LinearPlan()
+
+
+def _serve_through(model: nn.Module, layer: Callable[[torch.Tensor], nn.Module]) -> None:
+    """Every projection and the LM head through ``layer(weight)`` (a tied head
+    gets its own copy)."""
+    for _, linear in model.hf_projections():
+        linear.use_matmul(layer(linear.weight))
+    model.use_head_matmul(layer(model.head_weight()))
+
+
+def _require_cpu(mode: str, device: torch.device) -> None:
+    if device.type != "cpu":
+        raise ValueError(f"quantization={mode} runs on CPU only (torch's weight-only kernels used "
+                         f"here are CPU kernels); got device {device.type}: use quantization=none")
+
+
+def _packed_usable(config, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the float32 or int8 layers go through the packed kernels: the
+    config asks (or leaves it to us) and they can run here."""
+    if config.linear_backend == "torch":
+        return False
+    reason = packed_linear.unavailable(device, dtype)
+    if reason is not None:
+        if config.linear_backend == "packed":
+            raise ValueError(f"linear_backend=packed cannot run here: {reason}")
+        logger.info("pagedbackend: linear layers use torch's kernels: %s", reason)
+        return False
+    ops = packed_linear.native_ops()
+    if not ops.decide():
+        logger.info("pagedbackend: packed linear layers call their C kernels through Python: %s",
+                    ops.native_ops_failure or "PAGEDBACKEND_NATIVE_OPS=0")
+    return True
