@@ -6,7 +6,7 @@ machine's peak: each call repacks the weight and the weight streams from
 memory while the cores wait. ``kernels/csrc/packed_gemm.c`` reads a weight
 packed once, at load, in blocks of output columns, keeps each block in L2
 while every chunk of rows multiplies it, prefetches the next one, and splits
-the blocks over torch's OpenMP threads (BENCHMARKS.md, section 13). It is
+the blocks over torch's OpenMP threads (BENCHMARKS.md, "cpu_kernels"). It is
 compiled on this machine at first use (``kernels.native``). Above
 ``KERNEL_MAX_ROWS`` rows (long prefills) torch's GEMM wins even after
 unpacking the weight for the call, so it is used there and one packed copy
@@ -36,9 +36,9 @@ from torch import nn
 from pagedbackend.kernels import native
 
 # Rows above which torch's GEMM on a weight unpacked for the call is the
-# faster of the two. Over SmolLM2's 120 layer weights (BENCHMARKS.md, section
-# 18) the kernel took 0.76x the time of unpacking and F.linear at 256 rows,
-# 0.88-0.93x at 519-640, 1.28x at 768 and 1.33x at 1024.
+# faster of the two: over SmolLM2's 120 layer weights the kernel is faster up
+# to 640 rows and slower from 768 (BENCHMARKS.md, "cpu_kernels",
+# KERNEL_MAX_ROWS).
 KERNEL_MAX_ROWS = 640
 
 # Rows up to which quantization=w8a8's matmul runs w8a8_gemm.c's VNNI kernel
@@ -47,13 +47,12 @@ W8A8_KERNEL_MAX_ROWS = 16
 
 # int8 steps of at least INT8_BF16_ROWS rows can multiply in bfloat16
 # (vdpbf16ps) where the CPU has AVX512_BF16: their rows of x are rounded to
-# bfloat16, the int8 weights are exact in it. Over SmolLM2's int8 weights (2
-# threads, paired, BENCHMARKS.md section 20) the path took, against float32
-# rows, 1.03x the time at 8 rows, 0.86x at 10 and 0.58x at 24-32 on an AMD Zen
-# 4 machine, but 1.2-1.9x at every row count on an Intel Emerald Rapids one
-# (where vdpbf16ps issues at about 2/3 of the FMA rate: the bfloat16 products
-# gain at most 1.3x, less than the conversions cost). So it is on by default
-# on AMD CPUs only.
+# bfloat16, the int8 weights are exact in it. Over SmolLM2's int8 weights the
+# path is faster than float32 rows from 9 rows on an AMD Zen 4 machine, but
+# slower at every row count on an Intel Emerald Rapids one, where vdpbf16ps
+# issues slower than FMAs and the conversions cost more than the bfloat16
+# products gain (BENCHMARKS.md, "quant_kernels"). So it is on by default on
+# AMD CPUs only.
 # ``PAGEDBACKEND_INT8_BF16=1`` turns it on, ``=0`` off, on any CPU.
 INT8_BF16_ROWS = 9
 
