@@ -9,6 +9,7 @@ below its own.
 """
 from .config import EngineConfig
 from .sampling_params import InvalidRequestError, SamplingParams
+from .structured_outputs import StructuredOutputsParams
 
 _ENGINE = ("LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "CompletionOutput", "EngineStats")
 
@@ -21,4 +22,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'pagedbackend' has no attribute {name!r}")
 
 
-__all__ = ["EngineConfig", "SamplingParams", "InvalidRequestError", *_ENGINE]
+__all__ = ["EngineConfig", "SamplingParams", "StructuredOutputsParams", "InvalidRequestError", *_ENGINE]

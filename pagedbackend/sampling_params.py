@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Union
 
 from .config import coerce
+from .errors import InvalidRequestError
+from .structured_outputs import StructuredOutputsParams, from_guided_fields
 
 _EPS = 1e-5
 # The most top log-probabilities one token may ask for (vLLM's default limit).
@@ -28,22 +30,13 @@ UNSUPPORTED = {
     "lora_name": "LoRA adapters are not supported",
     "lora_request": "LoRA adapters are not supported",
     "logits_processors": "custom logits processors are not supported",
-    "guided_decoding": "guided (structured) decoding is not supported",
-    "structured_outputs": "structured outputs are not supported",
-    "guided_json": "guided (structured) decoding is not supported",
-    "guided_regex": "guided (structured) decoding is not supported",
-    "guided_choice": "guided (structured) decoding is not supported",
-    "guided_grammar": "guided (structured) decoding is not supported",
-    "response_format": "structured outputs are not supported",
+    "response_format": "response_format is an OpenAI API field; in sampling parameters use "
+                       "structured_outputs (json, json_object, regex, choice, grammar)",
     "logprob_token_ids": "log-probabilities of chosen token ids are not supported",
     "extra_args": "extra_args are not supported",
 }
 ACCEPTED_AT_DEFAULT = {"detokenize": True, "spaces_between_special_tokens": True,
                        "output_kind": None, "lora_name": None}
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses (bad parameters, a prompt that can never fit)."""
 
 
 @dataclass
@@ -85,6 +78,9 @@ class SamplingParams:
     # vLLM's per-request priority: under scheduling_policy=priority lower values
     # are scheduled first and preempted last (ties by arrival); ignored under fcfs
     priority: int = 0
+    # vLLM's: constrain the output to a JSON schema, regex, choice or grammar
+    # (a StructuredOutputsParams or its JSON object)
+    structured_outputs: Optional[StructuredOutputsParams] = None
     stop_list: List[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self):
@@ -107,6 +103,8 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         if self.top_k == 0 and not isinstance(self.top_k, bool):
             self.top_k = -1
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.build(self.structured_outputs)
         self._validate()
 
     def _validate(self):
@@ -170,6 +168,11 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "use_beam_search", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None:
+            if self.use_beam_search:
+                bad("beam search does not combine with structured_outputs")
+            if self.ignore_eos:
+                bad("ignore_eos does not combine with structured_outputs: the output ends where its grammar does")
         if self.use_beam_search:
             if self.temperature > _EPS:
                 bad("beam search needs temperature 0")
@@ -224,7 +227,7 @@ class SamplingParams:
         strings are accepted, unknown names are refused."""
         if not isinstance(params, dict):
             raise InvalidRequestError(f"sampling parameters must be a JSON object, got {type(params).__name__}")
-        params = dict(params)
+        params = from_guided_fields(dict(params))
         for name, default in ACCEPTED_AT_DEFAULT.items():
             if name in params and params[name] == default:
                 del params[name]

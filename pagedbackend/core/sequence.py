@@ -31,6 +31,7 @@ class RequestMetrics:
     last_token_time: Optional[float] = None    # when its latest token was sampled
     finished_time: Optional[float] = None
     num_cached_prompt_tokens: int = 0
+    grammar_compile_time: Optional[float] = None   # seconds, when this request's grammar was compiled for it
 
 
 class Sequence:
@@ -52,6 +53,9 @@ class Sequence:
         self.read_offset = 0
         self.num_sent_tokens = 0                # tokens already handed out in deltas
         self.num_sent_chars = 0
+        # Structured outputs: the grammar matcher this sequence's tokens advance
+        # (owned by the engine; None when unconstrained).
+        self.constraint = None
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +130,7 @@ class SequenceGroup:
         self.prompt_logprobs_sent = False
         # The request's prefix-cache namespace: blocks are shared only with equal salts.
         self.cache_salt: bytes = (params.cache_salt or "").encode("utf-8", "surrogatepass")
+        self.grammar = None                     # structured outputs: the grammar's compile
 
     @property
     def needs_prompt_logits(self) -> bool:

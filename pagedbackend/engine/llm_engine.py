@@ -22,6 +22,7 @@ from ..core.scheduler import ScheduledSeq, Scheduler, StepUpdate
 from ..core.sequence import GroupStatus, Sequence, SequenceGroup
 from ..models.default_model import resolve_model_path
 from ..sample import BeamSearchState, SampleRow, Sampler
+from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
 from .detokenizer import decode_new_text, find_stop_string
 from .outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
@@ -75,6 +76,9 @@ class LLMEngine:
         self.scheduler.max_model_len = self.max_model_len
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
+        # Constrained requests whose grammar still compiles, held back from the scheduler.
+        self.compiling: List[SequenceGroup] = []
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         # Timings of the latest step (seconds): all of it, the model forward,
@@ -145,6 +149,8 @@ class LLMEngine:
         group.bad_words_ids = self._bad_words_ids(params)
         if params.use_beam_search:
             group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)
+        if params.structured_outputs is not None:   # refused here if the library cannot parse it
+            group.grammar = self.grammars.submit(params.structured_outputs)
         return group
 
     def _bad_words_ids(self, params: SamplingParams) -> List[List[int]]:
@@ -162,8 +168,36 @@ class LLMEngine:
         if group.request_id in self.groups:
             raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group
-        self.scheduler.add(group)
         self.stats.prompt_tokens += len(group.prompt_token_ids)
+        if group.grammar is not None:
+            self.stats.structured_requests += 1
+            if not group.grammar.done():
+                self.compiling.append(group)
+                return
+            group.seqs[0].constraint = group.grammar.matcher()
+        self.scheduler.add(group)
+
+    def _take_compiled(self) -> List[RequestOutput]:
+        """Hand the requests whose grammar has compiled to the scheduler; end
+        those whose compile failed. With nothing else to run, wait a little
+        for the first compile rather than spin."""
+        if self.compiling and not self.scheduler.has_unfinished:
+            self.compiling[0].grammar.wait(0.05)
+        outputs, waiting = [], []
+        for group in self.compiling:
+            if not group.grammar.done():
+                waiting.append(group)
+                continue
+            group.metrics.grammar_compile_time = group.grammar.seconds
+            try:
+                group.seqs[0].constraint = group.grammar.matcher()
+            except Exception as exc:
+                self.stats.rejected_requests += 1
+                outputs.append(self._end_with_error(group, str(exc)))
+                continue
+            self.scheduler.add(group)
+        self.compiling = waiting
+        return outputs
 
     def _tokenize(self, prompt: Prompt):
         if isinstance(prompt, str):
@@ -194,6 +228,8 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
+        if group in self.compiling:
+            self.compiling.remove(group)
         self.scheduler.remove(group)
         for seq in group.seqs:
             seq.finish_reason = "abort"
@@ -221,9 +257,10 @@ class LLMEngine:
     # ------------------------------------------------------------ the step
     def step(self) -> List[RequestOutput]:
         start = time.perf_counter()
+        outputs = self._take_compiled() if self.compiling else []
         sched = self.scheduler.schedule()
         self.last_schedule_seconds = time.perf_counter() - start
-        outputs = [self._reject(group, msg) for group, msg in sched.rejected]
+        outputs += [self._reject(group, msg) for group, msg in sched.rejected]
         # Order matters: a block swapped out may be handed to someone else in this step.
         if sched.swap_out_pairs:
             self.runner.swap_out(sched.swap_out_pairs)
@@ -376,9 +413,9 @@ class LLMEngine:
             suppress = sorted(self.eos_token_ids | set(params.stop_token_ids))
         key = (params.seed, index, seq.num_output_tokens) if params.seed is not None else None
         if not params.has_logits_processing:
-            return SampleRow(row, params, suppress, key, group.wants_logprob)
+            return SampleRow(row, params, suppress, key, group.wants_logprob, constraint=seq.constraint)
         return SampleRow(row, params, suppress, key, group.wants_logprob, seq.token_ids,
-                         seq.num_prompt_tokens, group.bad_words_ids)
+                         seq.num_prompt_tokens, group.bad_words_ids, seq.constraint)
 
     def _apply_samples(self, group: SequenceGroup, seq: Sequence, samples, update: StepUpdate) -> None:
         now = time.time()
@@ -390,12 +427,17 @@ class LLMEngine:
             # Parallel sampling: every candidate shares the prompt's blocks.
             for i in range(1, len(samples)):
                 child = seq.fork(i)
+                if seq.constraint is not None:   # each candidate follows the grammar on its own
+                    child.constraint = seq.constraint.fork()
                 update.forks.append((seq, child))
                 new_seqs.append(child)
             group.seqs = list(new_seqs)
             group.forked = True
         for s, sample in zip(new_seqs, samples):
             s.append_token(sample.token_id, sample.logprob, self._logprobs(sample))
+            if s.constraint is not None and not s.constraint.accept_token(sample.token_id):
+                raise RuntimeError(f"token {sample.token_id} was sampled outside the structured-output "
+                                   "grammar's mask")
             self.stats.generation_tokens += 1
             self._check_stop(group, s, sample.token_id)
             if s.finished:
@@ -421,6 +463,9 @@ class LLMEngine:
     def _check_stop(self, group: SequenceGroup, seq: Sequence, token_id: int) -> None:
         params = group.params
         new_text = decode_new_text(self.tokenizer, seq, params.skip_special_tokens)
+        if seq.constraint is not None and seq.constraint.is_terminated():   # the grammar took its end
+            seq.finish_reason = "stop"
+            return
         if seq.num_output_tokens >= params.min_tokens:
             if token_id in self.eos_token_ids and not params.ignore_eos:
                 seq.finish_reason = "stop"
@@ -574,6 +619,9 @@ class LLMEngine:
         st.prefix_cache_queries = bm.prefix_queries
         st.prefix_cache_hits = bm.prefix_hits
         st.compiled_step = getattr(self.runner, "compiled", None) is not None
+        st.structured_mask_seconds = self.sampler.mask_seconds
+        st.grammar_compiles = self.grammars.compiles
+        st.num_waiting += len(self.compiling)
         governor = getattr(self.runner, "wait_governor", None)
         st.cpu_contended = governor is not None and governor.contended
         return EngineStats(**st.__dict__)

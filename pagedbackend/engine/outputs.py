@@ -78,6 +78,9 @@ class EngineStats:
     idle_leak_checks_failed: int = 0  # times the engine went idle with blocks or sequences left
     compiled_step: bool = False      # the compiled model step serves (not eager steps)
     cpu_contended: bool = False      # OpenMP threads sleep between regions (worker/cpu_wait.py)
+    structured_requests: int = 0     # requests with a structured-output constraint
+    grammar_compiles: int = 0        # grammars compiled (the others came from the cache)
+    structured_mask_seconds: float = 0.0  # of the sample time, filling and applying grammar masks
 
     @property
     def prefix_cache_hit_rate(self) -> float:

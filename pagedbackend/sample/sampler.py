@@ -14,12 +14,14 @@ log-softmax over the whole vocabulary. A row with a seed draws its noise from a 
 keyed by (seed, output index, position), so its result does not depend on the
 batch it lands in, nor on preemption.
 """
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..sampling_params import SamplingParams
+from .structured import mask_logits
 
 
 @dataclass
@@ -33,6 +35,7 @@ class SampleRow:
     token_ids: Sequence[int] = ()      # the sequence so far, prompt then output
     num_prompt_tokens: int = 0
     bad_words_ids: Sequence[Sequence[int]] = ()
+    constraint: Optional[object] = None  # the sequence's grammar matcher (structured outputs)
 
 
 @dataclass
@@ -49,12 +52,29 @@ def _seeded_generator(key: Tuple[int, int, int], device: torch.device) -> torch.
     return torch.Generator(device=device).manual_seed(mixed)
 
 
-def apply_suppression(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+class NoAllowedTokenError(ValueError):
+    """A constrained row where the grammar and the other parameters together allow no token."""
+
+
+def apply_suppression(logits: torch.Tensor, rows: Sequence[SampleRow], masked: bool = False) -> None:
+    """Structured-output masks (unless ``masked``), then each row's processing
+    and suppressed tokens. On a constrained row, holding back EOS before
+    ``min_tokens`` yields to a grammar that allows nothing else (the output is
+    complete)."""
+    if not masked:
+        mask_logits(logits, rows)
     for r in rows:
         if r.params.has_logits_processing:
             _process_row(logits[r.row], r)
         if r.suppress:
-            logits[r.row, list(r.suppress)] = float("-inf")
+            ids = list(r.suppress)
+            kept = logits[r.row, ids].clone() if r.constraint is not None else None
+            logits[r.row, ids] = float("-inf")
+            if kept is not None and not bool(torch.isfinite(logits[r.row]).any()):
+                logits[r.row, ids] = kept
+        if r.constraint is not None and not bool(torch.isfinite(logits[r.row]).any()):
+            raise NoAllowedTokenError("no token satisfies the structured-output constraint together with "
+                                      "allowed_token_ids, bad_words or logit_bias")
 
 
 def _process_row(logits: torch.Tensor, r: SampleRow) -> None:
@@ -131,10 +151,11 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
-           generator: Optional[torch.Generator] = None) -> List[Sample]:
+           generator: Optional[torch.Generator] = None, masked: bool = False) -> List[Sample]:
     """One token per row. ``logits`` is float32 ``[num_rows_in_batch, vocab]``;
-    it is modified in place by suppression."""
-    apply_suppression(logits, rows)
+    it is modified in place by suppression (``masked``: the structured-output
+    masks are applied already)."""
+    apply_suppression(logits, rows, masked)
     # Greedy picks for every row at once (no copy of the logits).
     row_idx = torch.tensor([r.row for r in rows], device=logits.device)
     token_ids = row_argmax(logits)[row_idx]
@@ -175,6 +196,7 @@ class Sampler:
     def __init__(self, seed: int):
         self.seed = seed
         self._generator: Optional[torch.Generator] = None
+        self.mask_seconds = 0.0   # spent filling and applying structured-output masks
 
     def generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
@@ -182,4 +204,8 @@ class Sampler:
         return self._generator
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> List[Sample]:
-        return sample(logits, rows, self.generator(logits.device))
+        if any(r.constraint is not None for r in rows):
+            start = time.perf_counter()
+            mask_logits(logits, rows)
+            self.mask_seconds += time.perf_counter() - start
+        return sample(logits, rows, self.generator(logits.device), masked=True)

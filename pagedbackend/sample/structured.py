@@ -1,0 +1,189 @@
+"""Grammars for structured outputs, compiled by xgrammar, and the per-sequence
+matchers whose token masks the sampler applies.
+
+A request's constraint is first parsed into an xgrammar ``Grammar`` on the
+thread that takes the request (this is where a bad schema, pattern or grammar
+is refused, with the library's message); then compiled against the
+tokenizer's vocabulary on a background thread. Compiled grammars are cached by
+the constraint's text, and requests that ask for a grammar while it compiles
+share that one compile. A request whose grammar is still compiling is held by
+the engine, not the scheduler, so nothing else waits for it.
+
+Each sequence of a constrained request owns a ``GrammarMatcher``: before a
+step the sampler fills the row's allowed-token bitmask from it and masks the
+logits; after the step the engine advances it with the sampled token. Parallel
+samples fork the matcher with the sequence. Preemption keeps a sequence's
+tokens, so its matcher stays valid through a recompute or a swap.
+
+xgrammar over llguidance (both measured on the default model's tokenizer,
+``python -m loadtest.bench structured``): comparable mask times, a CPU
+bitmask kernel, EBNF and structural tags natively, matcher fork and rollback.
+"""
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import InvalidRequestError
+from ..structured_outputs import StructuredOutputsParams
+
+CACHE_SIZE = 256          # compiled grammars kept, least recently used dropped
+_LOCATION = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*")   # xgrammar's "[time] file.cc:line: "
+
+
+def _library_message(exc: Exception) -> str:
+    return _LOCATION.sub("", str(exc)).strip() or type(exc).__name__
+
+
+def _ebnf_string(text: str) -> str:
+    """``text`` as an EBNF string literal."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def parse(spec: StructuredOutputsParams):
+    """The constraint as an xgrammar ``Grammar``, or InvalidRequestError
+    naming the parameter and the library's message."""
+    import xgrammar as xgr
+    kind = spec.kind
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(json.dumps(spec.json),
+                                                any_whitespace=not spec.disable_any_whitespace)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema('{"type": "object"}',
+                                                any_whitespace=not spec.disable_any_whitespace)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in spec.choice))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(spec.grammar)
+        tag = json.loads(spec.structural_tag)
+        if isinstance(tag, dict) and "structures" in tag:   # vLLM's first form: begin, schema, end
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                     for s in tag["structures"]]
+            return xgr.Grammar.from_structural_tag(items, list(tag.get("triggers", [])))
+        return xgr.Grammar.from_structural_tag(spec.structural_tag)
+    except Exception as exc:   # the library's parse errors are RuntimeError, ValueError and its own
+        raise InvalidRequestError(f"structured_outputs.{kind}: {_library_message(exc)}") from None
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary, one at a time
+    on a thread of its own, keeping the latest ``cache_size`` results."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
+                 cache_size: int = CACHE_SIZE):
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._compiler = None
+        self._cache: "OrderedDict[str, Future]" = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedbackend-grammar")
+        self.compiles = 0              # grammars compiled (cache misses)
+
+    def submit(self, spec: StructuredOutputsParams) -> "Compile":
+        """Check ``spec`` now (InvalidRequestError if the library refuses it)
+        and return its compile, started or already done."""
+        key = spec.key()
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return Compile(future, None)
+        grammar = parse(spec)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:   # another thread got there first
+                return Compile(future, None)
+            future = Future()
+            self._cache[key] = future
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        timing = Compile(future, 0.0)
+        self._pool.submit(self._compile, key, grammar, future, timing)
+        return timing
+
+    def _compile(self, key: str, grammar, future: Future, timing: "Compile") -> None:
+        start = time.perf_counter()
+        try:
+            compiled = self._xgr_compiler().compile_grammar(grammar)
+        except Exception as exc:
+            with self._lock:
+                self._cache.pop(key, None)   # a failure is not cached
+            future.set_exception(InvalidRequestError(
+                f"structured_outputs: the grammar could not be compiled: {_library_message(exc)}"))
+            return
+        timing.seconds = time.perf_counter() - start
+        self.compiles += 1
+        future.set_result(compiled)
+
+    def _xgr_compiler(self):
+        if self._compiler is None:   # only ever on the compile thread
+            import xgrammar as xgr
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                      stop_token_ids=self._stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Compile:
+    """One request's view of a grammar compile: the shared future, and how
+    long the compile took when this request started it (None for a cache hit)."""
+
+    def __init__(self, future: Future, seconds: Optional[float]):
+        self.future, self.seconds = future, seconds
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self.future.exception(timeout)
+        except Exception:   # a timeout or a cancelled compile: the caller looks again
+            pass
+
+    def matcher(self):
+        """A fresh matcher of the compiled grammar; raises the compile's error."""
+        import xgrammar as xgr
+        return xgr.GrammarMatcher(self.future.result())
+
+
+def mask_logits(logits: torch.Tensor, rows) -> None:
+    """Mask, in place, every row of ``logits`` that a constrained ``SampleRow``
+    names to the tokens its matcher allows (rows sharing a logits row share
+    its matcher: the candidates of one prompt before they fork)."""
+    import xgrammar as xgr
+    matchers = {}
+    for r in rows:
+        if r.constraint is not None:
+            matchers.setdefault(r.row, r.constraint)
+    if not matchers:
+        return
+    bitmask = torch.full((logits.shape[0], (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
+    for row, matcher in matchers.items():
+        matcher.fill_next_token_bitmask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=list(matchers))
