@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence as Seq, Tuple, Union
+from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 import torch
 
@@ -21,15 +21,14 @@ from ..config import EngineConfig
 from ..core.scheduler import ScheduledSeq, Scheduler, StepUpdate
 from ..core.sequence import GroupStatus, Sequence, SequenceGroup
 from ..models.default_model import resolve_model_path
-from ..sample import BeamSearchState, SampleRow, Sampler
+from ..sample import SampleRow, Sampler
 from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
 from .detokenizer import decode_new_text, find_stop_string
+from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
 from .outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from .tokenizer import eos_token_ids, load_tokenizer
 
-Prompt = Union[str, List[int]]
-PROMPT_CHARS_PER_TOKEN = 16   # default max_prompt_chars per token of max_model_len
 logger = logging.getLogger("pagedbackend")
 
 
@@ -71,14 +70,15 @@ class LLMEngine:
         self.vocab_size = runner.vocab_size
         # Prefix-cache keys cover everything that changes K/V besides the tokens.
         model_key = f"{model_path}|{config.dtype}|{config.quantization}".encode()
-        self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.max_model_len, cache_salt=model_key)
-        self.max_model_len = self._fit_max_model_len(runner.max_model_len)
-        self.scheduler.max_model_len = self.max_model_len
+        self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config)
+        self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
         # Constrained requests whose grammar still compiles, held back from the scheduler.
         self.compiling: List[SequenceGroup] = []
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
+                                     self.max_prompt_chars, self.scheduler, self.grammars)
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         # Timings of the latest step (seconds): all of it, the model forward,
@@ -90,21 +90,6 @@ class LLMEngine:
     def block_manager(self):
         """The scheduler's block manager, for statistics and tests (read only)."""
         return self.scheduler.block_manager
-
-    def _fit_max_model_len(self, model_len: int) -> int:
-        """The longest sequence one request may reach: one sequence of it must
-        fit the pool alone (with a block to spare for a copy-on-write), so a
-        longer ``max_model_len`` is capped, with a log line."""
-        bs = self.config.block_size
-        fits = (self.scheduler.usable_blocks - 2) * bs
-        if model_len <= fits:
-            return model_len
-        where = (f"the KV pool ({self.scheduler.block_manager.num_total_blocks} blocks of {bs}, "
-                 f"{self.scheduler.usable_blocks} usable) holds one sequence of at most {max(fits, 0)} tokens")
-        if fits < 1:
-            raise ValueError(f"the KV cache is too small to serve anything: {where}; give more KV blocks")
-        logger.warning("max_model_len capped from %d to %d: %s", model_len, fits, where)
-        return fits
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -121,48 +106,10 @@ class LLMEngine:
     def make_group(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
                    arrival_time: Optional[float] = None,
                    cumulative_logprob: bool = False) -> SequenceGroup:
-        """Check a request against the model and the pool and build its group.
-        Touches no engine state, so any thread may call it. Outputs carry
-        ``cumulative_logprob`` when the parameters need it (logprobs, best_of
-        > n, beam search) or ``cumulative_logprob`` is true; otherwise None."""
-        params = params or SamplingParams()
-        params.check_token_ids(self.vocab_size)
-        text, token_ids = self._tokenize(prompt)
-        if params.truncate_prompt_tokens is not None and len(token_ids) > params.truncate_prompt_tokens:
-            token_ids = token_ids[-params.truncate_prompt_tokens:]   # vLLM keeps the last k
-            text = None if text is None else self.tokenizer.decode(token_ids)
-        max_tokens = params.max_tokens
-        room = self.max_model_len - len(token_ids)
-        if max_tokens is None:   # the rest of the context, as far as the pool holds every candidate
-            if room < 1:
-                raise InvalidRequestError(f"prompt has {len(token_ids)} tokens; the model's context "
-                                          f"is {self.max_model_len}, leaving no room to generate")
-            max_tokens = self.scheduler.max_tokens_that_fit(len(token_ids), params.best_of, room) or room
-        if len(token_ids) + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = "
-                f"{len(token_ids) + max_tokens} exceeds the maximum context length {self.max_model_len}")
-        group = SequenceGroup(request_id, text, token_ids, params,
-                              time.time() if arrival_time is None else arrival_time, max_tokens)
-        self.scheduler.check_admissible(group)
-        group.wants_logprob |= cumulative_logprob
-        group.bad_words_ids = self._bad_words_ids(params)
-        if params.use_beam_search:
-            group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)
-        if params.structured_outputs is not None:   # refused here if the library cannot parse it
-            group.grammar = self.grammars.submit(params.structured_outputs)
-        return group
-
-    def _bad_words_ids(self, params: SamplingParams) -> List[List[int]]:
-        """Token sequences of each bad word, alone and after a space (the two
-        ways a word is usually tokenised), as vLLM bans them."""
-        found = []
-        for word in params.bad_words or []:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in found:
-                    found.append(ids)
-        return found
+        """Check a request against the model and the pool and build its group
+        (``InputProcessor.make_group``). Touches no engine state, so any
+        thread may call it."""
+        return self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:
@@ -198,30 +145,6 @@ class LLMEngine:
             self.scheduler.add(group)
         self.compiling = waiting
         return outputs
-
-    def _tokenize(self, prompt: Prompt):
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            if len(prompt) > self.max_prompt_chars:
-                raise InvalidRequestError(
-                    f"prompt has {len(prompt)} characters; the limit is {self.max_prompt_chars} "
-                    f"(engine setting max_prompt_chars)")
-            ids = self.tokenizer.encode(prompt)
-            if not ids:
-                raise InvalidRequestError("prompt is empty after tokenisation")
-            return prompt, ids
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        if len(ids) > self.max_model_len:   # refused before the ids are checked one by one
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the maximum context length "
-                                      f"is {self.max_model_len}")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]!r} is not an integer in the vocabulary "
-                                      f"[0, {self.vocab_size})")
-        return None, ids
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """Stop a request and free its blocks at once; returns its final output."""
