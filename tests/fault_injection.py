@@ -11,7 +11,7 @@ from pagedbackend.serving.launcher import make_model_repository
 HOOKS = {
     # One request's detokenisation raises: it must fail alone.
     "detokenise": '''
-import pagedbackend.engine.llm_engine as _target
+import pagedbackend.engine.output_processor as _target
 _real = _target.decode_new_text
 def _faulty(tokenizer, seq, *args, **kwargs):
     if seq.token_ids[:seq.num_prompt_tokens] == _POISON_IDS:

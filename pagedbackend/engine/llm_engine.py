@@ -1,12 +1,14 @@
 """The engine: scheduler, model runner and sampler, one step at a time.
 
 ``step()`` asks the scheduler for a batch, has the runner carry out the
-scheduler's swap and copy mappings and run the model once, samples, updates
-every sequence's tokens and text (parallel samples fork, beams re-parent,
+scheduler's swap and copy mappings and run the model once, samples, has the
+output processor apply the tokens (parallel samples fork, beams re-parent,
 stops end sequences), hands the outcome back to the scheduler
 (``update_from_output``: the only place blocks change after a step) and
-returns per-request output deltas. The engine owns the tokenizer; the runner
-sees token ids only.
+returns per-request output deltas. A request becomes a group in
+``input_processor``; tokens become text, stops and deltas in
+``output_processor``. The engine owns the tokenizer; the runner sees token
+ids only.
 """
 import dataclasses
 import logging
@@ -19,14 +21,14 @@ import torch
 
 from ..config import EngineConfig
 from ..core.scheduler import ScheduledSeq, Scheduler, StepUpdate
-from ..core.sequence import GroupStatus, Sequence, SequenceGroup
+from ..core.sequence import Sequence, SequenceGroup
 from ..models.default_model import resolve_model_path
 from ..sample import SampleRow, Sampler
 from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
-from .detokenizer import decode_new_text, find_stop_string
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
-from .outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from .output_processor import OutputProcessor
+from .outputs import EngineStats, RequestOutput
 from .tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger("pagedbackend")
@@ -81,6 +83,7 @@ class LLMEngine:
                                      self.max_prompt_chars, self.scheduler, self.grammars)
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.stats)
         # Timings of the latest step (seconds): all of it, the model forward,
         # scheduling, and sampling with the sequence updates.
         self.last_step_seconds = self.last_forward_seconds = 0.0
@@ -139,8 +142,7 @@ class LLMEngine:
             try:
                 group.seqs[0].constraint = group.grammar.matcher()
             except Exception as exc:
-                self.stats.rejected_requests += 1
-                outputs.append(self._end_with_error(group, str(exc)))
+                outputs.append(self._end_with_error(group, str(exc), ran=False))
                 continue
             self.scheduler.add(group)
         self.compiling = waiting
@@ -160,7 +162,7 @@ class LLMEngine:
         group.seqs = []
         group.metrics.finished_time = time.time()
         self.stats.aborted_requests += 1
-        return self._output(group, finished=True)
+        return self.outputs.output(group, finished=True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -183,7 +185,7 @@ class LLMEngine:
         outputs = self._take_compiled() if self.compiling else []
         sched = self.scheduler.schedule()
         self.last_schedule_seconds = time.perf_counter() - start
-        outputs += [self._reject(group, msg) for group, msg in sched.rejected]
+        outputs += [self._end_with_error(group, msg, ran=False) for group, msg in sched.rejected]
         # Order matters: a block swapped out may be handed to someone else in this step.
         if sched.swap_out_pairs:
             self.runner.swap_out(sched.swap_out_pairs)
@@ -206,13 +208,15 @@ class LLMEngine:
                 logits = self._take_prompt_logprobs(logits, sched.scheduled, failed)
             touched = self._sample_and_update(logits, [i for i in sched.scheduled if i.need_logits],
                                               update, failed)
+        for group in update.finished:
+            self.groups.pop(group.request_id, None)
         self.scheduler.update_from_output(sched, update)
         self.last_sample_seconds = time.perf_counter() - sample_start
         for group in touched:
             if group.request_id not in failed:
                 self._isolated(group, failed, "building its output",
-                               lambda: outputs.append(self._output(group, finished=group.is_finished)))
-        outputs.extend(self._fail_group(group, message) for group, message in failed.values())
+                               lambda: outputs.append(self.outputs.output(group, finished=group.is_finished)))
+        outputs.extend(self._end_with_error(group, message, ran=True) for group, message in failed.values())
         self.stats.num_steps += 1
         self.stats.last_step_tokens = sched.num_batched_tokens
         self.last_step_seconds = time.perf_counter() - start
@@ -240,12 +244,13 @@ class LLMEngine:
             if group.request_id in failed:
                 continue
             if self._isolated(group, failed, "applying its tokens",
-                              lambda: self._apply_samples(group, seq, samples, update), update):
+                              lambda: self.outputs.apply_samples(group, seq, samples, update), update):
                 touched[group.request_id] = group
         for group, seq_rows in beams.items():
             done = []
             if self._isolated(group, failed, "a beam search step",
-                              lambda: done.append(self._beam_step(group, seq_rows, logits, update)), update):
+                              lambda: done.append(self.outputs.apply_beams(group, seq_rows, logits, update)),
+                              update):
                 if done[0]:
                     touched[group.request_id] = group
         return [g for g in touched.values() if g.request_id not in failed]
@@ -261,33 +266,11 @@ class LLMEngine:
             if item.prompt_logits:
                 group = item.group
                 self._isolated(group, failed, "computing prompt log-probabilities",
-                               lambda: self._prompt_logprobs(group, item, logits[row:row + count]))
+                               lambda: self.outputs.record_prompt_logprobs(group, item, logits[row:row + count]))
             if item.need_logits:
                 sample_rows.append(row + count - 1)
             row += count
         return logits[sample_rows]
-
-    def _prompt_logprobs(self, group: SequenceGroup, item: ScheduledSeq, logits: torch.Tensor) -> None:
-        prompt, have = group.prompt_token_ids, len(group.prompt_logprobs)
-        # Row j is position start + j; it scores the token at start + j + 1.
-        first = have - 1 - item.start_pos
-        count = min(len(prompt) - have, logits.shape[0] - first)
-        if first < 0 or count <= 0:
-            return
-        logprobs = torch.log_softmax(logits[first:first + count].float(), dim=-1)
-        targets = torch.tensor(prompt[have:have + count], device=logprobs.device)
-        chosen = logprobs.gather(1, targets[:, None])
-        ranks = (logprobs > chosen).sum(dim=1) + 1
-        k = group.params.prompt_logprobs
-        top = logprobs.topk(k, dim=-1) if k else None
-        decode = self.tokenizer.decode
-        for j, token in enumerate(prompt[have:have + count]):
-            entries = {token: Logprob(float(chosen[j]), int(ranks[j]), decode([token]))}
-            if top is not None:
-                for rank, (value, other) in enumerate(zip(top.values[j].tolist(), top.indices[j].tolist()), 1):
-                    if other != token:
-                        entries[other] = Logprob(value, rank, decode([other]))
-            group.prompt_logprobs.append(entries)
 
     def _sample_owners(self, logits: torch.Tensor, owners, failed: Dict) -> List[list]:
         """Samples per owner: the whole batch at once; should that raise, each
@@ -340,186 +323,19 @@ class LLMEngine:
         return SampleRow(row, params, suppress, key, group.wants_logprob, seq.token_ids,
                          seq.num_prompt_tokens, group.bad_words_ids, seq.constraint)
 
-    def _apply_samples(self, group: SequenceGroup, seq: Sequence, samples, update: StepUpdate) -> None:
-        now = time.time()
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = now
-        group.metrics.last_token_time = now
-        new_seqs = [seq]
-        if not group.forked:
-            # Parallel sampling: every candidate shares the prompt's blocks.
-            for i in range(1, len(samples)):
-                child = seq.fork(i)
-                if seq.constraint is not None:   # each candidate follows the grammar on its own
-                    child.constraint = seq.constraint.fork()
-                update.forks.append((seq, child))
-                new_seqs.append(child)
-            group.seqs = list(new_seqs)
-            group.forked = True
-        for s, sample in zip(new_seqs, samples):
-            s.append_token(sample.token_id, sample.logprob, self._logprobs(sample))
-            if s.constraint is not None and not s.constraint.accept_token(sample.token_id):
-                raise RuntimeError(f"token {sample.token_id} was sampled outside the structured-output "
-                                   "grammar's mask")
-            self.stats.generation_tokens += 1
-            self._check_stop(group, s, sample.token_id)
-            if s.finished:
-                update.freed.append(s)
-                group.seqs.remove(s)
-                group.finished_seqs.append(s)
-        if not group.seqs:
-            self._finish_group(group, update)
-
-    def _logprobs(self, sample) -> Optional[Dict[int, Logprob]]:
-        """The sample's top log-probabilities as vLLM's Logprob entries, with
-        rank and text; None when the request did not ask for them."""
-        if sample.top_logprobs is None:
-            return None
-        # The sampled token first, then the top ones by rank, as vLLM lists them.
-        entries = {sample.token_id: Logprob(sample.logprob, sample.rank,
-                                            self.tokenizer.decode([sample.token_id]))}
-        for rank, (token, logprob) in enumerate(sample.top_logprobs.items(), start=1):
-            if token != sample.token_id:
-                entries[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
-        return entries
-
-    def _check_stop(self, group: SequenceGroup, seq: Sequence, token_id: int) -> None:
-        params = group.params
-        new_text = decode_new_text(self.tokenizer, seq, params.skip_special_tokens)
-        if seq.constraint is not None and seq.constraint.is_terminated():   # the grammar took its end
-            seq.finish_reason = "stop"
-            return
-        if seq.num_output_tokens >= params.min_tokens:
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                seq.finish_reason = "stop"
-                return
-            if token_id in params.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token_id
-                return
-            if params.stop_list:
-                stop = find_stop_string(seq, len(new_text), params.stop_list,
-                                        params.include_stop_str_in_output)
-                if stop is not None:
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                    return
-        if seq.num_output_tokens >= group.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-
-    def _beam_step(self, group: SequenceGroup, seq_rows, logits: torch.Tensor, update: StepUpdate) -> bool:
-        live = group.seqs
-        if len(seq_rows) < len(live):
-            # Some beams are still being recomputed after a preemption: hold the
-            # ones that are done by recomputing their last token next step.
-            update.held.update(seq.seq_id for seq, _ in seq_rows)
-            return False
-        row_of = {seq.seq_id: row for seq, row in seq_rows}
-        rows = [row_of[s.seq_id] for s in live]
-        params = group.params
-        beam_logits = logits[rows]
-        if live[0].num_output_tokens < params.min_tokens:
-            beam_logits[:, sorted(self.eos_token_ids | set(params.stop_token_ids))] = float("-inf")
-        logprobs = torch.log_softmax(beam_logits, dim=-1)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        result = group.beam.step([s.token_ids for s in live], [s.cumulative_logprob for s in live],
-                                 logprobs, live[0].num_output_tokens, group.max_tokens, stop_ids)
-        now = time.time()
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = now
-        group.metrics.last_token_time = now
-        self.stats.generation_tokens += len(live)
-        if result.done:
-            update.freed.extend(live)
-            group.seqs = []
-            self._finish_group(group, update)
-            return True
-        # Re-parent: a beam chosen twice is forked (blocks shared), one not chosen is freed.
-        used = set()
-        next_beams = []
-        for parent_idx, token, _ in result.continuations:
-            parent = live[parent_idx]
-            if parent.seq_id in used:
-                child = parent.fork(len(next_beams))
-                update.forks.append((parent, child))
-                next_beams.append(child)
-            else:
-                used.add(parent.seq_id)
-                next_beams.append(parent)
-        update.freed.extend(seq for seq in live if seq.seq_id not in used)
-        for seq, (_, token, score) in zip(next_beams, result.continuations):
-            seq.token_ids.append(token)
-            seq.cumulative_logprob = score
-        group.seqs = next_beams
-        return False
-
-    def _finish_group(self, group: SequenceGroup, update: StepUpdate) -> None:
-        group.status = GroupStatus.FINISHED
-        group.metrics.finished_time = time.time()
-        update.finished.append(group)
-        self.groups.pop(group.request_id, None)
-        self.stats.finished_requests += 1
-
-    def _fail_group(self, group: SequenceGroup, message: str) -> RequestOutput:
-        """End a request whose handling raised: every block it holds goes back,
-        and its final output carries the error (finish reason ``abort``)."""
-        self.stats.failed_requests += 1
-        group.metrics.finished_time = time.time()   # it ran: its latencies count
-        return self._end_with_error(group, message)
-
-    def _reject(self, group: SequenceGroup, message: str) -> RequestOutput:
-        """End a request the scheduler refused (it can never fit)."""
-        self.stats.rejected_requests += 1
-        return self._end_with_error(group, message)
-
-    def _end_with_error(self, group: SequenceGroup, message: str) -> RequestOutput:
+    def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> RequestOutput:
+        """End a request that cannot go on: one whose handling raised (``ran``:
+        it counts as failed and its latencies count) or one refused before it
+        ran (the scheduler's, a grammar that failed to compile). Every block it
+        holds goes back; its final output carries the error."""
+        if ran:
+            self.stats.failed_requests += 1
+            group.metrics.finished_time = time.time()
+        else:
+            self.stats.rejected_requests += 1
         self.groups.pop(group.request_id, None)
         self.scheduler.remove(group)   # wherever it stands; frees what it holds
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                             [CompletionOutput(0, "", [], finish_reason="abort")], True,
-                             dataclasses.replace(group.metrics), error=message)
-
-    # ------------------------------------------------------------ outputs
-    def _output(self, group: SequenceGroup, finished: bool) -> Optional[RequestOutput]:
-        if group.streams_deltas:
-            seqs = sorted(group.seqs + group.finished_seqs, key=lambda s: s.index)
-            outputs = [self._delta(group, s) for s in seqs]
-        elif not finished:
-            return None
-        elif group.is_beam_search and group.beam.finished:
-            outputs = [self._beam_output(group, i, h) for i, h in enumerate(group.beam.best(group.params.n))]
-        else:
-            seqs = group.finished_seqs + group.seqs
-            if group.params.best_of > group.params.n:
-                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)
-            outputs = [self._delta(group, s, index=i) for i, s in enumerate(seqs[:group.params.n])]
-        prompt_logprobs = None
-        if group.prompt_logprobs is not None and not group.needs_prompt_logits and not group.prompt_logprobs_sent:
-            prompt_logprobs, group.prompt_logprobs_sent = group.prompt_logprobs, True
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                             finished, dataclasses.replace(group.metrics), prompt_logprobs=prompt_logprobs)
-
-    def _delta(self, group: SequenceGroup, seq: Sequence, index: Optional[int] = None) -> CompletionOutput:
-        """New tokens and text since the last delta. Text that might still turn
-        into a stop string is held back until it cannot."""
-        text = seq.output_text
-        end = len(text)
-        params = group.params
-        if not seq.finished and params.stop_list and not params.include_stop_str_in_output:
-            end = max(seq.num_sent_chars, end - (max(len(s) for s in params.stop_list) - 1))
-        new_text = text[seq.num_sent_chars:end]
-        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
-        seq.num_sent_chars = end
-        seq.num_sent_tokens = seq.num_output_tokens
-        top = None if params.logprobs is None else (seq.logprobs[-len(new_ids):] if new_ids else [])
-        return CompletionOutput(seq.index if index is None else index, new_text, new_ids,
-                                seq.cumulative_logprob if group.wants_logprob else None, top,
-                                seq.finish_reason, seq.stop_reason, seq.num_output_tokens)
-
-    def _beam_output(self, group: SequenceGroup, index: int, hyp) -> CompletionOutput:
-        ids = hyp.token_ids[len(group.prompt_token_ids):]
-        text = self.tokenizer.decode(ids, skip_special_tokens=group.params.skip_special_tokens)
-        stop_ids = self.eos_token_ids | set(group.params.stop_token_ids)
-        reason = "stop" if ids and ids[-1] in stop_ids and not group.params.ignore_eos else "length"
-        return CompletionOutput(index, text, ids, hyp.cumulative_logprob, None, reason, None, len(ids))
+        return self.outputs.error_output(group, message)
 
     # ------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
