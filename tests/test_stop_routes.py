@@ -48,13 +48,18 @@ class Serve:
         self.http = f"http://127.0.0.1:{self.ports['HTTP_PORT']}"
 
     def wait_ready(self, timeout_s: float = 240) -> None:
-        deadline, health = time.monotonic() + timeout_s, None
-        while time.monotonic() < deadline and self.make.poll() is None and health != 200:
-            try:
-                health = httpx.get(f"{self.openai}/health", timeout=2).status_code
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        assert health == 200, self.log()[-3000:]
+        """Both APIs answer: the OpenAI /health (which asks Triton over gRPC)
+        and Triton's HTTP endpoint, which tritonserver opens just after gRPC."""
+        deadline, health = time.monotonic() + timeout_s, {}
+        urls = {"openai": f"{self.openai}/health", "triton": f"{self.http}/v2/health/ready"}
+        while time.monotonic() < deadline and self.make.poll() is None and set(health.values()) != {200}:
+            for name, url in urls.items():
+                try:
+                    health[name] = httpx.get(url, timeout=2).status_code
+                except httpx.HTTPError as exc:
+                    health[name] = repr(exc)
+            time.sleep(0.2)
+        assert set(health.values()) == {200}, (health, self.log()[-3000:])
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
