@@ -62,11 +62,11 @@ def main(argv=None) -> int:
 
     if args.compare == "ops":
         runner = make_runner()
-        if not packed_linear.use_native_ops:
-            raise SystemExit(f"the C++ operators are not in use: {packed_linear.native_ops_failure}")
+        if not packed_linear.native_ops().use_native_ops:
+            raise SystemExit(f"the C++ operators are not in use: {packed_linear.native_ops().native_ops_failure}")
 
         def variant(second: bool):
-            packed_linear.use_native_ops = second
+            packed_linear.native_ops().use_native_ops = second
             return runner
     elif args.compare == "guards":
         runners = {False: make_runner(guard_model=True), True: make_runner(guard_model=False)}
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     elif args.compare == "w8a8_kernel":
         runner = make_runner(quantization="w8a8")
         if packed_linear.set_w8a8_kernel_rows(packed_linear.W8A8_KERNEL_MAX_ROWS) == 0:
-            raise SystemExit(f"the w8a8 VNNI kernel is not in use: {packed_linear.w8a8_kernel_failure}")
+            raise SystemExit(f"the w8a8 VNNI kernel is not in use: {packed_linear.native_ops().w8a8_kernel_failure}")
 
         def variant(second: bool):
             packed_linear.set_w8a8_kernel_rows(packed_linear.W8A8_KERNEL_MAX_ROWS if second else 0)

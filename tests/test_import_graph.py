@@ -4,7 +4,7 @@ no module grows past 400 lines. Every import counts, a lazy one inside a
 function too: a circle closed at run time is still a circle."""
 import ast
 import pathlib
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Source folder -> the package it installs as (kernels/ installs as pagedbackend.kernels).
@@ -17,16 +17,9 @@ ENTRY_POINTS = {"pagedbackend", "pagedbackend.serve", "pagedbackend.accounting"}
 LAYERS = ["data", "kernels", "core", "sample", "models", "quant", "worker", "engine", "serving", "entry"]
 
 # Imports that are not counted, each a compatibility name kept for importers
-# outside the package; drop the entry when they move to the new name.
-COMPATIBILITY_REEXPORTS = {
-    # loadtest/bench/{peers,cpu_kernels,quant_kernels}.py: the quantised layers and modes
-    ("pagedbackend.models.quant", "pagedbackend.quant.int4"),
-    ("pagedbackend.models.quant", "pagedbackend.quant.int8"),
-    ("pagedbackend.models.quant", "pagedbackend.quant.policy"),
-    ("pagedbackend.models.quant", "pagedbackend.quant.w8a8"),
-    # loadtest/bench/cpu_kernels.py: PackedInt8Linear
-    ("pagedbackend.models.packed_linear", "pagedbackend.quant.int8"),
-}
+# outside the package; drop the entry when they move to the new name. None
+# today: loadtest imports pagedbackend.quant and native_ops() directly.
+COMPATIBILITY_REEXPORTS: Set[Tuple[str, str]] = set()
 
 MAX_LINES = 400
 # Known debt: modules over MAX_LINES today, to be split (issue 27). The list
@@ -70,7 +63,7 @@ def imported_modules(name: str, path: pathlib.Path, known: Set[str]) -> Set[str]
         else:
             continue
         for target in candidates:
-            while target and target not in known:   # pagedbackend.models.quant.Int8Linear -> the module
+            while target and target not in known:   # pagedbackend.quant.int8.Int8Linear -> the module
                 target = target.rpartition(".")[0]
             if target and target != name and (name, target) not in COMPATIBILITY_REEXPORTS:
                 targets.add(target)

@@ -80,8 +80,8 @@ def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False,
                   against: Optional[str] = None, head_rows: Optional[int] = None,
                   unpacked: bool = False) -> List[dict]:
     from pagedbackend.models import packed_linear
-    from pagedbackend.models.packed_linear import PackedInt8Linear, PackedLinear
-    from pagedbackend.models.quant import Int8Linear
+    from pagedbackend.models.packed_linear import PackedLinear
+    from pagedbackend.quant.int8 import Int8Linear, PackedInt8Linear
     torch.manual_seed(0)
     layers = [{name: torch.randn(*shape) * shape[1] ** -0.5 for name, shape in LAYER_SHAPES.items()}
               for _ in range(LAYERS)]

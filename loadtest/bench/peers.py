@@ -287,7 +287,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="threads for every system")
     ap.add_argument("--quick", action="store_true", help="4 requests each, 16 tokens at most")
     args = ap.parse_args(argv)
-    from pagedbackend.models.quant import QUANTIZATION_MODES
+    from pagedbackend.quant import QUANTIZATION_MODES
     modes = [m for m in args.quantized.split(",") if m] + (["int8"] if args.int8 else [])
     for mode in modes:
         if mode not in QUANTIZATION_MODES[1:]:

@@ -2,7 +2,7 @@
 
 For each shape (``[M, K] x [K, N]``: qkv, o, gate_up, down, lm_head) and token
 count M, times ``F.linear`` in fp32 against the kernels the ``quantization``
-setting uses (``pagedbackend.models.quant``): int8 per output channel
+setting uses (``pagedbackend.quant``): int8 per output channel
 (``_weight_int8pack_mm``), int4 per group of 32/64/128 input features
 (``_weight_int4pack_mm_for_cpu``), as the setting runs them ("int8": the
 kernel with bf16 inputs up to ``INT8_KERNEL_MAX_ROWS`` rows, ``(x q^T) s``
@@ -25,7 +25,8 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-from pagedbackend.models.quant import Int4Linear, Int8Linear
+from pagedbackend.quant.int4 import Int4Linear
+from pagedbackend.quant.int8 import Int8Linear
 
 from .common import add_common_args, set_threads, write_result
 

@@ -2,7 +2,7 @@
 
 Only the engine loads a tokenizer; the model runner and tensor-parallel
 workers deal in token ids alone, except that ``quantization=w8a8`` tokenises
-its calibration text once at load (``models.smooth``).
+its calibration text once at load (``quant.smooth``).
 """
 import json
 import pathlib

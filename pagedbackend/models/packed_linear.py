@@ -25,9 +25,7 @@ calls for SmolLM2. The layers use the C++ operators wherever they build
 """
 import ctypes
 import os
-import sys
 import threading
-import types
 from typing import Optional
 
 import torch
@@ -359,24 +357,3 @@ _ops.impl("packed_linear_int8", _packed_linear_int8_cpu, "CPU")
 @torch.library.register_fake("pagedbackend::packed_linear_int8")
 def _packed_linear_int8_fake(x, qpacked, scales, out_features):
     return x.new_empty((x.shape[0], out_features))
-
-
-class _CompatibleModule(types.ModuleType):
-    """The names this module had before ``NativeOps`` (read and written by
-    ``loadtest.native_ops_ab``), held by the one ``native_ops()``."""
-
-    INT8_BF16_MIN_ROWS = property(lambda self: native_ops().int8_bf16_min_rows)
-
-
-for _name in ("use_native_ops", "native_ops_failure", "w8a8_kernel_failure"):
-    setattr(_CompatibleModule, _name, property(lambda self, name=_name: getattr(native_ops(), name),
-                                               lambda self, value, name=_name: setattr(native_ops(), name, value)))
-sys.modules[__name__].__class__ = _CompatibleModule
-
-
-def __getattr__(name):
-    # PackedInt8Linear is the int8 scheme's (quant.int8); still importable from here.
-    if name == "PackedInt8Linear":
-        from pagedbackend.quant.int8 import PackedInt8Linear
-        return PackedInt8Linear
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
