@@ -145,11 +145,9 @@ def test_completions_default_to_16_tokens_as_openai_does():
     (ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}, "messages", ["role"]),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs", ["needs logprobs"]),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "tools", ["tools are not supported"]),
 ], ids=["temperature", "top_p", "max_tokens-type", "unknown-field", "no-prompt", "too-many-logprobs",
         "max_tokens-0-without-echo", "stream_options-without-stream", "no-messages", "bad-role",
-        "top_logprobs-alone", "tools"])
+        "top_logprobs-alone"])
 def test_a_bad_request_is_a_400_naming_the_field(cls, fields, param, words):
     with pytest.raises(OpenAIError) as refused:
         parse_request(cls, body(**fields))

@@ -77,6 +77,17 @@ class _GenerationRequest(_Strict):
     include_stop_str_in_output: Optional[bool] = None
     cache_salt: Optional[str] = None   # vLLM's: prefix-cache blocks shared only with the same salt
     priority: Optional[int] = None     # vLLM's: lower first under scheduling_policy=priority
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs
+    # object and its older guided_* fields (openai_structured.py)
+    response_format: Optional[Dict[str, Any]] = None
+    structured_outputs: Optional[Dict[str, Any]] = None
+    guided_json: Optional[Union[str, Dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_json_object: Optional[bool] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
 
     def check(self) -> None:
         """Refusals that a field's type cannot say."""
@@ -156,17 +167,10 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: Optional[List[Any]] = None
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[Dict[str, Any]] = None
     add_generation_prompt: bool = True  # vLLM's name
 
     def check(self) -> None:
         super().check()
-        if self.tools:
-            raise OpenAIError(400, "tools are not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise OpenAIError(400, "tool_choice is not supported", "tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise OpenAIError(400, "response_format other than text is not supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
 

@@ -21,7 +21,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, List, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,6 +33,8 @@ from pagedbackend.serving.openai_protocol import (ChatCompletionRequest, Complet
                                                   chat_logprobs, completion_logprobs, join_logprobs,
                                                   parse_request, prompt_completion_logprobs,
                                                   sampling_parameters)
+from pagedbackend.serving.openai_structured import (ToolCallStream, Tools, messages_with_tools, parse_tool_calls,
+                                                     structured_outputs, template_knows_tools)
 from pagedbackend.serving.openai_triton import ClientGone, Generation, Triton, Update, is_text_model
 
 DEFAULT_MODEL_NAME = "paged_llm"
@@ -209,8 +211,10 @@ class CompletionAnswer(_Answer):
 class ChatAnswer(_Answer):
     chunk_object, whole_object = "chat.completion.chunk", "chat.completion"
 
-    def __init__(self, req: ChatCompletionRequest, model: str):
+    def __init__(self, req: ChatCompletionRequest, model: str, tools: Optional[Tools] = None):
         super().__init__(req, model, "chatcmpl", (req.top_logprobs or 0) if req.logprobs else None)
+        self.tools = tools if tools is not None and tools.calls else None
+        self.tool_streams: Dict[int, ToolCallStream] = {}
 
     def opening(self, run: Run) -> List[bytes]:
         return [self.chunk(run, [{"index": c.index, "delta": {"role": "assistant", "content": ""},
@@ -220,13 +224,30 @@ class ChatAnswer(_Answer):
         if not (text or positions or finished):
             return None
         logprobs = None if self.top is None else {"content": chat_logprobs(positions, self.top)}
-        return self.chunk(run, [{"index": choice.index, "delta": {"content": text} if text else {},
-                                 "logprobs": logprobs, "finish_reason": finished}])
+        if self.tools is None:
+            return self.chunk(run, [{"index": choice.index, "delta": {"content": text} if text else {},
+                                     "logprobs": logprobs, "finish_reason": finished}])
+        stream = self.tool_streams.setdefault(choice.index, ToolCallStream())
+        items = [(d, None) for d in stream.feed(text) + (stream.finish() if finished else [])]
+        if finished:
+            items.append(({}, "tool_calls" if stream.calls and finished == "stop" else finished))
+        if not items and positions:
+            items = [({}, None)]
+        return b"".join(self.chunk(run, [{"index": choice.index, "delta": d, "finish_reason": reason,
+                                          "logprobs": logprobs if i == 0 else None}])
+                        for i, (d, reason) in enumerate(items)) or None
 
     def whole_choice(self, choice: Choice, run: Run) -> dict:
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+        message = {"role": "assistant", "content": choice.text}
+        reason = choice.finish_reason
+        if self.tools is not None:
+            content, calls = parse_tool_calls(choice.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": choice.index, "message": message,
                 "logprobs": None if self.top is None else {"content": chat_logprobs(choice.positions, self.top)},
-                "finish_reason": choice.finish_reason}
+                "finish_reason": reason}
 
 
 # ---------------------------------------------------------------- HTTP plumbing
@@ -429,14 +450,17 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(str(resolve_model_path(path)), local_files_only=True)
 
 
-def chat_prompt(tokenizer, req: ChatCompletionRequest) -> str:
-    """The messages through the tokenizer's chat template, as text."""
+def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: Optional[Tools] = None) -> str:
+    """The messages through the tokenizer's chat template, as text, with the
+    tools (``openai_structured.messages_with_tools``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError(400, "the model's tokenizer has no chat template; use /v1/completions", "messages")
-    messages = [m.for_template(i) for i, m in enumerate(req.messages)]
+    knows_tools = template_knows_tools(tokenizer)
+    messages = messages_with_tools([m.for_template(i) for i, m in enumerate(req.messages)], tools, knows_tools)
+    extra = {"tools": tools.as_openai()} if tools is not None and knows_tools else {}
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt)
+                                             add_generation_prompt=req.add_generation_prompt, **extra)
     except Exception as exc:  # the template's own checks (raise_exception, unexpected roles)
         raise OpenAIError(400, f"the chat template refused the messages: {exc}", "messages") from None
 
@@ -502,6 +526,9 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         # max_tokens 0 (score the prompt): one token is generated and not returned.
         params = sampling_parameters(req, max(req.max_tokens or 0, 1) if req.max_tokens is not None else None,
                                      req.logprobs)
+        constraint = structured_outputs(req)
+        if constraint is not None:
+            params["structured_outputs"] = constraint
         if req.echo and req.logprobs is not None:
             params["prompt_logprobs"] = req.logprobs
         return await answer(request, triton, model, prompts, params, req.logprobs is not None,
@@ -511,9 +538,18 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     async def chat_completions(request: Request):
         req = parse_request(ChatCompletionRequest, await request.body())
         model = await model_for(req.model, req.logprobs)
-        prompt = chat_prompt(tokenizer, req)
-        shape = ChatAnswer(req, model)
+        tools = Tools.of(req)
+        prompt = chat_prompt(tokenizer, req, tools)
+        shape = ChatAnswer(req, model, tools)
         params = sampling_parameters(req, req.max_completion_tokens or req.max_tokens, shape.top)
+        constraint = structured_outputs(req)
+        if tools is not None and tools.calls:
+            if constraint is not None:
+                raise OpenAIError(400, "response_format and structured outputs do not combine with tools "
+                                  "unless tool_choice is none", "tool_choice")
+            constraint = {"structural_tag": json.dumps(tools.structural_tag())}
+        if constraint is not None:
+            params["structured_outputs"] = constraint
         return await answer(request, triton, model, [prompt], params, req.logprobs, shape, req.stream,
                             open_generations)
 

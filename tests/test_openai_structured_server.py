@@ -1,0 +1,140 @@
+"""Structured outputs and tool calls through the OpenAI API with the official
+``openai`` client, against a real tritonserver serving the default model
+(real weights: a random model wanders in JSON's optional whitespace):
+response_format JSON that validates, tool_calls whose arguments validate
+against the tool's schema, streamed and not, tool results accepted back in the
+conversation, and a bad schema refused with a 400 naming it."""
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from pagedbackend.serving.launcher import TritonServer, make_model_repository
+from pagedbackend.serving.openai_server import OpenAIServer
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = dict(num_kv_blocks=256, max_num_seqs=16, compile=False)
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
+                                           "parameters": {"type": "object", "properties": {
+                                               "zone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["zone"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, default_model_dir):
+    repo = make_model_repository(tmp_path_factory.mktemp("repo"), {"model": str(default_model_dir), **SETTINGS})
+    with TritonServer(repo, ready_timeout_s=300) as triton:
+        with OpenAIServer(triton.grpc_url, tokenizer=str(default_model_dir)) as api:
+            with openai.OpenAI(base_url=api.base_url, api_key="unused", max_retries=0, timeout=180) as c:
+                yield c
+
+
+def whole_or_streamed(client, stream, **kwargs):
+    """(message content, tool calls as (name, arguments dict), finish reason)."""
+    if not stream:
+        choice = client.chat.completions.create(model="paged_llm", **kwargs).choices[0]
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(model="paged_llm", stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += (call.function.name or "") if call.function else ""
+            entry["arguments"] += (call.function.arguments or "") if call.function else ""
+        reason = chunk.choices[0].finish_reason or reason
+    return (content or None, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], reason)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_response_format_json_schema_gives_json_that_validates(client, stream):
+    for temperature in (0.0, 0.9):
+        content, calls, reason = whole_or_streamed(
+            client, stream, messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            max_tokens=80, temperature=temperature, seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        assert reason == "stop" and not calls
+        jsonschema.validate(json.loads(content), PERSON)
+
+
+def test_response_format_json_object_gives_an_object(client):
+    content, _, reason = whole_or_streamed(client, False, messages=[{"role": "user", "content":
+                                                      "Give a cat's name and age as a JSON object with the keys name and age."}],
+                                           max_tokens=120, temperature=0,
+                                           response_format={"type": "json_object"})
+    assert reason == "stop" and isinstance(json.loads(content), dict)
+
+
+def test_vllm_fields_through_extra_body(client):
+    out = client.completions.create(model="paged_llm", prompt="The answer is", max_tokens=5, temperature=0,
+                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert out.choices[0].text in ("yes", "no")
+    out = client.completions.create(model="paged_llm", prompt="A year:", max_tokens=8, temperature=0,
+                                    extra_body={"guided_regex": "(19|20)[0-9]{2}"})
+    assert len(out.choices[0].text) == 4 and out.choices[0].text[:2] in ("19", "20")
+
+
+def _check_calls(calls, names):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert calls and all(name in names for name, _ in calls)
+    for name, arguments in calls:
+        jsonschema.validate(arguments, schemas[name])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_required_and_named_tool_choice_give_calls_that_validate(client, stream, choice):
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_time"}}
+    content, calls, reason = whole_or_streamed(client, stream, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                               max_tokens=120, temperature=0)
+    assert reason == "tool_calls" and content is None
+    _check_calls(calls, ["get_weather", "get_time"] if choice == "required" else ["get_time"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_auto_tool_choice_gives_text_or_calls_that_validate(client, stream):
+    messages = [{"role": "system", "content": "Always answer by calling a function."}, *ASK]
+    content, calls, reason = whole_or_streamed(client, stream, messages=messages, tools=TOOLS, max_tokens=120,
+                                               temperature=0, parallel_tool_calls=False)
+    if calls:
+        assert reason == "tool_calls" and len(calls) == 1
+        _check_calls(calls, ["get_weather", "get_time"])
+    else:
+        assert reason in ("stop", "length") and content
+
+
+def test_a_tool_result_in_the_conversation_is_accepted(client):
+    first = client.chat.completions.create(model="paged_llm", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           max_tokens=120, temperature=0).choices[0].message
+    assert first.tool_calls
+    call = first.tool_calls[0]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    reply = client.chat.completions.create(model="paged_llm", messages=messages, tools=TOOLS, tool_choice="none",
+                                           max_tokens=30, temperature=0).choices[0]
+    assert reply.message.content and not reply.message.tool_calls and reply.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     ["structured_outputs.json", "objectx"]),
+    ({"extra_body": {"guided_regex": "a(b"}}, ["structured_outputs.regex"]),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, ["nope"]),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, ["do not combine with tools"]),
+])
+def test_a_bad_constraint_is_a_400_naming_it(client, kwargs, words):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="paged_llm", messages=ASK, max_tokens=8, **kwargs)
+    message = refused.value.body["message"] if isinstance(refused.value.body, dict) else str(refused.value)
+    assert all(w in message for w in words), message
