@@ -31,12 +31,17 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory, default_model_dir):
+def servers(tmp_path_factory, default_model_dir):
     repo = make_model_repository(tmp_path_factory.mktemp("repo"), {"model": str(default_model_dir), **SETTINGS})
     with TritonServer(repo, ready_timeout_s=300) as triton:
         with OpenAIServer(triton.grpc_url, tokenizer=str(default_model_dir)) as api:
             with openai.OpenAI(base_url=api.base_url, api_key="unused", max_retries=0, timeout=180) as c:
-                yield c
+                yield triton, c
+
+
+@pytest.fixture
+def client(servers):
+    return servers[1]
 
 
 def whole_or_streamed(client, stream, **kwargs):
@@ -138,3 +143,38 @@ def test_a_bad_constraint_is_a_400_naming_it(client, kwargs, words):
         client.chat.completions.create(model="paged_llm", messages=ASK, max_tokens=8, **kwargs)
     message = refused.value.body["message"] if isinstance(refused.value.body, dict) else str(refused.value)
     assert all(w in message for w in words), message
+
+
+def test_grammar_compiles_and_constrained_requests_are_counted_in_the_metrics(servers):
+    triton, client = servers
+    before = _metrics(triton)
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}}, "required": ["word"]}
+    for _ in range(2):   # the second request finds the grammar in the cache
+        client.chat.completions.create(model="paged_llm", messages=ASK, max_tokens=20, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "w", "schema": schema}})
+    after = _metrics(triton)
+    grew = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    assert grew["pagedbackend:structured_requests_total"] == 2
+    assert grew["pagedbackend:grammar_compiles_total"] == 1
+    assert grew["pagedbackend:grammar_compile_seconds_count"] == 1
+    assert grew["pagedbackend:grammar_compile_seconds_sum"] > 0
+    assert grew["pagedbackend:structured_mask_seconds_total"] > 0
+
+
+def _metrics(triton) -> dict:
+    """Our structured-output metrics, read once two scrapes agree (a request's
+    final metrics land just after its response)."""
+    import time
+    previous = None
+    for _ in range(50):
+        values = {}
+        for line in triton.metrics().splitlines():
+            if line.startswith(("pagedbackend:structured", "pagedbackend:grammar")):
+                name, value = line.rsplit(" ", 1)
+                values[name.split("{")[0]] = float(value)
+        if values == previous:
+            return values
+        previous = values
+        time.sleep(0.2)
+    return previous

@@ -124,6 +124,7 @@ class LLMEngine:
             if not group.grammar.done():
                 self.compiling.append(group)
                 return
+            group.metrics.grammar_compile_time = group.grammar.seconds
             group.seqs[0].constraint = group.grammar.matcher()
         self.scheduler.add(group)
 

@@ -29,6 +29,7 @@ def _one_two_five(limit: int) -> List[int]:
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 30, 60]
 TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5]
+GRAMMAR_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 REQUEST_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920]
 
 # (namespace, name) -> (kind, EngineStats field or observation key, help, buckets)
@@ -67,6 +68,16 @@ FAMILIES: Dict[Tuple[str, str], tuple] = {
                                                  "Requests ended by an error while handling them alone.", None),
     ("pagedbackend", "idle_leak_checks_failed_total"): (
         COUNTER, "idle_leak_checks_failed", "Times the engine went idle with KV blocks or sequences left behind.", None),
+    ("pagedbackend", "structured_requests_total"): (COUNTER, "structured_requests",
+                                                    "Requests with a structured-output constraint.", None),
+    ("pagedbackend", "grammar_compiles_total"): (COUNTER, "grammar_compiles",
+                                                 "Grammars compiled (the other constrained requests hit the cache).",
+                                                 None),
+    ("pagedbackend", "structured_mask_seconds_total"): (
+        COUNTER, "structured_mask_seconds", "Of the sample time, filling and applying grammar token masks.", None),
+    ("pagedbackend", "grammar_compile_seconds"): (HISTOGRAM, "grammar_compile",
+                                                  "Time to compile a request's grammar (cache misses only).",
+                                                  GRAMMAR_BUCKETS),
     ("pagedbackend", "time_to_first_token_seconds"): (HISTOGRAM, "ttft", "Time from arrival to the first token.",
                                                       TTFT_BUCKETS),
     ("pagedbackend", "time_per_output_token_seconds"): (HISTOGRAM, "tpot", "Time per output token after the first.",
@@ -174,6 +185,8 @@ class Metrics:
         if metrics is None or metrics.finished_time is None:
             return
         self.observe("e2e", metrics.finished_time - metrics.arrival_time)
+        if metrics.grammar_compile_time is not None:
+            self.observe("grammar_compile", metrics.grammar_compile_time)
         scheduled, first = metrics.first_scheduled_time, metrics.first_token_time
         if scheduled is not None:
             self.observe("queue", scheduled - metrics.arrival_time)
