@@ -271,7 +271,7 @@ def test_use_utf8_locale_makes_text_io_utf8_in_a_process_started_in_the_c_locale
     sample = tmp_path / "sample.txt"
     sample.write_text("attention \u2013 paged\n", encoding="utf-8")
     code = ("import locale, sys\n"
-            "from pagedbackend.serving.lifecycle import use_utf8_locale\n"
+            "from pagedbackend.serving.triton.lifecycle import use_utf8_locale\n"
             "before = locale.getpreferredencoding(False)\n"
             "after = use_utf8_locale()\n"
             "print(before, after, open(sys.argv[1]).read().strip() == 'attention \\u2013 paged')\n")

@@ -4,12 +4,12 @@
 inputs and tokenises it (a long prompt holds up no one's ``execute``), and a
 coroutine on an asyncio loop in a thread of its own streams the engine's
 deltas through the request's response sender (decoupled mode). Inputs and
-responses: ``pagedbackend.serving.triton_io``; metrics:
-``pagedbackend.serving.metrics``; living and dying with tritonserver (parent
-watch, drain on SIGTERM): ``pagedbackend.serving.lifecycle``.
+responses: ``pagedbackend.serving.triton.io``; metrics:
+``pagedbackend.serving.triton.metrics``; living and dying with tritonserver
+(parent watch, drain on SIGTERM): ``pagedbackend.serving.triton.lifecycle``.
 
 If the engine itself fails, every open request gets an error and the model
-unloads itself, so Triton stops reporting it ready (``pagedbackend.serving.health``).
+unloads itself, so Triton stops reporting it ready (``pagedbackend.serving.triton.health``).
 """
 import asyncio
 import itertools
@@ -23,17 +23,17 @@ import triton_python_backend_utils as pb_utils
 
 from pagedbackend.config import engine_config
 from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
-from pagedbackend.serving.health import EngineFailurePolicy
-from pagedbackend.serving.lifecycle import (log_to_stderr, on_sigterm, use_utf8_locale, watch_listener,
-                                            watch_server)
-from pagedbackend.serving.metrics import Metrics, metric_settings
-from pagedbackend.serving.triton_io import (FINAL, Job, accumulate, build_response, read_flags,
+from pagedbackend.serving.constants import SHUTTING_DOWN
+from pagedbackend.serving.triton.health import EngineFailurePolicy
+from pagedbackend.serving.triton.io import (FINAL, Job, accumulate, build_response, read_flags,
                                             read_prompt_or_ids, read_sampling_params, send_error)
+from pagedbackend.serving.triton.lifecycle import (log_to_stderr, on_sigterm, use_utf8_locale, watch_listener,
+                                                   watch_server)
+from pagedbackend.serving.triton.metrics import Metrics, metric_settings
 
 TICK_S = 0.1             # cancellation poll period
 STATS_EVERY_TICKS = 2    # gauges and counters refreshed every 0.2 s
 DRAIN_S = 5.0            # at shutdown, time for open requests to get their final response
-SHUTTING_DOWN = "the server is shutting down"
 
 
 class TritonPythonModel:

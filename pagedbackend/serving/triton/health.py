@@ -16,7 +16,7 @@ from typing import Optional
 
 import triton_python_backend_utils as pb_utils
 
-from pagedbackend.serving.triton_io import model_flag
+from pagedbackend.serving.triton.io import model_flag
 
 PARAMETER = "UNLOAD_ON_ENGINE_FAILURE"
 VLLM_PARAMETER = "ENABLE_VLLM_HEALTH_CHECK"

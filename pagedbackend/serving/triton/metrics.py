@@ -115,7 +115,7 @@ FAMILIES: Dict[Tuple[str, str], tuple] = {
 
 def metric_settings(parameters: dict) -> Tuple[bool, Tuple[str, ...]]:
     """(report at all, namespaces) from the model's config.pbtxt parameters."""
-    from pagedbackend.serving.triton_io import model_flag
+    from pagedbackend.serving.triton.io import model_flag
     report = model_flag(parameters, "REPORT_CUSTOM_METRICS", True)
     names = parameters.get("METRIC_NAMES", {})
     names = (names.get("string_value", "") if isinstance(names, dict) else str(names)).strip().lower() or "both"

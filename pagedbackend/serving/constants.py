@@ -1,0 +1,21 @@
+"""Names that the serving pieces (the Triton model, the launcher, the OpenAI
+API) must agree on, kept in one place so that they cannot drift apart."""
+
+# The model folder of model_repository/, hence Triton's name for our model.
+SERVED_MODEL = "paged_llm"
+
+# tritonserver's model repository API (load, unload, index) answers only
+# requests carrying this header with the server's key.
+ADMIN_HEADER = "pagedbackend-admin-key"
+# tritonserver expects the restricted gRPC protocol's key header with this prefix.
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
+# The key, shared with the OpenAI-compatible server that lists the repository's models.
+ADMIN_KEY_ENV = "PAGEDBACKEND_ADMIN_KEY"
+
+# Seconds tritonserver waits, after SIGTERM, for HTTP connections to close and
+# requests to end (the model ends its own at once; idle keep-alive clients are
+# what it waits for).
+EXIT_TIMEOUT_S = 5
+
+# The error that ends every open request when a server stops.
+SHUTTING_DOWN = "the server is shutting down"
