@@ -111,7 +111,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from loadtest.bench.common import bench_model
-    from pagedbackend.serving.launcher import TritonServer, make_model_repository
+    from pagedbackend.serving.harness import TritonServer
+    from pagedbackend.serving.repository import make_model_repository
     from pagedbackend.serving.openai_server import OpenAIServer
     settings = dict(s.split("=", 1) for s in args.set)
     settings["model"] = bench_model(args.model)

@@ -73,7 +73,7 @@ def serving_limits(repo: pathlib.Path) -> dict:
     from pagedbackend.config import engine_config
     from pagedbackend.engine.llm_engine import PROMPT_CHARS_PER_TOKEN
     from pagedbackend.models.default_model import resolve_model_path
-    from pagedbackend.serving.launcher import read_parameters
+    from pagedbackend.serving.repository import read_parameters
     config = engine_config(read_parameters((repo / "paged_llm" / "config.pbtxt").read_text()), {})
     model_config = json.loads((resolve_model_path(config.model) / "config.json").read_text())
     model_len = min(config.max_model_len or 10 ** 9, model_config["max_position_embeddings"])
@@ -84,7 +84,8 @@ def serving_limits(repo: pathlib.Path) -> dict:
 def run_soak(out: pathlib.Path, minutes: float, users: int, settings: dict, seed: int = 0,
              max_output_tokens: int = 32) -> dict:
     """Start a server over a copy of the shipped repository with ``settings`` and soak it."""
-    from pagedbackend.serving.launcher import TritonServer, make_model_repository
+    from pagedbackend.serving.harness import TritonServer
+    from pagedbackend.serving.repository import make_model_repository
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_model_repository(pathlib.Path(tmp) / "repo", settings)

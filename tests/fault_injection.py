@@ -6,7 +6,7 @@ whose prompt is exactly ``poison_ids``; every other request runs the real code.
 """
 import pathlib
 
-from pagedbackend.serving.launcher import make_model_repository
+from pagedbackend.serving.repository import make_model_repository
 
 HOOKS = {
     # One request's detokenisation raises: it must fail alone.

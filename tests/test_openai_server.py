@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from client import generate
-from pagedbackend.serving.launcher import TritonServer, free_port, make_model_repository
+from pagedbackend.serving.harness import TritonServer, free_port
+from pagedbackend.serving.repository import make_model_repository
 from processes import alive, children_of, processes_mentioning
 from pagedbackend.serving.openai_server import OpenAIServer
 
@@ -48,7 +49,7 @@ def triton(tmp_path_factory, tiny_model_dir):
 def without_logprobs(config_file):
     """A model as older repositories declare it: no return_logprobs input, no logprobs output."""
     from google.protobuf import text_format
-    from pagedbackend.serving.launcher import read_model_config
+    from pagedbackend.serving.repository import read_model_config
     config = read_model_config(config_file.read_text())
     for field, name in ((config.input, "return_logprobs"), (config.output, "logprobs")):
         index = next(i for i, tensor in enumerate(field) if tensor.name == name)

@@ -10,7 +10,8 @@ import jsonschema
 import openai
 import pytest
 
-from pagedbackend.serving.launcher import TritonServer, make_model_repository
+from pagedbackend.serving.harness import TritonServer
+from pagedbackend.serving.repository import make_model_repository
 from pagedbackend.serving.openai_server import OpenAIServer
 
 pytestmark = pytest.mark.slow

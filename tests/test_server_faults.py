@@ -15,7 +15,7 @@ import pytest
 
 from client import ServerError, acollect, generate, grpc_stream, grpc_stream_async
 from fault_injection import make_faulty_repository
-from pagedbackend.serving.launcher import TritonServer
+from pagedbackend.serving.harness import TritonServer
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from client import ServerError, acollect, generate, grpc_stream, grpc_stream_async, http_stream
-from pagedbackend.serving.launcher import TritonServer, make_model_repository
+from pagedbackend.serving.harness import TritonServer
+from pagedbackend.serving.repository import make_model_repository
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,8 @@ import pytest
 
 from client import ServerError, generate, grpc_stream, http_stream
 from fault_injection import make_faulty_repository
-from pagedbackend.serving.launcher import TritonServer, free_port, make_model_repository
+from pagedbackend.serving.harness import TritonServer, free_port
+from pagedbackend.serving.repository import make_model_repository
 from test_serve import group_members
 
 pytestmark = pytest.mark.slow

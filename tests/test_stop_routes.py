@@ -16,7 +16,8 @@ import pytest
 
 from client import http_stream
 from loadtest.tiny_model import build_tiny_llama
-from pagedbackend.serving.launcher import EXIT_TIMEOUT_S, free_port
+from pagedbackend.serving.constants import EXIT_TIMEOUT_S
+from pagedbackend.serving.harness import free_port
 from processes import alive, children_of, processes_mentioning
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from pagedbackend.serving.launcher import TritonServer, is_model_ready, is_ready, make_model_repository
+from pagedbackend.serving.harness import TritonServer, is_model_ready, is_ready
+from pagedbackend.serving.repository import make_model_repository
 
 pytestmark = pytest.mark.slow
 

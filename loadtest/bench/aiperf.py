@@ -88,7 +88,8 @@ class _Ours:
         self.model, self.port, self.threads = model, port, threads
 
     def __enter__(self):
-        from pagedbackend.serving.launcher import TritonServer, make_model_repository
+        from pagedbackend.serving.harness import TritonServer
+        from pagedbackend.serving.repository import make_model_repository
         from pagedbackend.serving.openai_server import OpenAIServer
         self.tmp = tempfile.mkdtemp(prefix="bench-aiperf-")
         repo = make_model_repository(self.tmp, {"model": self.model})
@@ -129,7 +130,7 @@ def main(argv=None):
     if args.quick:
         args.concurrency, args.request_count, args.isl, args.osl, args.systems = [2], 4, 32, 16, ["ours"]
     from pagedbackend.models.default_model import resolve_model_path
-    from pagedbackend.serving.launcher import free_port
+    from pagedbackend.serving.harness import free_port
     model_dir = str(resolve_model_path("default"))
     aiperf = tool_command(args.aiperf, "aiperf-venv", "aiperf", [[f"aiperf=={AIPERF_VERSION}"]])
     out_dir = pathlib.Path(args.out) / "aiperf"

@@ -117,7 +117,8 @@ def main(argv=None):
     from transformers import AutoTokenizer
     from loadtest.bench.common import bench_model
     from pagedbackend.models.default_model import resolve_model_path
-    from pagedbackend.serving.launcher import TritonServer, make_model_repository
+    from pagedbackend.serving.harness import TritonServer
+    from pagedbackend.serving.repository import make_model_repository
     model = bench_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(model)), local_files_only=True)
     chosen = [c for c in cases(tokenizer, args.quick) if c["name"] in args.cases.split(",")]

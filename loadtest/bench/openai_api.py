@@ -171,7 +171,8 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     from pagedbackend.models.default_model import resolve_model_path
-    from pagedbackend.serving.launcher import TritonServer, make_model_repository
+    from pagedbackend.serving.harness import TritonServer
+    from pagedbackend.serving.repository import make_model_repository
     from pagedbackend.serving.openai_server import OpenAIServer
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(model)), local_files_only=True)
     prompts = workloads.make_text_prompts(workloads.alpaca_like(args.rounds, args.seed), tokenizer, args.seed)

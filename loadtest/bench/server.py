@@ -99,7 +99,8 @@ def run_in_process(settings: dict, prompts, lengths, arrival_sets) -> list:
 
 def run_server(settings: dict, prompts, lengths, arrival_sets, threads: int) -> list:
     from client import generate, grpc_stream_async
-    from pagedbackend.serving.launcher import TritonServer, make_model_repository
+    from pagedbackend.serving.harness import TritonServer
+    from pagedbackend.serving.repository import make_model_repository
     import tritonclient.grpc.aio as aioclient
 
     out = []

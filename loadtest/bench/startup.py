@@ -36,7 +36,7 @@ def gauge(url: str, name: str):
 
 def one_start(cache: pathlib.Path, timeout_s: float, log_path: pathlib.Path) -> dict:
     from client import generate
-    from pagedbackend.serving.launcher import free_port
+    from pagedbackend.serving.harness import free_port
     ports = [free_port() for _ in range(3)]
     env = {**os.environ, "PAGEDBACKEND_CACHE": str(cache)}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)   # beside the prepared model, in this cache

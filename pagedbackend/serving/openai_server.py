@@ -27,7 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedbackend.serving.launcher import ADMIN_KEY_ENV, free_port
+from pagedbackend.serving.constants import ADMIN_KEY_ENV
+from pagedbackend.serving.harness import free_port
 from pagedbackend.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   OpenAIError, TokenizeChatRequest, TokenizeRequest,
                                                   chat_logprobs, completion_logprobs, join_logprobs,

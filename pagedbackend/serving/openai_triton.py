@@ -16,7 +16,7 @@ import numpy as np
 import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
-from pagedbackend.serving.launcher import GRPC_ADMIN_HEADER
+from pagedbackend.serving.constants import GRPC_ADMIN_HEADER
 from pagedbackend.serving.openai_protocol import OpenAIError, parse_logprobs
 
 # Messages the model sends when it, not the request, failed (model.py).
