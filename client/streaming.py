@@ -327,7 +327,7 @@ def sse_events(url: str, body: dict, timeout: float) -> Iterator[dict]:
 
 def openai_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAULT_OPENAI_URL,
                   model: str = DEFAULT_MODEL, chat: bool = False, timeout: float = 300.0) -> Iterator[Delta]:
-    """One streamed request to the OpenAI-compatible API (``pagedbackend.serving.openai_server``):
+    """One streamed request to the OpenAI-compatible API (``pagedbackend.serving.openai``):
     ``/v1/completions``, or ``/v1/chat/completions`` with ``prompt`` as the user's message.
 
     ``params`` keep vLLM's names (the API takes the ones OpenAI lacks as extra

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     from loadtest.bench.common import bench_model
     from pagedbackend.serving.harness import TritonServer
     from pagedbackend.serving.repository import make_model_repository
-    from pagedbackend.serving.openai_server import OpenAIServer
+    from pagedbackend.serving.openai.harness import OpenAIServer
     settings = dict(s.split("=", 1) for s in args.set)
     settings["model"] = bench_model(args.model)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pagedbackend.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError,
+from pagedbackend.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError,
                                                   chat_logprobs, completion_logprobs, parse_logprobs,
                                                   parse_request, sampling_parameters)
 
@@ -180,7 +180,7 @@ def test_prompts_are_strings_or_token_id_lists_one_or_many():
 
 
 def test_an_echoed_prompts_logprobs_start_with_its_first_token_without_one():
-    from pagedbackend.serving.openai_protocol import prompt_completion_logprobs
+    from pagedbackend.serving.openai.protocol import prompt_completion_logprobs
     positions = [None, {"7": {"logprob": -1.5, "rank": 3, "decoded_token": " b"},
                         "2": {"logprob": -0.5, "rank": 1, "decoded_token": " x"}}]
     out = prompt_completion_logprobs("a", positions, 1)
@@ -226,7 +226,7 @@ def test_a_triton_response_reads_as_per_output_text_tokens_reasons_and_logprobs(
     import numpy as np
     from tritonclient.grpc import InferResult
 
-    from pagedbackend.serving.openai_triton import read_update
+    from pagedbackend.serving.openai.triton_client import read_update
     response = triton_response({
         "text_output": np.array(["héllo".encode(), b""], dtype=np.object_),
         "finish_reason": np.array([b"None", b"length"], dtype=np.object_),
@@ -248,7 +248,7 @@ def test_a_triton_response_reads_as_per_output_text_tokens_reasons_and_logprobs(
 def test_a_response_with_only_text_has_no_counts_or_logprobs():
     import numpy as np
 
-    from pagedbackend.serving.openai_triton import read_update
+    from pagedbackend.serving.openai.triton_client import read_update
     update = read_update(triton_response({"text_output": np.array([b"a", b"b", b"c"], dtype=np.object_)}))
 
     assert update.texts == ["a", "b", "c"] and update.reasons == [None, None, None]

@@ -18,7 +18,7 @@ from client import generate
 from pagedbackend.serving.harness import TritonServer, free_port
 from pagedbackend.serving.repository import make_model_repository
 from processes import alive, children_of, processes_mentioning
-from pagedbackend.serving.openai_server import OpenAIServer
+from pagedbackend.serving.openai.harness import OpenAIServer
 
 pytestmark = pytest.mark.slow
 
@@ -224,7 +224,7 @@ def test_health_is_503_while_the_served_model_is_not_ready(triton, tokenizer):
     """With explicit model control Triton is ready before any model loads:
     /health answers for the model the API serves, not for the server alone."""
     from fastapi.testclient import TestClient
-    from pagedbackend.serving.openai_server import Settings, create_app
+    from pagedbackend.serving.openai.app import Settings, create_app
     app = create_app(Settings(triton_url=triton.grpc_url, model_name="not_loaded"), tokenizer=tokenizer)
     with TestClient(app) as http:
         reply = http.get("/health")

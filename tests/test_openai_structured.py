@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from pagedbackend.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
-from pagedbackend.serving.openai_structured import (TOOL_CALL_BEGIN, ToolCallStream, Tools, messages_with_tools,
-                                                     parse_tool_calls, structured_outputs)
+from pagedbackend.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from pagedbackend.serving.openai.structured import (TOOL_CALL_BEGIN, ToolCallStream, Tools, messages_with_tools,
+                                                    parse_tool_calls, structured_outputs)
 
 USER = [{"role": "user", "content": "hi"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

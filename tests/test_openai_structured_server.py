@@ -12,7 +12,7 @@ import pytest
 
 from pagedbackend.serving.harness import TritonServer
 from pagedbackend.serving.repository import make_model_repository
-from pagedbackend.serving.openai_server import OpenAIServer
+from pagedbackend.serving.openai.harness import OpenAIServer
 
 pytestmark = pytest.mark.slow
 

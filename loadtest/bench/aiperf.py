@@ -90,7 +90,7 @@ class _Ours:
     def __enter__(self):
         from pagedbackend.serving.harness import TritonServer
         from pagedbackend.serving.repository import make_model_repository
-        from pagedbackend.serving.openai_server import OpenAIServer
+        from pagedbackend.serving.openai.harness import OpenAIServer
         self.tmp = tempfile.mkdtemp(prefix="bench-aiperf-")
         repo = make_model_repository(self.tmp, {"model": self.model})
         env = {"OMP_NUM_THREADS": str(self.threads)} if self.threads else {}

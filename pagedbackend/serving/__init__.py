@@ -1,3 +1,4 @@
-"""Serving: the tritonserver launcher (``launcher``) and the helpers that
-``model_repository/paged_llm/1/model.py`` uses inside Triton's Python backend
-(``triton_io``: inputs and responses, ``metrics``: metric families)."""
+"""Serving: ``triton/`` runs inside Triton's Python backend stub for
+``model.py``; ``openai/`` is the OpenAI-compatible API in front of tritonserver;
+``repository``, ``process``, ``harness`` and ``launcher`` prepare, run, test
+and command tritonserver; ``constants`` holds the names they share."""

@@ -46,8 +46,10 @@ def models_not_ready(http_url: str, names: Sequence[str]) -> list:
 
 def wait_until(probe: Callable[[], bool], process: subprocess.Popen, timeout_s: float,
                stopping: Callable[[], bool] = lambda: False, poll_s: float = 0.2) -> bool:
-    """Poll ``probe`` until it holds (True), or the process exits or
-    ``stopping()`` holds (False); TimeoutError after ``timeout_s``."""
+    """Poll ``probe`` (e.g. ``is_ready``) until it holds (True), or the process
+    exits or ``stopping()`` holds (False); TimeoutError after ``timeout_s``.
+    With explicit model control tritonserver is ready before its models load:
+    ask ``models_not_ready`` after it."""
     deadline = time.monotonic() + timeout_s
     while process.poll() is None and not stopping():
         if probe():
@@ -56,14 +58,6 @@ def wait_until(probe: Callable[[], bool], process: subprocess.Popen, timeout_s: 
             raise TimeoutError(f"not ready after {timeout_s:.0f} s")
         time.sleep(poll_s)
     return False
-
-
-def wait_until_ready(process: subprocess.Popen, http_url: str, timeout_s: float,
-                     stopping: Callable[[], bool] = lambda: False) -> bool:
-    """Wait for tritonserver's HTTP endpoint to answer ready (``wait_until``).
-    With explicit model control it is ready before the models load: ask
-    ``models_not_ready`` after it."""
-    return wait_until(lambda: is_ready(http_url), process, timeout_s, stopping)
 
 
 class ServerError(RuntimeError):
@@ -153,14 +147,8 @@ class TritonServer(Started):
                                             stderr=subprocess.STDOUT)
 
     def _wait_ready(self) -> None:
-        try:
-            ready = wait_until_ready(self.process, self.http_url, self.ready_timeout_s)
-        except TimeoutError:
-            raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s; "
-                              f"log tail:\n{self.log_tail()}") from None
-        if not ready:
-            raise ServerError(f"tritonserver exited with status {self.process.returncode} "
-                              f"before it was ready; log tail:\n{self.log_tail()}")
+        self._wait(lambda: is_ready(self.http_url), f"tritonserver not ready after {self.ready_timeout_s:.0f} s",
+                   " before it was ready")
         required = repository_models(self.model_repository) if self.required_models is None \
             else list(self.required_models)
         failed = models_not_ready(self.http_url, required)
@@ -168,13 +156,18 @@ class TritonServer(Started):
             raise ServerError(f"model(s) {', '.join(failed)} did not load; log tail:\n{self.log_tail()}")
 
     def _wait_compiled(self) -> None:
+        self._wait(self._step_compiled, "the compiled model step did not take over within "
+                   f"{self.ready_timeout_s:.0f} s", poll_s=0.5)
+
+    def _wait(self, probe: Callable[[], bool], timed_out: str, exited: str = "", poll_s: float = 0.2) -> None:
+        """``wait_until`` the probe holds; ServerError, with the log's tail, when
+        the ready timeout passes first (``timed_out``) or tritonserver exits."""
         try:
-            compiled = wait_until(self._step_compiled, self.process, self.ready_timeout_s, poll_s=0.5)
+            done = wait_until(probe, self.process, self.ready_timeout_s, poll_s=poll_s)
         except TimeoutError:
-            raise ServerError(f"the compiled model step did not take over within {self.ready_timeout_s:.0f} s; "
-                              f"log tail:\n{self.log_tail()}") from None
-        if not compiled:
-            raise ServerError(f"tritonserver exited with status {self.process.returncode}; "
+            raise ServerError(f"{timed_out}; log tail:\n{self.log_tail()}") from None
+        if not done:
+            raise ServerError(f"tritonserver exited with status {self.process.returncode}{exited}; "
                               f"log tail:\n{self.log_tail()}")
 
     def _step_compiled(self) -> bool:

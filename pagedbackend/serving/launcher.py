@@ -21,7 +21,7 @@ from typing import Dict
 
 from pagedbackend.config import ENV_PREFIX, EngineConfig
 from pagedbackend.serving.constants import ADMIN_HEADER, ADMIN_KEY_ENV, EXIT_TIMEOUT_S
-from pagedbackend.serving.harness import models_not_ready, wait_until_ready
+from pagedbackend.serving.harness import is_ready, models_not_ready, wait_until
 from pagedbackend.serving.process import (prepare_backend, server_command, server_env, signal_group,
                                           start_server_process)
 from pagedbackend.serving.repository import (MODEL_REPOSITORY_ENV, default_model_repository, prepare_models,
@@ -118,7 +118,8 @@ def main(argv=None) -> int:
 
     http_url = f"http://{args.host}:{args.http_port}"
     try:
-        ready = wait_until_ready(process, http_url, args.ready_timeout, stopping=lambda: bool(stop_requested))
+        ready = wait_until(lambda: is_ready(http_url), process, args.ready_timeout,
+                           stopping=lambda: bool(stop_requested))
     except TimeoutError:
         print(f"tritonserver not ready after {args.ready_timeout:.0f} s; stopping it", file=sys.stderr)
         stop(signal.SIGTERM, None)

@@ -24,7 +24,7 @@ import json
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from .openai_protocol import OpenAIError
+from pagedbackend.serving.openai.protocol import OpenAIError
 
 TOOL_CALL_BEGIN, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 TOOL_PARSERS = ("hermes",)

@@ -17,7 +17,7 @@ import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
 from pagedbackend.serving.constants import GRPC_ADMIN_HEADER
-from pagedbackend.serving.openai_protocol import OpenAIError, parse_logprobs
+from pagedbackend.serving.openai.protocol import OpenAIError, parse_logprobs
 
 # Messages the model sends when it, not the request, failed (model.py).
 SERVER_FAILURES = ("could not start the request", "engine failed")

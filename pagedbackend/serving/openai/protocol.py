@@ -1,4 +1,4 @@
-"""The OpenAI wire format for ``openai_server``: request schemas, error objects,
+"""The OpenAI wire format for the API (``app``): request schemas, error objects,
 the sampling parameters sent to the Triton model, and the mapping of the
 model's ``logprobs`` output (NVIDIA vllm_backend's format) to OpenAI's shapes.
 
@@ -78,7 +78,7 @@ class _GenerationRequest(_Strict):
     cache_salt: Optional[str] = None   # vLLM's: prefix-cache blocks shared only with the same salt
     priority: Optional[int] = None     # vLLM's: lower first under scheduling_policy=priority
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs
-    # object and its older guided_* fields (openai_structured.py)
+    # object and its older guided_* fields (structured.py)
     response_format: Optional[Dict[str, Any]] = None
     structured_outputs: Optional[Dict[str, Any]] = None
     guided_json: Optional[Union[str, Dict[str, Any]]] = None

@@ -1,0 +1,196 @@
+"""The OpenAI-compatible HTTP API in front of a running tritonserver: the
+FastAPI app and its routes, and uvicorn to serve it.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent events
+with ``stream``, else one JSON answer), ``GET /v1/models`` (Triton's ready text
+models), ``GET /health``, ``POST /tokenize``, ``POST /detokenize``. Chat
+messages become a prompt through the chat template of the served model's
+tokenizer. Each prompt is one gRPC stream to the Triton model
+(``triton_client``); a client that hangs up cancels its streams at once.
+"""
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedbackend.serving.constants import SERVED_MODEL
+from pagedbackend.serving.openai.answers import ChatAnswer, CompletionAnswer
+from pagedbackend.serving.openai.asgi import BodySizeLimit, CatchAll
+from pagedbackend.serving.openai.generations import OpenGenerations, answer
+from pagedbackend.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  OpenAIError, TokenizeChatRequest, TokenizeRequest,
+                                                  parse_request, sampling_parameters)
+from pagedbackend.serving.openai.structured import (Tools, messages_with_tools, structured_outputs,
+                                                    template_knows_tools)
+from pagedbackend.serving.openai.triton_client import Triton, is_text_model
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class Settings:
+    triton_url: str = "127.0.0.1:8001"
+    model_name: str = SERVED_MODEL             # the Triton model of a request that names none
+    tokenizer: str = "default"                 # folder of the served model's tokenizer
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    admin_key: Optional[str] = None            # opens Triton's model index for /v1/models
+
+
+def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: Optional[Tools] = None) -> str:
+    """The messages through the tokenizer's chat template, as text, with the
+    tools (``structured.messages_with_tools``)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise OpenAIError(400, "the model's tokenizer has no chat template; use /v1/completions", "messages")
+    knows_tools = template_knows_tools(tokenizer)
+    messages = messages_with_tools([m.for_template(i) for i, m in enumerate(req.messages)], tools, knows_tools)
+    extra = {"tools": tools.as_openai()} if tools is not None and knows_tools else {}
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=req.add_generation_prompt, **extra)
+    except Exception as exc:  # the template's own checks (raise_exception, unexpected roles)
+        raise OpenAIError(400, f"the chat template refused the messages: {exc}", "messages") from None
+
+
+def create_app(settings: Settings, tokenizer=None) -> FastAPI:
+    triton = Triton(settings.triton_url, settings.admin_key)
+    if tokenizer is None:   # the engine's, from local files only ("default": the engine's default model)
+        from pagedbackend.engine.tokenizer import load_tokenizer
+        from pagedbackend.models.default_model import resolve_model_path
+        tokenizer = load_tokenizer(resolve_model_path(settings.tokenizer))
+    started = int(time.time())
+    open_generations = OpenGenerations()
+
+    async def lifespan(_app):
+        await triton.open()
+        yield
+        await triton.close()
+
+    app = FastAPI(title="pagedbackend OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(CatchAll)   # outermost of ours: it also sees BodySizeLimit's errors
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        return JSONResponse(OpenAIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+
+    async def model_for(name: Optional[str], logprobs: bool) -> str:
+        name = name or settings.model_name
+        config = await triton.config(name)
+        if not is_text_model(config):
+            raise OpenAIError(400, f"model {name} is not a text generation model "
+                              "(it lacks text_input or text_output)", "model")
+        if logprobs and "logprobs" not in {o["name"] for o in config.get("output", [])}:
+            raise OpenAIError(400, f"logprobs are not supported by model {name}: it has no logprobs output",
+                              "logprobs")
+        return name
+
+    @app.get("/health")
+    async def health():
+        if await triton.ready(settings.model_name):
+            return {"status": "ok"}
+        return JSONResponse(OpenAIError(503, f"Triton at {triton.url} or its model {settings.model_name} "
+                                             "is not ready").body(), status_code=503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": started,
+                                            "owned_by": "pagedbackend"} for name in await triton.text_models([settings.model_name])]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        if model_id not in await triton.text_models([model_id]):
+            raise OpenAIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return {"id": model_id, "object": "model", "created": started, "owned_by": "pagedbackend"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await request.body())
+        prompts = req.prompts()
+        model = await model_for(req.model, req.logprobs is not None)
+        # max_tokens 0 (score the prompt): one token is generated and not returned.
+        params = sampling_parameters(req, max(req.max_tokens or 0, 1) if req.max_tokens is not None else None,
+                                     req.logprobs)
+        constraint = structured_outputs(req)
+        if constraint is not None:
+            params["structured_outputs"] = constraint
+        if req.echo and req.logprobs is not None:
+            params["prompt_logprobs"] = req.logprobs
+        return await answer(request, triton, model, prompts, params, req.logprobs is not None,
+                            CompletionAnswer(req, model, prompts, tokenizer), req.stream, open_generations)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_request(ChatCompletionRequest, await request.body())
+        model = await model_for(req.model, req.logprobs)
+        tools = Tools.of(req)
+        prompt = chat_prompt(tokenizer, req, tools)
+        shape = ChatAnswer(req, model, tools)
+        params = sampling_parameters(req, req.max_completion_tokens or req.max_tokens, shape.top)
+        constraint = structured_outputs(req)
+        if tools is not None and tools.calls:
+            if constraint is not None:
+                raise OpenAIError(400, "response_format and structured outputs do not combine with tools "
+                                  "unless tool_choice is none", "tool_choice")
+            constraint = {"structural_tag": json.dumps(tools.structural_tag())}
+        if constraint is not None:
+            params["structured_outputs"] = constraint
+        return await answer(request, triton, model, [prompt], params, req.logprobs, shape, req.stream,
+                            open_generations)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = parse_request(lambda data: TokenizeChatRequest if "messages" in data else TokenizeRequest,
+                            await request.body())
+        chat = isinstance(req, TokenizeChatRequest)
+        await model_for(req.model, False)
+        text = chat_prompt(tokenizer, req) if chat else req.prompt
+        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "tokens": ids,
+                "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = parse_request(DetokenizeRequest, await request.body())
+        await model_for(req.model, False)
+        bad = next((t for t in req.tokens if not 0 <= t < len(tokenizer)), None)
+        if bad is not None:
+            raise OpenAIError(400, f"token id {bad} is outside the vocabulary (0..{len(tokenizer) - 1})",
+                              "tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    app.state.triton = triton
+    app.state.open_generations = open_generations
+    return app
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
+    """uvicorn, whose first SIGTERM or SIGINT also ends every open generation
+    at once with the error "the server is shutting down" (uvicorn alone would
+    wait for them to finish); later signals change nothing."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                loop = getattr(self, "loop", None)
+                if loop is not None:
+                    loop.call_soon_threadsafe(app.state.open_generations.end_all)
+            self.should_exit = True   # never force_exit: the streams end themselves
+
+        async def startup(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+    Server(config).run()
+

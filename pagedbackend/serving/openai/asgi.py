@@ -1,0 +1,104 @@
+"""The HTTP plumbing under the OpenAI app: ASGI middleware that caps request
+bodies and turns unanswered exceptions into OpenAI error objects, and a
+server-sent-events response fed straight from an async iterator."""
+import logging
+from typing import AsyncIterator
+
+from fastapi.responses import JSONResponse, Response
+
+from pagedbackend.serving.openai.protocol import OpenAIError
+
+logger = logging.getLogger("pagedbackend.openai")
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 before the
+    app sees it (the body is read here once and handed on).
+
+    An oversized body is still read to its end (up to ``DRAIN_LIMIT_BYTES``) and
+    dropped, so that a client still sending it reads the 413 instead of a reset."""
+
+    DRAIN_LIMIT_BYTES = 64 << 20
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        declared = int(length) if length is not None and length.isdigit() else 0
+        chunks, size, more = [], 0, declared <= self.DRAIN_LIMIT_BYTES
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            if size <= self.max_bytes:
+                chunks.append(message.get("body", b""))
+            more = message.get("more_body", False) and size <= self.DRAIN_LIMIT_BYTES
+        if max(size, declared) > self.max_bytes:
+            error = OpenAIError(413, f"the request body is larger than the limit of {self.max_bytes} bytes")
+            response = JSONResponse(error.body(), status_code=413, headers={"Connection": "close"})
+            return await response(scope, receive, send)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()
+        await self.app(scope, replay, send)
+
+
+class CatchAll:
+    """ASGI middleware: an exception that no handler answered becomes a 500
+    OpenAI error object (or, once a streamed answer has begun, the end of its
+    body) instead of Starlette's re-raise, which makes uvicorn drop the
+    keep-alive connection under the client's next request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = {"started": False, "ended": False}
+
+        async def tracked(message):
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["ended"] = True
+            await send(message)
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            logger.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            if state["ended"]:
+                return
+            if state["started"]:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            error = OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}")
+            await JSONResponse(error.body(), status_code=500)(scope, receive, send)
+
+
+class EventStream(Response):
+    """A ``text/event-stream`` response sent straight from an async iterator of
+    bytes. Unlike StreamingResponse it starts no task of its own to listen for
+    a disconnect: ``answer``'s watcher already does, and cancels the source."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, pieces: AsyncIterator[bytes]):
+        self.pieces, self.status_code, self.background = pieces, 200, None
+        self.init_headers({"Cache-Control": "no-cache"})  # no body, so no content-length
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for piece in self.pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+

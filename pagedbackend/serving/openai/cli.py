@@ -1,0 +1,48 @@
+"""An OpenAI-compatible HTTP API in front of a running tritonserver.
+
+    python -m pagedbackend.serving.openai_server --triton-url 127.0.0.1:8001 --port 9000
+
+This module is its command line; the app and its routes are in ``app``.
+"""
+import argparse
+import os
+import sys
+
+from pagedbackend.serving.constants import ADMIN_KEY_ENV, SERVED_MODEL
+from pagedbackend.serving.openai.app import DEFAULT_MAX_BODY_BYTES, Settings, create_app, serve
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pagedbackend.serving.openai_server",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--triton-url", default="127.0.0.1:8001", help="tritonserver's gRPC address")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--model-name", default=SERVED_MODEL,
+                        help="Triton model for requests that name none")
+    parser.add_argument("--tokenizer", "--model-path", dest="tokenizer", default="default",
+                        help='the served model\'s folder, for its tokenizer and chat template '
+                             '("default": the engine\'s default model)')
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies get 413")
+    parser.add_argument("--triton-admin-key", default=os.environ.get(ADMIN_KEY_ENV),
+                        help="the key of tritonserver's model repository API (python -m pagedbackend.serve "
+                             f"--admin-key, ${ADMIN_KEY_ENV}): /v1/models then lists every ready text model, "
+                             "not only --model-name")
+    parser.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    settings = Settings(args.triton_url, args.model_name, args.tokenizer, args.max_body_bytes,
+                        args.triton_admin_key)
+    try:
+        app = create_app(settings)
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot load the tokenizer from {args.tokenizer!r}: {exc}", file=sys.stderr)
+        return 1
+    print(f"OpenAI API: http://{args.host}:{args.port}/v1 (Triton gRPC {args.triton_url})", flush=True)
+    serve(app, args.host, args.port, args.log_level)
+    return 0
+
