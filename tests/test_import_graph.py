@@ -28,8 +28,6 @@ OVER_MAX_LINES = {
     "pagedbackend/core/block_manager.py",
     "pagedbackend/core/scheduler.py",
     "pagedbackend/engine/llm_engine.py",
-    "pagedbackend/serving/launcher.py",
-    "pagedbackend/serving/openai_server.py",
 }
 
 
