@@ -206,10 +206,10 @@ def test_admission_leaves_the_watermark_free():
 @pytest.mark.parametrize("width", [1, 2, 4])
 def test_default_max_tokens_is_capped_so_every_candidate_fits_the_pool(width):
     scheduler = make_scheduler(num_blocks=96)
-    fit = scheduler.max_tokens_that_fit(100, width, limit=4000)
-    assert scheduler.max_blocks(100, fit, width) <= scheduler.usable_blocks
-    assert scheduler.max_blocks(100, fit + 16, width) > scheduler.usable_blocks
-    assert scheduler.admission_error(100, fit, width) is None
+    fit = scheduler.capacity.max_tokens_that_fit(100, width, limit=4000)
+    assert scheduler.capacity.max_blocks(100, fit, width) <= scheduler.capacity.usable_blocks
+    assert scheduler.capacity.max_blocks(100, fit + 16, width) > scheduler.capacity.usable_blocks
+    assert scheduler.capacity.admission_error(100, fit, width) is None
 
 
 def prioritized(name, prompt_len, max_tokens, priority):
@@ -274,3 +274,54 @@ def test_the_waiting_queue_is_a_heap_with_removal_from_the_middle():
     assert queue.peek() is groups[4] and queue.pop() is groups[4] and groups[2] not in queue
     with pytest.raises(ValueError, match="already queued"):
         queue.push(groups[1])
+
+
+def test_speculative_slots_are_held_for_one_step_and_those_of_rejected_tokens_given_back():
+    scheduler = make_scheduler(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    scheduler.num_lookahead = 5
+    group = make_group("r", prompt_len=10, max_tokens=50, temperature=0.0)
+    scheduler.add(group)
+    first = step(scheduler)   # the prompt: no speculative slots for a prefill
+    assert [item.num_lookahead for item in first.scheduled] == [0]
+    out = scheduler.schedule()
+    [item] = out.scheduled
+    seq, bm = item.seq, scheduler.block_manager
+    assert (item.num_new_tokens, item.num_lookahead, out.num_batched_tokens) == (1, 5, 6)
+    assert bm.num_tokens(seq.seq_id) == 11 + 5 and len(bm.get_block_table(seq.seq_id)) == 4
+    item.set_drafts([8, 8, 9, 9])   # four of the five slots proposed
+    assert item.token_ids == [7, 8, 8, 9, 9] and item.num_logit_rows == 5
+    # Verification: the first draft is already refused; token 3 comes instead.
+    seq.append_token(3, None, None)
+    scheduler.update_from_output(out, StepUpdate(uncomputed={seq.seq_id: 4}))
+    assert (seq.num_computed_tokens, seq.num_tokens) == (11, 12)
+    assert bm.num_tokens(seq.seq_id) == 11 and len(bm.get_block_table(seq.seq_id)) == 3
+    bm.check_invariants()
+    # Next step: draft 5 kept, draft 6 rejected in favour of token 4.
+    out = scheduler.schedule()
+    [item] = out.scheduled
+    item.set_drafts([5, 6])
+    seq.append_token(5, None, None)
+    seq.append_token(4, None, None)
+    scheduler.update_from_output(out, StepUpdate(uncomputed={seq.seq_id: 1}))
+    assert (seq.num_computed_tokens, seq.num_tokens) == (13, 14)
+    assert bm.num_tokens(seq.seq_id) == 13 and bm.num_used_blocks == 4
+    bm.check_invariants()
+    # The prefix cache holds the full blocks of verified, computed tokens, never
+    # a block that held a rejected draft (positions 11-15 did in the first step).
+    table = bm.get_block_table(seq.seq_id)
+    cached = sorted(bm.pool.cached.values(), key=lambda b: table.index(b.block_id))
+    assert [b.token_ids for b in cached] == [tuple(seq.token_ids[i:i + 4]) for i in (0, 4, 8)]
+
+
+def test_no_speculative_slots_for_beams_or_past_max_tokens():
+    scheduler = make_scheduler(num_blocks=64, block_size=4)
+    scheduler.num_lookahead = 4
+    beams = make_group("beams", prompt_len=8, max_tokens=20, n=2, beams=True)
+    short = make_group("short", prompt_len=8, max_tokens=3, temperature=0.0)
+    for group in (beams, short):
+        scheduler.add(group)
+    step(scheduler)
+    out = scheduler.schedule()
+    looks = {(item.group.request_id, item.num_lookahead) for item in out.scheduled}
+    # One token out of three: at most one more can follow the one computed now.
+    assert looks == {("beams", 0), ("short", 1)}

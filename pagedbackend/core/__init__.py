@@ -2,8 +2,9 @@
 cache, the block manager (block tables, fork, copy-on-write, swap), sequences,
 and the scheduler that owns the block manager."""
 from .block_manager import AllocStatus, BlockManager
-from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput, StepUpdate
+from .scheduled import ScheduledSeq, SchedulerOutput, SeqEntry, StepUpdate
+from .scheduler import Scheduler
 from .sequence import GroupStatus, RequestMetrics, Sequence, SequenceGroup
 
 __all__ = ["AllocStatus", "BlockManager", "GroupStatus", "RequestMetrics", "ScheduledSeq",
-           "Scheduler", "SchedulerOutput", "Sequence", "SequenceGroup", "StepUpdate"]
+           "Scheduler", "SchedulerOutput", "SeqEntry", "Sequence", "SequenceGroup", "StepUpdate"]

@@ -11,13 +11,16 @@ lists of ``(src, dst)`` block ids for the model runner to carry out.
 - Full blocks whose K/V are computed are registered in the prefix cache by a
   hash chain; a new sequence maps the cached blocks its prompt starts with.
 - ``swap_out`` / ``swap_in`` move a whole sequence group to and from a bounded
-  host pool, all or nothing.
+  host pool, all or nothing (``block_swap.py``).
+- ``truncate`` gives back the slots of speculative tokens that were rejected:
+  positions past the verified ones, and blocks that only they used.
 """
 import enum
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .block_pool import BlockManagerError, BlockPool, KVBlock, NoFreeBlocksError
+from .block_swap import SwapMixin
 from .prefix_cache import HashFn, block_hashes, hash_block
 
 BlockMapping = List[Tuple[int, int]]
@@ -52,7 +55,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class BlockManager:
+class BlockManager(SwapMixin):
     def __init__(self, num_blocks: int, block_size: int = 16, num_swap_blocks: int = 0,
                  enable_prefix_caching: bool = True, watermark: float = 0.01,
                  cache_salt: bytes = b"", hash_fn: HashFn = hash_block):
@@ -270,6 +273,23 @@ class BlockManager:
         self._fill(state, num_tokens)
         return copies
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink the sequence to its first ``num_tokens`` positions (the slots
+        of rejected speculative tokens go back); blocks past them are freed.
+        Those positions were appended, so the blocks they lie in are private."""
+        state = self._get(seq_id)
+        if not state.on_device:
+            raise BlockManagerError(f"sequence {seq_id} is swapped out; swap it in first")
+        if not 0 < num_tokens <= state.num_tokens:
+            raise BlockManagerError(f"sequence {seq_id} cannot be truncated from {state.num_tokens} "
+                                    f"to {num_tokens} tokens")
+        bs, keep = self.block_size, _cdiv(num_tokens, self.block_size)
+        while len(state.blocks) > keep:
+            self.pool.decref(state.blocks.pop())
+        if num_tokens % bs and state.blocks[-1].ref_cnt == 1:
+            state.blocks[-1].num_tokens = num_tokens % bs
+        state.num_tokens = num_tokens
+
     def mark_computed(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the sequence's full blocks whose K/V are now computed in the
         prefix cache (``token_ids`` are the sequence's tokens so far)."""
@@ -315,95 +335,6 @@ class BlockManager:
         pool.decref(block)
         if pool is self.host_pool and block.ref_cnt == 0:
             self._host_meta.pop(block.block_id, None)
-
-    # ------------------------------------------------------------ swapping
-    def _distinct_blocks(self, seq_ids: Sequence[int], on_device: bool) -> List[KVBlock]:
-        if len(set(seq_ids)) != len(seq_ids):
-            raise BlockManagerError(f"duplicate sequence ids in {list(seq_ids)}")
-        seen: Dict[int, KVBlock] = {}
-        for seq_id in seq_ids:
-            state = self._get(seq_id)
-            if state.on_device != on_device:
-                where = "on the device" if state.on_device else "swapped out"
-                raise BlockManagerError(f"sequence {seq_id} is already {where}")
-            for block in state.blocks:
-                seen.setdefault(block.block_id, block)
-        return list(seen.values())
-
-    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
-        return len(self._distinct_blocks(seq_ids, True)) <= self.num_free_swap_blocks
-
-    def blocks_to_swap_in(self, seq_ids: Sequence[int]) -> int:
-        """Device blocks ``swap_in`` would take at most for this group."""
-        return len(self._distinct_blocks(seq_ids, False))
-
-    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
-        needed = len(self._distinct_blocks(seq_ids, False))
-        return self.pool.num_free - needed >= self.watermark_blocks
-
-    def swap_out(self, seq_ids: Sequence[int]) -> BlockMapping:
-        """Move a whole group to the host pool. Returns (device, host) pairs to copy."""
-        distinct = self._distinct_blocks(seq_ids, True)
-        if len(distinct) > self.num_free_swap_blocks:
-            raise NoFreeBlocksError(
-                f"swapping out needs {len(distinct)} host blocks, {self.num_free_swap_blocks} free")
-        to_host: Dict[int, KVBlock] = {}
-        copies: BlockMapping = []
-        for seq_id in seq_ids:
-            state = self._seqs[seq_id]
-            host_blocks = []
-            for block in state.blocks:
-                host = to_host.get(block.block_id)
-                if host is None:
-                    host = to_host[block.block_id] = self.host_pool.allocate()
-                    self._host_meta[host.block_id] = (block.block_hash, block.parent_hash,
-                                                      block.token_ids, block.num_tokens)
-                    copies.append((block.block_id, host.block_id))
-                else:
-                    self.host_pool.incref(host)
-                host_blocks.append(host)
-            for block in reversed(state.blocks):
-                self.pool.decref(block)
-            state.blocks, state.on_device = host_blocks, False
-        return copies
-
-    def swap_in(self, seq_ids: Sequence[int]) -> BlockMapping:
-        """Bring a swapped-out group back. Returns (host, device) pairs to copy;
-        a block whose content is still in the prefix cache is mapped, not copied."""
-        distinct = self._distinct_blocks(seq_ids, False)
-        if len(distinct) > self.pool.num_free:
-            raise NoFreeBlocksError(f"swapping in needs {len(distinct)} device blocks, "
-                                    f"{self.pool.num_free} free")
-        to_device: Dict[int, KVBlock] = {}
-        copies: BlockMapping = []
-        for seq_id in seq_ids:
-            state = self._seqs[seq_id]
-            device_blocks = []
-            for host in state.blocks:
-                block = to_device.get(host.block_id)
-                if block is None:
-                    block = to_device[host.block_id] = self._bring_back(host, copies)
-                else:
-                    self.pool.incref(block)
-                device_blocks.append(block)
-            for host in reversed(state.blocks):
-                self._release(self.host_pool, host)
-            state.blocks, state.on_device = device_blocks, True
-        return copies
-
-    def _bring_back(self, host: KVBlock, copies: BlockMapping) -> KVBlock:
-        block_hash, parent_hash, token_ids, num_tokens = self._host_meta[host.block_id]
-        if block_hash is not None:
-            cached = self.pool.lookup(block_hash, parent_hash, token_ids)
-            if cached is not None:
-                self.pool.incref(cached)
-                return cached
-        block = self.pool.allocate()
-        block.num_tokens = num_tokens
-        copies.append((host.block_id, block.block_id))
-        if block_hash is not None:
-            self.pool.register(block, block_hash, parent_hash, token_ids)
-        return block
 
     # ------------------------------------------------------------ checking
     def check_invariants(self) -> None:

@@ -1,16 +1,20 @@
 """Iteration-level (continuous) batching with first-come-first-served
-preemption (PagedAttention, section 4.5).
+preemption (PagedAttention, section 4.5), in one loop under one token budget.
 
-Every step rebuilds the batch under one token budget and one sequence cap:
+Every sequence's ``num_computed_tokens`` chases its token count: a step gives
+each scheduled sequence the tokens it has not computed yet (a decode: one; a
+prompt: a chunk of it), plus, for a decode, slots for the speculative tokens
+the engine will propose (``lookahead``). The same code schedules running
+groups (decoding groups first, so a burst of prompts never delays a token of
+a running stream), swapped-out groups coming back, and newly admitted ones:
 
-1. running groups that decode (one token per live sequence), oldest first;
-   when blocks run out, the newest running group is preempted (all its
-   sequences at once) until the older one fits;
-2. running groups still prefilling take chunks of their prompt from the budget
-   that is left, so long prompts never stall decodes;
-3. swapped-out groups come back, oldest first, when nothing was preempted;
-4. waiting groups are admitted in arrival order when nothing was preempted in
-   this step (so a victim is not re-admitted at once).
+- running groups, in scheduling order; when blocks run out, the newest
+  running group is preempted (all its sequences at once) until the older one
+  fits (a group first gives up its speculative slots);
+- swapped-out groups come back, first in order first, when nothing was
+  preempted in this step;
+- waiting groups are admitted in order when nothing was preempted (so a
+  victim is not re-admitted at once).
 
 Fairness, so that one request cannot hold up every newcomer:
 
@@ -34,68 +38,27 @@ generated tokens, reusing whatever prefix blocks are still cached.
 """
 import bisect
 import time
-from dataclasses import dataclass, field
-from typing import List, Optional, Set, Tuple
+from typing import List, Optional
 
 from ..config import EngineConfig
 from ..sampling_params import InvalidRequestError
 from .block_manager import AllocStatus, BlockManager
-from .kv_memory import reserved_positions
+from .capacity import Capacity
 from .request_queue import RequestQueue
+from .scheduled import ScheduledSeq, SchedulerOutput, StepUpdate
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
-BlockMapping = List[Tuple[int, int]]
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput", "StepUpdate"]
+
 # Groups tried past a blocker in one step at most (each costs a prefix lookup).
 PASS_SCAN = 16
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class _Room:
+    """What is left of one step: tokens under the budget, sequence slots."""
 
-
-@dataclass
-class ScheduledSeq:
-    """One sequence's share of a step: what the model runner computes for it.
-
-    ``token_ids`` are the tokens whose K/V are computed now, starting at
-    position ``start_pos``; ``block_table`` covers all of them;
-    ``need_logits`` says the step completes the sequence (sample it)."""
-    group: SequenceGroup
-    seq: Sequence
-    num_new_tokens: int            # computed this step, from seq.num_computed_tokens
-    token_ids: List[int] = field(default_factory=list)
-    start_pos: int = 0
-    block_table: List[int] = field(default_factory=list)
-    need_logits: bool = False
-    prompt_logits: bool = False    # the logits of every token of the chunk (prompt_logprobs)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: List[ScheduledSeq] = field(default_factory=list)
-    copy_pairs: BlockMapping = field(default_factory=list)
-    swap_out_pairs: BlockMapping = field(default_factory=list)
-    swap_in_pairs: BlockMapping = field(default_factory=list)
-    preempted: List[SequenceGroup] = field(default_factory=list)
-    rejected: List[Tuple[SequenceGroup, str]] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class StepUpdate:
-    """What sampling decided for the sequences of one step, for
-    ``Scheduler.update_from_output``: new sequences that share a parent's
-    blocks (parallel samples, beams), sequences that are done (their blocks go
-    back), groups that are finished, and sequences whose last token must be
-    computed again next step (a beam held while its siblings are recomputed)."""
-    forks: List[Tuple[Sequence, Sequence]] = field(default_factory=list)   # (parent, child)
-    freed: List[Sequence] = field(default_factory=list)
-    finished: List[SequenceGroup] = field(default_factory=list)
-    held: Set[int] = field(default_factory=set)                           # seq ids
+    def __init__(self, tokens: int, seqs: int):
+        self.tokens, self.seqs = tokens, seqs
 
 
 class Scheduler:
@@ -104,74 +67,30 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
                  cache_salt: bytes = b""):
-        if config.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {config.preemption_mode!r}")
         self.config = config
         self.max_model_len = max_model_len
         self.bm = BlockManager(num_kv_blocks, config.block_size, num_swap_blocks=config.swap_space_blocks,
                                enable_prefix_caching=config.enable_prefix_caching,
                                watermark=config.watermark, cache_salt=cache_salt)
+        self.capacity = Capacity(config, self.bm, max_model_len)
         self.priority = config.scheduling_policy == "priority"
         self.waiting = RequestQueue(self.order_key)
         self.swapped = RequestQueue(self.order_key)
         self.running: List[SequenceGroup] = []   # kept in scheduling order (order_key)
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
+        # Speculative slots per decoding sequence for the next steps (set by
+        # the engine, which decides how many tokens to propose).
+        self.num_lookahead = 0
 
     @property
     def block_manager(self) -> BlockManager:
         """Read-only use outside the scheduler: statistics and tests."""
         return self.bm
 
-    # ------------------------------------------------------------ admission
-    def reserve_tokens(self, final_len: int) -> int:
-        """Positions a contiguous-reservation baseline (``kv_reservation``)
-        holds for a request from admission on; 0 when paged."""
-        scheme = self.config.kv_reservation
-        return 0 if scheme == "paged" else reserved_positions(scheme, final_len, self.max_model_len)
-
-    @property
-    def usable_blocks(self) -> int:
-        return self.bm.num_total_blocks - self.bm.watermark_blocks
-
-    def max_blocks(self, prompt_len: int, max_tokens: int, width: int) -> int:
-        """KV blocks a request needs, alone in the pool, to finish: its prompt's
-        blocks (shared by every candidate) plus each candidate's blocks for its
-        output, one more each for a copied partial block."""
-        bs = self.bm.block_size
-        paged = _cdiv(prompt_len, bs) + width * (_cdiv(max_tokens, bs) + 1)
-        return max(paged, _cdiv(self.reserve_tokens(prompt_len + max_tokens), bs))
-
-    def max_tokens_that_fit(self, prompt_len: int, width: int, limit: int) -> int:
-        """The most tokens (at most ``limit``) each of ``width`` candidates may
-        generate after a ``prompt_len`` prompt with the whole request still
-        fitting the pool alone: the default ``max_tokens`` of a request that
-        sets none (0 when not even one token fits)."""
-        low, high = 0, limit
-        while low < high:   # max_blocks grows with max_tokens
-            mid = (low + high + 1) // 2
-            if self.max_blocks(prompt_len, mid, width) <= self.usable_blocks:
-                low = mid
-            else:
-                high = mid - 1
-        return low
-
-    def admission_error(self, prompt_len: int, max_tokens: int, width: int) -> Optional[str]:
-        """Why a request can never run, or None: the one admission check, used
-        at submission (so nothing that cannot run is ever queued)."""
-        if width > self.config.max_num_seqs:
-            return (f"the request needs {width} sequences at once (n / best_of) but "
-                    f"max_num_seqs is {self.config.max_num_seqs}")
-        need = self.max_blocks(prompt_len, max_tokens, width)
-        if need > self.usable_blocks:
-            return (f"request needs up to {need} KV blocks (prompt {prompt_len} tokens, "
-                    f"max_tokens {max_tokens}, {width} candidate(s), block size "
-                    f"{self.bm.block_size}) but the pool offers {self.usable_blocks}")
-        return None
-
     def check_admissible(self, group: SequenceGroup) -> None:
-        message = self.admission_error(len(group.prompt_token_ids), group.max_tokens,
-                                       self._max_live_seqs(group))
+        message = self.capacity.admission_error(len(group.prompt_token_ids), group.max_tokens,
+                                                self.capacity.max_live_seqs(group))
         if message is not None:
             raise InvalidRequestError(message)
 
@@ -222,60 +141,24 @@ class Scheduler:
     # ------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        seq_cap = self.config.max_num_seqs
+        room = _Room(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         crowded = len(self.running) + len(self.waiting) + len(self.swapped) > 1
-
-        # 1. decodes, oldest first, preempting the newest groups for blocks
-        for group in list(self.running):
-            if group.status != GroupStatus.RUNNING or self._is_prefilling(group):
-                continue
-            seqs = self._decode_seqs(group, crowded)
-            if len(seqs) > budget or len(seqs) > seq_cap:
-                continue
-            if not self._make_room(group, seqs, out):
-                continue  # the group itself was preempted
-            for seq in seqs:
-                out.copy_pairs += self.bm.append_slots(seq.seq_id, seq.num_tokens)
-                out.scheduled.append(ScheduledSeq(group, seq, 1))
-            budget -= len(seqs)
-            seq_cap -= len(seqs)
-
-        # 2. prefill chunks of running groups
-        for group in self.running:
-            if not self._is_prefilling(group) or budget == 0 or seq_cap < len(group.seqs):
-                continue
-            seq_cap -= len(group.seqs)
-            budget = self._schedule_prefill(group, budget, out)
-
-        # 3. swapped groups return, first in order first
+        for group in sorted(self.running, key=self._is_prefilling):   # stable: decodes first, in order
+            if group.status == GroupStatus.RUNNING:   # not preempted earlier in this loop
+                self._schedule_group(group, room, out, crowded)
         while self.swapped and not out.preempted:
             group = self.swapped.peek()
-            live = group.seqs
-            ids = [s.seq_id for s in live]
-            if len(live) > budget or len(live) > seq_cap:
-                break
-            needed = self.bm.blocks_to_swap_in(ids) + len(live)
-            if self.bm.num_free_blocks - needed < self.bm.watermark_blocks:
+            ids = [s.seq_id for s in group.seqs]
+            needed = self.bm.blocks_to_swap_in(ids) + len(ids)
+            if len(ids) > min(room.tokens, room.seqs) or self.bm.num_free_blocks - needed < self.bm.watermark_blocks:
                 break
             self.swapped.pop()
             out.swap_in_pairs += self.bm.swap_in(ids)
             self._run(group)
-            if self._is_prefilling(group):
-                seq_cap -= len(live)
-                budget = self._schedule_prefill(group, budget, out)
-                continue
-            for seq in live:
-                out.copy_pairs += self.bm.append_slots(seq.seq_id, seq.num_tokens)
-                out.scheduled.append(ScheduledSeq(group, seq, 1))
-            budget -= len(live)
-            seq_cap -= len(live)
-
-        # 4. admission of waiting groups, in order, past a blocker when it is safe
+            self._schedule_group(group, room, out, crowded)
         if not out.preempted:
-            budget = self._admit(out, budget, seq_cap)
-
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+            self._admit(out, room, crowded)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - room.tokens
         now = time.time()
         for item in out.scheduled:   # what the model runner reads
             seq = item.seq
@@ -290,14 +173,16 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, update: StepUpdate) -> None:
         """After the forward pass and sampling: count the computed tokens (and
-        register full blocks in the prefix cache), share blocks with forked
+        register full blocks in the prefix cache), give back the slots of
+        speculative tokens that were not kept, share blocks with forked
         sequences, return the blocks of finished ones, retire finished groups."""
         for item in out.scheduled:
             seq = item.seq
-            seq.num_computed_tokens = item.start_pos + item.num_new_tokens
-            if seq.seq_id in update.held:
-                seq.num_computed_tokens -= 1
+            seq.num_computed_tokens = (item.start_pos + item.num_new_tokens + item.num_draft_tokens
+                                       - update.uncomputed.get(seq.seq_id, 0))
             if self.bm.has_seq(seq.seq_id):
+                if item.num_lookahead:
+                    self.bm.truncate(seq.seq_id, seq.num_computed_tokens)
                 self.bm.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         for parent, child in update.forks:
             self.bm.fork(parent.seq_id, child.seq_id)
@@ -309,12 +194,81 @@ class Scheduler:
             if group in self.running:
                 self.running.remove(group)
 
-    # ------------------------------------------------------------ helpers
+    # ------------------------------------------------------------ one group
     @staticmethod
     def _is_prefilling(group: SequenceGroup) -> bool:
         return any(s.num_uncomputed_tokens > 1 for s in group.seqs)
 
-    def _admit(self, out: SchedulerOutput, budget: int, seq_cap: int) -> int:
+    def _schedule_group(self, group: SequenceGroup, room: _Room, out: SchedulerOutput,
+                        crowded: bool) -> None:
+        """Schedule a running group's sequences: the tokens each has not
+        computed (a prompt at most ``long_prefill_token_threshold`` at a time),
+        speculative slots for decodes, blocks for all of them (preempting the
+        newest groups when the pool is short)."""
+        prefilling = self._is_prefilling(group)
+        seqs = group.seqs if prefilling else self._decode_seqs(group, crowded)
+        if not seqs or len(seqs) > room.seqs or room.tokens < (1 if prefilling else len(seqs)):
+            return
+        cap = self.config.long_prefill_token_threshold or room.tokens
+        tokens, plan = room.tokens, []
+        for seq in seqs:
+            chunk = min(seq.num_uncomputed_tokens, tokens, cap)
+            if chunk > 0:
+                plan.append([seq, chunk, 0])
+                tokens -= chunk
+        if not prefilling:
+            look = self._lookahead(group, len(plan), tokens)
+            for entry in plan:   # never past the context, nor past the request's last token
+                seq = entry[0]
+                entry[2] = 0 if seq.num_output_tokens == 0 else max(0, min(
+                    look, self.max_model_len - seq.num_tokens, group.max_tokens - seq.num_output_tokens - 1))
+        if not self._make_room(group, plan, out):
+            return   # the group itself was preempted
+        for seq, chunk, look in plan:
+            target = max(seq.num_computed_tokens + chunk + look, self.bm.num_tokens(seq.seq_id))
+            out.copy_pairs += self.bm.append_slots(seq.seq_id, target)
+            out.scheduled.append(ScheduledSeq([], 0, [], group=group, seq=seq, num_new_tokens=chunk,
+                                              num_lookahead=look))
+            room.tokens -= chunk + look
+        room.seqs -= len(seqs)
+
+    def _lookahead(self, group: SequenceGroup, num_seqs: int, tokens_left: int) -> int:
+        """Speculative slots per decoding sequence of ``group`` this step."""
+        if (not self.num_lookahead or not num_seqs or group.is_beam_search or group.needs_prompt_logits
+                or self.config.kv_reservation != "paged"):
+            return 0
+        return max(0, min(self.num_lookahead, tokens_left // num_seqs))
+
+    def _blocks_for(self, plan) -> int:
+        return sum(self.bm.blocks_to_append(seq.seq_id, max(seq.num_computed_tokens + chunk + look,
+                                                            self.bm.num_tokens(seq.seq_id)))
+                   for seq, chunk, look in plan)
+
+    def _make_room(self, group: SequenceGroup, plan, out: SchedulerOutput) -> bool:
+        """Free blocks for ``plan`` (lists of sequence, tokens, lookahead): first
+        drop its speculative slots, then preempt the newest running groups.
+        False if ``group`` itself had to go."""
+        if self._blocks_for(plan) > self.bm.num_free_blocks:
+            for entry in plan:
+                entry[2] = 0
+        while self._blocks_for(plan) > self.bm.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is group:
+                return False
+        return True
+
+    def _decode_seqs(self, group: SequenceGroup, crowded: bool) -> List[Sequence]:
+        """The group's sequences that decode this step: all of them, or while
+        others are present at most ``share`` of its parallel samples, the least
+        advanced first (so they take turns)."""
+        live, share = group.seqs, self.capacity.share
+        if not crowded or group.is_beam_search or len(live) <= share:
+            return live
+        return sorted(live, key=lambda s: (s.num_tokens, s.index))[:share]
+
+    # ------------------------------------------------------------ admission
+    def _admit(self, out: SchedulerOutput, room: _Room, crowded: bool) -> None:
         """Admit waiting groups in scheduling order while the step has budget.
         The first that cannot be admitted (or the first swapped-out group)
         becomes the blocker; at most PASS_SCAN later groups are tried past it,
@@ -322,13 +276,13 @@ class Scheduler:
         not fit preempts running groups of lower priority (higher value) first."""
         blocker = self.swapped.peek()
         passed, tried = [], 0
-        while self.waiting and budget > 0 and tried <= PASS_SCAN:
+        while self.waiting and room.tokens > 0 and tried <= PASS_SCAN:
             group = self.waiting.pop()
             if group in out.preempted:   # preempted in this very step: not back at once
                 passed.append(group)
                 continue
             token_lists = [s.token_ids for s in group.seqs]
-            reserve = self.reserve_tokens(len(group.prompt_token_ids) + group.max_tokens)
+            reserve = self.capacity.reserve_tokens(len(group.prompt_token_ids) + group.max_tokens)
             # A cached prefix has no logits: prompt_logprobs computes the whole prompt.
             reuse = not group.needs_prompt_logits
             status = self.bm.can_allocate(token_lists, reserve, group.cache_salt, reuse)
@@ -336,15 +290,8 @@ class Scheduler:
                 out.rejected.append((group, f"request {group.request_id} can never fit the KV pool"))
                 continue
             if blocker is None and self.priority:
-                while not (status == AllocStatus.OK and self._step_slots(group) <= seq_cap):
-                    victim = self._lower_priority_victim(group)
-                    if victim is None:
-                        break
-                    seq_cap += sum(1 for item in out.scheduled if item.group is victim)
-                    budget += sum(item.num_new_tokens for item in out.scheduled if item.group is victim)
-                    self._preempt(victim, out)
-                    status = self.bm.can_allocate(token_lists, reserve, group.cache_salt, reuse)
-            fits = status == AllocStatus.OK and self._step_slots(group) <= seq_cap
+                status = self._preempt_for(group, token_lists, reserve, reuse, status, room, out)
+            fits = status == AllocStatus.OK and self.capacity.step_slots(group) <= room.seqs
             if not fits or (blocker is not None and not self._may_pass(blocker, group)):
                 blocker = blocker or group
                 passed.append(group)
@@ -356,85 +303,36 @@ class Scheduler:
             if group.metrics.num_cached_prompt_tokens == 0:
                 group.metrics.num_cached_prompt_tokens = group.seqs[0].num_computed_tokens
             self._run(group)
-            seq_cap -= self._step_slots(group)
-            budget = self._schedule_prefill(group, budget, out)
+            self._schedule_group(group, room, out, crowded)
         for group in passed:
             self.waiting.push(group)
-        return budget
 
-    def _lower_priority_victim(self, group: SequenceGroup) -> Optional[SequenceGroup]:
-        """The running group last in order whose priority is lower than ``group``'s."""
-        if self.running and self.running[-1].priority > group.priority:
-            return self.running[-1]
-        return None
-
-    @staticmethod
-    def _max_live_seqs(group: SequenceGroup) -> int:
-        return len(group.seqs) if group.forked else group.params.best_of
-
-    @property
-    def _share(self) -> int:
-        """Sequences one request may decode per step while others are present."""
-        return max(1, self.config.max_num_seqs // 2)
-
-    def _step_slots(self, group: SequenceGroup) -> int:
-        """Sequence slots a group takes per step when others share the steps."""
-        width = self._max_live_seqs(group)
-        return width if group.is_beam_search else min(width, self._share)
-
-    def _decode_seqs(self, group: SequenceGroup, crowded: bool) -> List[Sequence]:
-        """The group's sequences that decode this step: all of them, or while
-        others are present at most ``_share`` of its parallel samples, the least
-        advanced first (so they take turns)."""
-        live = group.seqs
-        if not crowded or group.is_beam_search or len(live) <= self._share:
-            return live
-        return sorted(live, key=lambda s: (s.num_tokens, s.index))[:self._share]
-
-    def _eventual_blocks(self, group: SequenceGroup) -> int:
-        return self.max_blocks(len(group.prompt_token_ids), group.max_tokens, group.params.best_of)
+    def _preempt_for(self, group, token_lists, reserve, reuse, status, room: _Room,
+                     out: SchedulerOutput) -> AllocStatus:
+        """Under the priority policy: preempt running groups of lower priority
+        until ``group`` fits; returns its allocation status then."""
+        while not (status == AllocStatus.OK and self.capacity.step_slots(group) <= room.seqs):
+            if not (self.running and self.running[-1].priority > group.priority):
+                break
+            victim = self.running[-1]
+            mine = [item for item in out.scheduled if item.group is victim]
+            room.seqs += len(mine)
+            room.tokens += sum(item.num_new_tokens + item.num_lookahead for item in mine)
+            self._preempt(victim, out)
+            status = self.bm.can_allocate(token_lists, reserve, group.cache_salt, reuse)
+        return status
 
     def _may_pass(self, blocker: SequenceGroup, group: SequenceGroup) -> bool:
         """Whether ``group`` may be admitted before the older ``blocker``: the
         eventual needs of the running groups younger than the blocker, of
         ``group`` and of the blocker fit the pool and the sequence cap at once."""
         after = self.order_key(blocker)
-        younger = [g for g in self.running if self.order_key(g) > after]
-        blocks = sum(self._eventual_blocks(g) for g in younger + [group, blocker])
-        slots = sum(self._step_slots(g) for g in younger + [group, blocker])
-        return blocks <= self.usable_blocks and slots <= self.config.max_num_seqs
+        groups = [g for g in self.running if self.order_key(g) > after] + [group, blocker]
+        blocks = sum(self.capacity.eventual_blocks(g) for g in groups)
+        slots = sum(self.capacity.step_slots(g) for g in groups)
+        return blocks <= self.capacity.usable_blocks and slots <= self.config.max_num_seqs
 
-    def _schedule_prefill(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
-        """Chunks for a group's sequences, each at most
-        ``long_prefill_token_threshold`` tokens; blocks for their prompts were
-        taken at admission, but a sequence that finished its prefill early may
-        need one more block for its next token."""
-        cap = self.config.long_prefill_token_threshold or budget
-        for seq in group.seqs:
-            chunk = min(seq.num_uncomputed_tokens, budget, cap)
-            if chunk <= 0:
-                continue
-            needed = self.bm.blocks_to_append(seq.seq_id, seq.num_tokens)
-            if needed > self.bm.num_free_blocks:
-                continue
-            if needed:
-                out.copy_pairs += self.bm.append_slots(seq.seq_id, seq.num_tokens)
-            out.scheduled.append(ScheduledSeq(group, seq, chunk))
-            budget -= chunk
-        return budget
-
-    def _make_room(self, group: SequenceGroup, seqs: List[Sequence], out: SchedulerOutput) -> bool:
-        """Preempt the newest running groups until ``seqs`` of ``group`` can grow
-        by one token each. False if ``group`` itself had to go."""
-        while True:
-            needed = sum(self.bm.blocks_to_append(s.seq_id, s.num_tokens) for s in seqs)
-            if needed <= self.bm.num_free_blocks:
-                return True
-            victim = self.running[-1]
-            self._preempt(victim, out)
-            if victim is group:
-                return False
-
+    # ------------------------------------------------------------ preemption
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.running.remove(group)
         out.preempted.append(group)

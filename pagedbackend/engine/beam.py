@@ -21,7 +21,7 @@ def beam_step(group: SequenceGroup, seq_rows: List[Tuple[Sequence, int]], logits
     if len(seq_rows) < len(live):
         # Some beams are still being recomputed after a preemption: hold the
         # ones that are done by recomputing their last token next step.
-        update.held.update(seq.seq_id for seq, _ in seq_rows)
+        update.uncomputed.update((seq.seq_id, 1) for seq, _ in seq_rows)
         return None
     row_of = {seq.seq_id: row for seq, row in seq_rows}
     rows = [row_of[s.seq_id] for s in live]

@@ -72,7 +72,7 @@ class InputProcessor:
             if room < 1:
                 raise InvalidRequestError(f"prompt has {len(token_ids)} tokens; the model's context "
                                           f"is {self.max_model_len}, leaving no room to generate")
-            max_tokens = self.scheduler.max_tokens_that_fit(len(token_ids), params.best_of, room) or room
+            max_tokens = self.scheduler.capacity.max_tokens_that_fit(len(token_ids), params.best_of, room) or room
         if len(token_ids) + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = "

@@ -10,31 +10,16 @@ from typing import List, Sequence
 
 import torch
 
+from pagedbackend.core.scheduled import SeqEntry
 from pagedbackend.models.attention import AttentionMetadata
 
-
-@dataclass
-class SeqEntry:
-    """One sequence's share of a step.
-
-    ``token_ids``: tokens whose K/V are computed now; ``start_pos``: position of
-    ``token_ids[0]`` (tokens of this sequence already cached); ``block_table``:
-    physical blocks covering at least ``start_pos + len(token_ids)`` positions;
-    ``need_logits``: return the logits of the last token. The scheduler's
-    ``ScheduledSeq`` carries the same four fields.
-    """
-    token_ids: List[int]
-    start_pos: int
-    block_table: List[int]
-    need_logits: bool = True
-    prompt_logits: bool = False    # the logits of every token, not only the last
+__all__ = ["SeqEntry", "StepBatch", "build_step_batch"]
 
 
 @dataclass
 class StepBatch:
     """One step's flat batch; ``logits_rows``: rows whose logits are returned
-    (per entry in order: every row with ``prompt_logits``, else its last row
-    when it needs logits)."""
+    (per entry in order, ``SeqEntry.num_logit_rows`` of its last rows)."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
@@ -84,10 +69,10 @@ def build_step_batch(entries: Sequence[SeqEntry], block_size: int, max_model_len
     seq_of_token = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(q_lens))
     slots = block_tables[seq_of_token, pos // bs].long() * bs + pos % bs
     cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-    if any(getattr(e, "prompt_logits", False) for e in entries):
+    if any(e.prompt_logits or e.num_draft_tokens for e in entries):
         rows = []
-        for e, start, end in zip(entries, cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
-            rows += range(start, end) if e.prompt_logits else [end - 1] if e.need_logits else []
+        for e, end in zip(entries, cu_seqlens_q[1:].tolist()):
+            rows += range(end - e.num_logit_rows, end)
         logits_rows = torch.tensor(rows, dtype=torch.long)
     else:
         logits_rows = (cu_seqlens_q[1:] - 1)[torch.tensor([e.need_logits for e in entries])]
