@@ -1,5 +1,7 @@
 """Engine configuration: one dataclass, the same names as ``LLM(...)`` and the
 ``parameters`` of ``config.pbtxt``."""
+import dataclasses
+import json
 import os
 import pathlib
 import typing
@@ -15,6 +17,71 @@ def cache_root() -> pathlib.Path:
 
 # Environment variables PAGEDBACKEND_<FIELD> override config.pbtxt parameters.
 ENV_PREFIX = "PAGEDBACKEND_"
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self_int4")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` (engine/speculative.py says how tokens
+    are verified and when proposals are turned down)."""
+    # "ngram" (prompt lookup), "draft_model" (``model``, a Hugging Face folder
+    # sharing the target's tokenizer) or "self_int4" (the target's own weights
+    # at quantization int4 as the draft: for the default model, its GGUF's
+    # Q4_1 blocks; no second download).
+    method: str
+    # Tokens proposed per step and sequence, at most.
+    num_speculative_tokens: int = 3
+    # ngram: the longest and shortest suffix looked up in the sequence.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # draft_model: the draft's folder ("default": the default model).
+    model: Optional[str] = None
+    # draft_model: the draft's quantization ("none", "int8", "int4", "w8a8").
+    quantization: str = "none"
+    # vLLM's name: no proposals in a step where more sequences decode (None: never off).
+    disable_by_batch_size: Optional[int] = 8
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model (the draft's folder) is needed for method draft_model")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1 or null, "
+                             f"got {self.disable_by_batch_size!r}")
+
+    @classmethod
+    def build(cls, value: Any) -> Optional["SpeculativeConfig"]:
+        """From a dict, its JSON text (config.pbtxt), an instance, or None / "" (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be an object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        if "method" not in value:
+            raise ValueError("speculative_config.method is required")
+        return cls(**value)
 
 
 @dataclass
@@ -93,6 +160,11 @@ class EngineConfig:
     # Fraction of blocks kept free when admitting new groups (avoids thrashing).
     watermark: float = 0.01
     seed: int = 0
+    # Speculative decoding, vLLM's shape: {"method": "ngram" | "draft_model" |
+    # "self_int4", "num_speculative_tokens": k, "prompt_lookup_min",
+    # "prompt_lookup_max", "model", "quantization", "disable_by_batch_size"}
+    # (SpeculativeConfig; JSON text in config.pbtxt). None: off.
+    speculative_config: Optional[Any] = None
 
     def __post_init__(self):
         def choice(name, allowed):
@@ -132,6 +204,11 @@ class EngineConfig:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         if self.swap_space_blocks < 0:
             raise ValueError(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")
+        self.speculative_config = SpeculativeConfig.build(self.speculative_config)
+        spec = self.speculative_config
+        if spec is not None and spec.method != "ngram" and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.method {spec.method} does not support tensor_parallel_size > 1 "
+                             "(ngram does)")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

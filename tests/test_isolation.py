@@ -7,71 +7,15 @@ that did not happen, a swap that came back to the wrong block or a prefix hit
 across cache salts would each break it. Run on the real engine and model
 runner (tiny random Llama), with prefix sharing, parallel samples, beams,
 cancellations and preemption by recompute and by swap."""
-import hashlib
 import random
 
 import pytest
 
+from kv_tags import TaggingRunner
 from pagedbackend import SamplingParams
 from pagedbackend.config import EngineConfig
 from pagedbackend.engine.llm_engine import LLMEngine
 from pagedbackend.worker.model_runner import ModelRunner
-
-
-def prefix_tags(salt: bytes, token_ids):
-    """Tag of position p: the salt and tokens[:p + 1] (what K/V at p depend on)."""
-    tags, digest = [], hashlib.sha256(b"salt:" + salt).digest()
-    for token in token_ids:
-        digest = hashlib.sha256(digest + token.to_bytes(8, "little")).digest()
-        tags.append(digest)
-    return tags
-
-
-class TaggingRunner:
-    """A real ModelRunner whose KV slots carry content versions."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self.device_tags, self.host_tags = {}, {}
-        self.reads_checked = 0
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-    def execute_model(self, entries):
-        bs = self.runner.block_size
-        for item in entries:
-            tags = prefix_tags(item.group.cache_salt, item.seq.token_ids[:item.start_pos + len(item.token_ids)])
-            for p in range(item.start_pos):
-                slot = item.block_table[p // bs] * bs + p % bs
-                assert self.device_tags.get(slot) == tags[p], (
-                    f"request {item.group.request_id} reads position {p} (slot {slot}) that holds K/V "
-                    "it did not compute: another request's, or stale")
-                self.reads_checked += 1
-            for p in range(item.start_pos, item.start_pos + len(item.token_ids)):
-                self.device_tags[item.block_table[p // bs] * bs + p % bs] = tags[p]
-        return self.runner.execute_model(entries)
-
-    def _move(self, pairs, source, target):
-        bs = self.runner.block_size
-        for src, dst in pairs:
-            for i in range(bs):
-                if src * bs + i in source:
-                    target[dst * bs + i] = source[src * bs + i]
-                else:
-                    target.pop(dst * bs + i, None)
-
-    def copy_blocks(self, pairs):
-        self._move(pairs, self.device_tags, self.device_tags)
-        self.runner.copy_blocks(pairs)
-
-    def swap_out(self, pairs):
-        self._move(pairs, self.device_tags, self.host_tags)
-        self.runner.swap_out(pairs)
-
-    def swap_in(self, pairs):
-        self._move(pairs, self.host_tags, self.device_tags)
-        self.runner.swap_in(pairs)
 
 
 def make_engine(model_dir, **overrides):

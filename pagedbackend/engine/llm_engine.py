@@ -7,28 +7,30 @@ stops end sequences), hands the outcome back to the scheduler
 (``update_from_output``: the only place blocks change after a step) and
 returns per-request output deltas. A request becomes a group in
 ``input_processor``; tokens become text, stops and deltas in
-``output_processor``. The engine owns the tokenizer; the runner sees token
-ids only.
+``output_processor``; with ``speculative_config``, ``speculative`` proposes
+tokens into the scheduled entries before the forward pass and verifies them
+after it. The engine owns the tokenizer; the runner sees token ids only.
 """
 import dataclasses
 import logging
 import threading
 import time
-from collections import defaultdict
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 import torch
 
 from ..config import EngineConfig
-from ..core.scheduler import ScheduledSeq, Scheduler, StepUpdate
+from ..core.scheduler import Scheduler, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
 from ..models.default_model import resolve_model_path
-from ..sample import SampleRow, Sampler
+from ..sample import Sampler
 from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
+from .speculative import make_speculator
+from .step_sampler import StepSampler, isolated
 from .tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger("pagedbackend")
@@ -74,6 +76,7 @@ class LLMEngine:
         model_key = f"{model_path}|{config.dtype}|{config.quantization}".encode()
         self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config)
         self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key)
+        self.speculator = make_speculator(config, runner, compile_in_background)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
         # Constrained requests whose grammar still compiles, held back from the scheduler.
@@ -84,6 +87,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.stats)
+        self.step_sampler = StepSampler(self.sampler, self.outputs, self.eos_token_ids, self.speculator)
         # Timings of the latest step (seconds): all of it, the model forward,
         # scheduling, and sampling with the sequence updates.
         self.last_step_seconds = self.last_forward_seconds = 0.0
@@ -157,6 +161,7 @@ class LLMEngine:
         if group in self.compiling:
             self.compiling.remove(group)
         self.scheduler.remove(group)
+        self._release(group.seqs)
         for seq in group.seqs:
             seq.finish_reason = "abort"
         group.finished_seqs += group.seqs
@@ -184,6 +189,9 @@ class LLMEngine:
     def step(self) -> List[RequestOutput]:
         start = time.perf_counter()
         outputs = self._take_compiled() if self.compiling else []
+        if self.speculator is not None:
+            self.scheduler.num_lookahead = self.speculator.lookahead(
+                sum(len(g.seqs) for g in self.scheduler.running))
         sched = self.scheduler.schedule()
         self.last_schedule_seconds = time.perf_counter() - start
         outputs += [self._end_with_error(group, msg, ran=False) for group, msg in sched.rejected]
@@ -194,9 +202,15 @@ class LLMEngine:
             self.runner.swap_in(sched.swap_in_pairs)
         if sched.copy_pairs:
             self.runner.copy_blocks(sched.copy_pairs)
+            if self.speculator is not None:
+                self.speculator.copy_blocks(sched.copy_pairs)
         if sched.is_empty:
             self.last_step_seconds = time.perf_counter() - start
             return outputs
+        if self.speculator is not None:
+            propose_start = time.perf_counter()
+            self.speculator.propose(sched.scheduled)
+            self.stats.propose_seconds += time.perf_counter() - propose_start
         forward_start = time.perf_counter()
         logits = self.runner.execute_model(sched.scheduled)
         self.last_forward_seconds = time.perf_counter() - forward_start
@@ -206,17 +220,18 @@ class LLMEngine:
         failed: Dict[str, Tuple[SequenceGroup, str]] = {}
         with torch.inference_mode():
             if any(item.prompt_logits for item in sched.scheduled):
-                logits = self._take_prompt_logprobs(logits, sched.scheduled, failed)
-            touched = self._sample_and_update(logits, [i for i in sched.scheduled if i.need_logits],
-                                              update, failed)
+                logits = self.step_sampler.take_prompt_logprobs(logits, sched.scheduled, failed)
+            touched = self.step_sampler.sample_and_apply(
+                logits, [i for i in sched.scheduled if i.need_logits], update, failed)
         for group in update.finished:
             self.groups.pop(group.request_id, None)
         self.scheduler.update_from_output(sched, update)
+        self._release(update.freed)
         self.last_sample_seconds = time.perf_counter() - sample_start
         for group in touched:
             if group.request_id not in failed:
-                self._isolated(group, failed, "building its output",
-                               lambda: outputs.append(self.outputs.output(group, finished=group.is_finished)))
+                isolated(group, failed, "building its output",
+                         lambda: outputs.append(self.outputs.output(group, finished=group.is_finished)))
         outputs.extend(self._end_with_error(group, message, ran=True) for group, message in failed.values())
         self.stats.num_steps += 1
         self.stats.last_step_tokens = sched.num_batched_tokens
@@ -225,104 +240,6 @@ class LLMEngine:
         self.stats.forward_seconds += self.last_forward_seconds
         self.stats.sample_seconds += self.last_sample_seconds
         return [o for o in outputs if o is not None]
-
-    def _sample_and_update(self, logits: torch.Tensor, completing: Seq[ScheduledSeq],
-                           update: StepUpdate, failed: Dict) -> List[SequenceGroup]:
-        """Sample every completing sequence and apply the tokens. A group whose
-        share raises is recorded in ``failed`` and left out; the others go on."""
-        owners = []   # (group, seq, its sample rows)
-        beams = defaultdict(list)
-        for row, item in enumerate(completing):
-            group, seq = item.group, item.seq
-            if group.is_beam_search:
-                beams[group].append((seq, row))
-                continue
-            copies = group.params.best_of if not group.forked else 1
-            owners.append((group, seq, [self._sample_row(group, seq, row, seq.index + i)
-                                        for i in range(copies)]))
-        touched: Dict[str, SequenceGroup] = {}
-        for (group, seq, _), samples in zip(owners, self._sample_owners(logits, owners, failed)):
-            if group.request_id in failed:
-                continue
-            if self._isolated(group, failed, "applying its tokens",
-                              lambda: self.outputs.apply_samples(group, seq, samples, update), update):
-                touched[group.request_id] = group
-        for group, seq_rows in beams.items():
-            done = []
-            if self._isolated(group, failed, "a beam search step",
-                              lambda: done.append(self.outputs.apply_beams(group, seq_rows, logits, update)),
-                              update):
-                if done[0]:
-                    touched[group.request_id] = group
-        return [g for g in touched.values() if g.request_id not in failed]
-
-    def _take_prompt_logprobs(self, logits: torch.Tensor, scheduled: Seq[ScheduledSeq],
-                              failed: Dict) -> torch.Tensor:
-        """Record the prompt log-probabilities that this step's chunks give
-        (the logits of position p score the prompt token at p + 1) and return
-        the logits of the rows to sample, one per entry that needs logits."""
-        row, sample_rows = 0, []
-        for item in scheduled:
-            count = len(item.token_ids) if item.prompt_logits else int(item.need_logits)
-            if item.prompt_logits:
-                group = item.group
-                self._isolated(group, failed, "computing prompt log-probabilities",
-                               lambda: self.outputs.record_prompt_logprobs(group, item, logits[row:row + count]))
-            if item.need_logits:
-                sample_rows.append(row + count - 1)
-            row += count
-        return logits[sample_rows]
-
-    def _sample_owners(self, logits: torch.Tensor, owners, failed: Dict) -> List[list]:
-        """Samples per owner: the whole batch at once; should that raise, each
-        owner alone, so that only the owners whose rows raise fail."""
-        rows = [r for _, _, owner_rows in owners for r in owner_rows]
-        if not rows:
-            return []
-        try:
-            samples = self.sampler(logits, rows)
-        except Exception:
-            per_owner = []
-            for group, _, owner_rows in owners:
-                result = []
-                self._isolated(group, failed, "sampling",
-                               lambda: result.extend(self.sampler(logits, owner_rows)))
-                per_owner.append(result)
-            return per_owner
-        per_owner, k = [], 0
-        for _, _, owner_rows in owners:
-            per_owner.append(samples[k:k + len(owner_rows)])
-            k += len(owner_rows)
-        return per_owner
-
-    def _isolated(self, group: SequenceGroup, failed: Dict, what: str, work,
-                  update: Optional[StepUpdate] = None) -> bool:
-        """Run one request's share of a step. If it raises, the request alone
-        fails: it is recorded in ``failed`` (with the reason, also logged) and
-        whatever it added to ``update`` that would hand it blocks is withdrawn."""
-        marks = (len(update.forks), len(update.finished)) if update is not None else None
-        try:
-            work()
-            return True
-        except Exception as exc:
-            if update is not None:
-                del update.forks[marks[0]:]
-                del update.finished[marks[1]:]
-            message = f"request {group.request_id} failed while {what}: {type(exc).__name__}: {exc}"
-            logger.error("%s", message, exc_info=True)
-            failed.setdefault(group.request_id, (group, message))
-            return False
-
-    def _sample_row(self, group: SequenceGroup, seq: Sequence, row: int, index: int) -> SampleRow:
-        params = group.params
-        suppress = ()
-        if seq.num_output_tokens < params.min_tokens:
-            suppress = sorted(self.eos_token_ids | set(params.stop_token_ids))
-        key = (params.seed, index, seq.num_output_tokens) if params.seed is not None else None
-        if not params.has_logits_processing:
-            return SampleRow(row, params, suppress, key, group.wants_logprob, constraint=seq.constraint)
-        return SampleRow(row, params, suppress, key, group.wants_logprob, seq.token_ids,
-                         seq.num_prompt_tokens, group.bad_words_ids, seq.constraint)
 
     def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> RequestOutput:
         """End a request that cannot go on: one whose handling raised (``ran``:
@@ -336,7 +253,13 @@ class LLMEngine:
             self.stats.rejected_requests += 1
         self.groups.pop(group.request_id, None)
         self.scheduler.remove(group)   # wherever it stands; frees what it holds
+        self._release(group.seqs)
         return self.outputs.error_output(group, message)
+
+    def _release(self, seqs: Seq[Sequence]) -> None:
+        """Forget what speculation kept for sequences that are gone."""
+        if self.speculator is not None and seqs:
+            self.speculator.release([s.seq_id for s in seqs])
 
     # ------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
@@ -362,6 +285,8 @@ class LLMEngine:
         st.structured_mask_seconds = self.sampler.mask_seconds
         st.grammar_compiles = self.grammars.compiles
         st.num_waiting += len(self.compiling)
+        if self.speculator is not None:
+            self.speculator.stats.copy_to(st)
         governor = getattr(self.runner, "wait_governor", None)
         st.cpu_contended = governor is not None and governor.contended
         return EngineStats(**st.__dict__)

@@ -1,5 +1,5 @@
 """What the engine returns: per request, one entry per returned sequence."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from ..core.sequence import RequestMetrics
@@ -81,6 +81,13 @@ class EngineStats:
     structured_requests: int = 0     # requests with a structured-output constraint
     grammar_compiles: int = 0        # grammars compiled (the others came from the cache)
     structured_mask_seconds: float = 0.0  # of the sample time, filling and applying grammar masks
+    # Speculative decoding (vLLM's counters): verifications with drafts, draft
+    # tokens, accepted ones, and accepted ones per draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: List[int] = field(default_factory=list)
+    propose_seconds: float = 0.0     # of the step time, proposing speculative tokens
 
     @property
     def prefix_cache_hit_rate(self) -> float:

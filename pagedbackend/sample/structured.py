@@ -187,3 +187,36 @@ def mask_logits(logits: torch.Tensor, rows) -> None:
     for row, matcher in matchers.items():
         matcher.fill_next_token_bitmask(bitmask, row)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=list(matchers))
+
+
+class FixedMask:
+    """A row's allowed tokens, filled ahead of time: the grammar's mask at a
+    speculative position, which the matcher reaches only by accepting the
+    drafts before it. Fills a bitmask row as a matcher does."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = self.mask
+
+
+def draft_masks(matcher, drafts: Sequence[int], vocab_size: int) -> list:
+    """The masks of a speculative entry's positions: the matcher's now, then
+    after each draft it accepts, up to the first draft it refuses (whose
+    position and the later ones are not verified). The matcher ends as it began."""
+    import xgrammar as xgr
+    bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    filled = steps = 0
+    for token in drafts:
+        if not matcher.accept_token(token):
+            break
+        steps += 1
+        if matcher.is_terminated():   # a stop token: nothing follows it
+            break
+        filled += 1
+        matcher.fill_next_token_bitmask(bitmask, filled)
+    if steps:
+        matcher.rollback(steps)
+    return [FixedMask(bitmask[i].clone()) for i in range(filled + 1)]

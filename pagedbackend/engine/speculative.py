@@ -1,0 +1,119 @@
+"""Speculative decoding, the engine's side: how many tokens to propose in a
+step, proposing them into the scheduled entries, and verifying them against
+the target model's logits.
+
+Verification. The target computes, in one forward pass, the sequence's last
+token and its ``m`` drafts, which gives ``m + 1`` rows of logits; each row is
+sampled exactly as a plain decode step would sample that position (the same
+penalties over the tokens before it, the same min_tokens rule, the same
+seeded noise, keyed by the output position; under a structured-output
+constraint the grammar's mask at that position). Drafts are accepted while
+they equal the token sampled at their position; the first sampled token that
+differs (or the token after the last draft) is kept as well. As proposals are
+deterministic, this is speculative rejection sampling with a one-point draft
+distribution q: a draft x is kept with probability p(x) = min(1, p(x)/q(x)),
+and otherwise the token comes from p without x, renormalised: the residual
+(p - q)+. Outputs follow the target distribution exactly; greedy and seeded
+requests give the very tokens of non-speculative decoding.
+
+Adaptive rule. A step proposes nothing while more than
+``disable_by_batch_size`` sequences decode (verifying costs compute that a
+full batch does not have to spare). Each sequence proposes at most one token
+more than it had accepted at its previous verification (at least one, at most
+``num_speculative_tokens``), so a sequence whose drafts keep failing costs one
+extra position a step, and one whose drafts are accepted grows to the limit.
+"""
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from ..config import EngineConfig, SpeculativeConfig
+from ..core.scheduled import ScheduledSeq
+from ..models.default_model import resolve_model_path
+from ..worker.proposers import DraftModelProposer, NgramProposer, draft_runner
+
+
+@dataclass
+class SpecStats:
+    """vLLM's speculative-decoding counters."""
+    num_drafts: int = 0              # verifications with at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: List[int] = field(default_factory=list)   # accepted at draft position i
+
+    def copy_to(self, stats) -> None:
+        """Into the engine's statistics (``EngineStats.spec_*``)."""
+        stats.spec_num_drafts = self.num_drafts
+        stats.spec_num_draft_tokens = self.num_draft_tokens
+        stats.spec_num_accepted_tokens = self.num_accepted_tokens
+        stats.spec_accepted_per_pos = list(self.accepted_per_pos)
+
+
+def make_speculator(config: EngineConfig, target, compile_in_background: bool = False) -> Optional["Speculator"]:
+    """The speculator ``config.speculative_config`` asks for (None: off); a
+    draft model is loaded here, its KV cache mirroring ``target``'s blocks."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return Speculator(spec, NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max))
+    own = spec.method == "self_int4"
+    quantization = "int4" if own else spec.quantization
+    draft = dataclasses.replace(
+        config, model=config.model if own else str(resolve_model_path(spec.model)), quantization=quantization,
+        num_kv_blocks=target.num_kv_blocks, max_model_len=target.max_model_len, swap_space_blocks=0,
+        linear_backend="auto" if quantization in ("int4", "w8a8") else config.linear_backend,
+        speculative_config=None)
+    return Speculator(spec, DraftModelProposer(draft_runner(draft, target, compile_in_background)))
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer):
+        self.config, self.proposer = config, proposer
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._next: Dict[int, int] = {}   # per sequence: tokens to propose next time
+
+    def lookahead(self, num_decoding: int) -> int:
+        """Speculative slots per decoding sequence for the coming step."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and num_decoding > limit:
+            return 0
+        return self.config.num_speculative_tokens
+
+    def propose(self, scheduled: Sequence[ScheduledSeq]) -> None:
+        """Fill the drafts of every entry that holds speculative slots."""
+        requests = []
+        for item in scheduled:
+            if item.num_lookahead and not item.seq.finished:
+                wanted = self._next.get(item.seq.seq_id, self.config.num_speculative_tokens)
+                requests.append((item, min(item.num_lookahead, wanted)))
+        if not requests:
+            return
+        for (item, _), drafts in zip(requests, self.proposer.propose(requests)):
+            item.set_drafts(drafts)
+
+    def accept(self, item: ScheduledSeq, sampled: List[int]) -> int:
+        """How many of ``item``'s drafts are kept, given the token sampled at
+        each of its positions (one more than there are drafts)."""
+        drafts = item.draft_token_ids
+        accepted, limit = 0, min(len(drafts), len(sampled) - 1)   # a grammar may verify fewer
+        while accepted < limit and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        if drafts:
+            st = self.stats
+            st.num_drafts += 1
+            st.num_draft_tokens += len(drafts)
+            st.num_accepted_tokens += accepted
+            for i in range(accepted):
+                st.accepted_per_pos[i] += 1
+            self.proposer.accepted(item, accepted)
+        self._next[item.seq.seq_id] = max(1, min(self.config.num_speculative_tokens, accepted + 1))
+        return accepted
+
+    def copy_blocks(self, pairs) -> None:
+        self.proposer.copy_blocks(pairs)
+
+    def release(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self._next.pop(seq_id, None)
+            self.proposer.release(seq_id)

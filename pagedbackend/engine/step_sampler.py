@@ -1,0 +1,159 @@
+"""From a step's logits to tokens applied to their sequences: prompt
+log-probabilities taken from prefill chunks, one sample row per candidate (or
+per position of a speculative entry, verified by ``speculative.py``), the
+batch sampled at once, and the tokens handed to the output processor.
+
+A request whose share of this raises fails alone (``isolated``): it is
+recorded with the reason, whatever it added to the step's update that would
+hand it blocks is withdrawn, and the other requests go on.
+"""
+import logging
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence as Seq, Set
+
+import torch
+
+from ..core.scheduler import ScheduledSeq, StepUpdate
+from ..core.sequence import Sequence, SequenceGroup
+from ..sample import SampleRow, Sampler
+from ..sample.structured import draft_masks
+from .output_processor import OutputProcessor
+
+logger = logging.getLogger("pagedbackend")
+
+
+def isolated(group: SequenceGroup, failed: Dict, what: str, work, update: Optional[StepUpdate] = None) -> bool:
+    """Run one request's share of a step. If it raises, the request alone
+    fails: it is recorded in ``failed`` (with the reason, also logged) and
+    whatever it added to ``update`` that would hand it blocks is withdrawn."""
+    marks = (len(update.forks), len(update.finished)) if update is not None else None
+    try:
+        work()
+        return True
+    except Exception as exc:
+        if update is not None:
+            del update.forks[marks[0]:]
+            del update.finished[marks[1]:]
+        message = f"request {group.request_id} failed while {what}: {type(exc).__name__}: {exc}"
+        logger.error("%s", message, exc_info=True)
+        failed.setdefault(group.request_id, (group, message))
+        return False
+
+
+class StepSampler:
+    def __init__(self, sampler: Sampler, outputs: OutputProcessor, eos_token_ids: Set[int], speculator=None):
+        self.sampler, self.outputs = sampler, outputs
+        self.eos_token_ids, self.speculator = eos_token_ids, speculator
+
+    def take_prompt_logprobs(self, logits: torch.Tensor, scheduled: Seq[ScheduledSeq],
+                             failed: Dict) -> torch.Tensor:
+        """Record the prompt log-probabilities that this step's chunks give
+        (the logits of position p score the prompt token at p + 1) and return
+        the logits of the rows to sample: per entry that needs logits, its
+        last token's and its speculative tokens'."""
+        row, sample_rows = 0, []
+        for item in scheduled:
+            count = item.num_logit_rows
+            if item.prompt_logits:
+                group = item.group
+                isolated(group, failed, "computing prompt log-probabilities",
+                         lambda: self.outputs.record_prompt_logprobs(group, item, logits[row:row + count]))
+            if item.need_logits:
+                sample_rows.extend(range(row + count - 1 - item.num_draft_tokens, row + count))
+            row += count
+        return logits[sample_rows]
+
+    def sample_and_apply(self, logits: torch.Tensor, completing: Seq[ScheduledSeq],
+                         update: StepUpdate, failed: Dict) -> List[SequenceGroup]:
+        """Sample every completing sequence and apply the tokens; returns the
+        groups that changed. A group whose share raises is recorded in
+        ``failed`` and left out; the others go on."""
+        owners = []   # (group, seq, its sample rows, its entry)
+        beams = defaultdict(list)
+        row = 0
+        for item in completing:
+            group, seq = item.group, item.seq
+            if group.is_beam_search:
+                beams[group].append((seq, row))
+            elif item.num_lookahead:
+                owners.append((group, seq, self._speculative_rows(group, seq, item, row, logits.shape[-1]), item))
+            else:
+                copies = group.params.best_of if not group.forked else 1
+                owners.append((group, seq, [self._sample_row(group, seq, row, seq.index + i)
+                                            for i in range(copies)], item))
+            row += 1 + item.num_draft_tokens
+        touched: Dict[str, SequenceGroup] = {}
+        for (group, seq, _, item), samples in zip(owners, self._sample_owners(logits, owners, failed)):
+            if group.request_id in failed:
+                continue
+            if item.num_lookahead:   # the verified tokens, one after another
+                accepted = self.speculator.accept(item, [s.token_id for s in samples])
+                update.uncomputed[seq.seq_id] = item.num_draft_tokens - accepted
+                work = lambda: self._apply_verified(group, seq, samples[:accepted + 1], update)  # noqa: E731
+            else:
+                work = lambda: self.outputs.apply_samples(group, seq, samples, update)  # noqa: E731
+            if isolated(group, failed, "applying its tokens", work, update):
+                touched[group.request_id] = group
+        for group, seq_rows in beams.items():
+            done = []
+            if isolated(group, failed, "a beam search step",
+                        lambda: done.append(self.outputs.apply_beams(group, seq_rows, logits, update)), update):
+                if done[0]:
+                    touched[group.request_id] = group
+        return [g for g in touched.values() if g.request_id not in failed]
+
+    def _apply_verified(self, group: SequenceGroup, seq: Sequence, samples, update: StepUpdate) -> None:
+        """A speculative entry's kept tokens; a stop inside the run ends it there."""
+        for sample in samples:
+            self.outputs.apply_samples(group, seq, [sample], update)
+            if seq.finished:
+                return
+
+    def _speculative_rows(self, group: SequenceGroup, seq: Sequence, item: ScheduledSeq,
+                          row: int, vocab_size: int) -> List[SampleRow]:
+        """One sample row per position of a speculative entry, each sampled as
+        a plain decode step would sample that position (``speculative.py``).
+        Under a grammar, drafts the grammar refuses are not verified."""
+        drafts = item.draft_token_ids
+        masks = draft_masks(seq.constraint, drafts, vocab_size) if seq.constraint is not None else None
+        positions = len(masks) if masks is not None else len(drafts) + 1
+        return [self._sample_row(group, seq, row + j, seq.index, drafts[:j],
+                                 masks[j] if masks is not None else None) for j in range(positions)]
+
+    def _sample_owners(self, logits: torch.Tensor, owners, failed: Dict) -> List[list]:
+        """Samples per owner: the whole batch at once; should that raise, each
+        owner alone, so that only the owners whose rows raise fail."""
+        rows = [r for _, _, owner_rows, _ in owners for r in owner_rows]
+        if not rows:
+            return []
+        try:
+            samples = self.sampler(logits, rows)
+        except Exception:
+            per_owner = []
+            for group, _, owner_rows, _ in owners:
+                result = []
+                isolated(group, failed, "sampling", lambda: result.extend(self.sampler(logits, owner_rows)))
+                per_owner.append(result)
+            return per_owner
+        per_owner, k = [], 0
+        for _, _, owner_rows, _ in owners:
+            per_owner.append(samples[k:k + len(owner_rows)])
+            k += len(owner_rows)
+        return per_owner
+
+    def _sample_row(self, group: SequenceGroup, seq: Sequence, row: int, index: int,
+                    ahead: Seq[int] = (), constraint=None) -> SampleRow:
+        """The sample row of ``seq``'s next position, or, with ``ahead``
+        (speculative tokens before it), of the position after those."""
+        params = group.params
+        position = seq.num_output_tokens + len(ahead)
+        constraint = seq.constraint if constraint is None else constraint
+        suppress = ()
+        if position < params.min_tokens:
+            suppress = sorted(self.eos_token_ids | set(params.stop_token_ids))
+        key = (params.seed, index, position) if params.seed is not None else None
+        if not params.has_logits_processing:
+            return SampleRow(row, params, suppress, key, group.wants_logprob, constraint=constraint)
+        token_ids = seq.token_ids + list(ahead) if ahead else seq.token_ids
+        return SampleRow(row, params, suppress, key, group.wants_logprob, token_ids,
+                         seq.num_prompt_tokens, group.bad_words_ids, constraint)

@@ -1,0 +1,136 @@
+"""Proposers for speculative decoding: each returns, for a sequence about to
+decode, up to ``n`` tokens it expects to follow; the target model verifies
+them in its next forward pass (``engine/speculative.py``). Proposals are
+deterministic (a draft model's argmax, a copied n-gram continuation), which
+is what keeps verification exact.
+
+- ``NgramProposer`` (prompt lookup): the latest earlier occurrence of the
+  sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens, in
+  its prompt and output, and what followed it. An index per sequence keeps
+  every step O(new tokens).
+- ``DraftModelProposer``: a smaller or quantised model with a KV cache of its
+  own, laid out exactly like the target's: the same block ids and slots, so
+  the scheduler's block tables serve both and the draft needs no blocks of
+  its own (copy-on-write copies reach its cache too). It computes what it has
+  not computed yet of each sequence, then one token per round.
+"""
+from typing import Dict, List, Sequence, Tuple
+
+from pagedbackend.core.scheduled import ScheduledSeq, SeqEntry
+from pagedbackend.sample.sampler import row_argmax
+
+Request = Tuple[ScheduledSeq, int]   # a decoding sequence's entry, and how many tokens to propose
+
+
+class NgramProposer:
+    def __init__(self, lookup_min: int, lookup_max: int):
+        self.lookup_min, self.lookup_max = lookup_min, lookup_max
+        self._index: Dict[int, "_NgramIndex"] = {}
+
+    def propose(self, requests: Sequence[Request]) -> List[List[int]]:
+        out = []
+        for item, n in requests:
+            index = self._index.get(item.seq.seq_id)
+            if index is None:
+                index = self._index[item.seq.seq_id] = _NgramIndex(self.lookup_min, self.lookup_max)
+            out.append(index.propose(item.seq.token_ids, n))
+        return out
+
+    def accepted(self, item: ScheduledSeq, num_accepted: int) -> None:
+        pass
+
+    def copy_blocks(self, pairs) -> None:
+        pass
+
+    def release(self, seq_id: int) -> None:
+        self._index.pop(seq_id, None)
+
+
+class _NgramIndex:
+    """For each n-gram size, the latest start of every n-gram of a sequence
+    that some token follows."""
+
+    def __init__(self, lo: int, hi: int):
+        self.sizes = list(range(hi, lo - 1, -1))   # longest match first
+        self.starts: Dict[int, Dict[tuple, int]] = {n: {} for n in self.sizes}
+        self.indexed: Dict[int, int] = {n: 0 for n in self.sizes}   # starts below this are in
+
+    def propose(self, tokens: List[int], n: int) -> List[int]:
+        length = len(tokens)
+        for size in self.sizes:
+            starts = self.starts[size]
+            for i in range(self.indexed[size], length - size):   # i + size < length: followed
+                starts[tuple(tokens[i:i + size])] = i
+            self.indexed[size] = max(self.indexed[size], length - size)
+        for size in self.sizes:
+            if length <= size:
+                continue
+            start = self.starts[size].get(tuple(tokens[length - size:]))
+            if start is not None:
+                return tokens[start + size:start + size + n]
+        return []
+
+
+class DraftModelProposer:
+    def __init__(self, runner):
+        self.runner = runner
+        # Per sequence: positions whose draft K/V are computed, and the group's
+        # preemption count then (a preemption moves or drops the blocks).
+        self._done: Dict[int, Tuple[int, int]] = {}
+        self._proposed: Dict[int, int] = {}   # per sequence: its length when the last proposal was made
+
+    def propose(self, requests: Sequence[Request]) -> List[List[int]]:
+        drafts: List[List[int]] = [[] for _ in requests]
+        entries: List[SeqEntry] = []
+        for item, _ in requests:
+            seq = item.seq
+            length = seq.num_tokens
+            done, seen = self._done.get(seq.seq_id, (0, -1))
+            start = min(done, length - 1) if seen == item.group.num_preemptions else 0
+            entries.append(SeqEntry(seq.token_ids[start:length], start, item.block_table))
+            self._proposed[seq.seq_id] = length
+        active = [i for i, (_, n) in enumerate(requests) if n > 0]
+        while active:
+            logits = self.runner.execute_model([entries[i] for i in active])
+            next_active = []
+            for i, token in zip(active, row_argmax(logits).tolist()):
+                item, n = requests[i]
+                drafts[i].append(token)
+                if len(drafts[i]) < n:
+                    length = self._proposed[item.seq.seq_id]
+                    entries[i] = SeqEntry([token], length - 1 + len(drafts[i]), item.block_table)
+                    next_active.append(i)
+            active = next_active
+        for (item, _), proposal in zip(requests, drafts):
+            if proposal:   # draft K/V now stand for the positions below length - 1 + len(proposal)
+                length = self._proposed[item.seq.seq_id]
+                self._done[item.seq.seq_id] = (length - 1 + len(proposal), item.group.num_preemptions)
+        return drafts
+
+    def accepted(self, item: ScheduledSeq, num_accepted: int) -> None:
+        """Of the draft's K/V, those of rejected tokens no longer stand."""
+        seq_id = item.seq.seq_id
+        if seq_id in self._done:
+            done, seen = self._done[seq_id]
+            self._done[seq_id] = (min(done, self._proposed[seq_id] + num_accepted), seen)
+
+    def copy_blocks(self, pairs) -> None:
+        self.runner.copy_blocks(pairs)
+
+    def release(self, seq_id: int) -> None:
+        self._done.pop(seq_id, None)
+        self._proposed.pop(seq_id, None)
+
+
+def draft_runner(config, target, compile_in_background: bool = False):
+    """The draft model's runner: ``config`` is the draft's engine settings;
+    its KV cache mirrors ``target``'s blocks one for one."""
+    from pagedbackend.worker.model_runner import ModelRunner
+    runner = ModelRunner(config, compile_in_background=compile_in_background)
+    if runner.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary ({runner.vocab_size} tokens) "
+                         f"differs from the target's ({target.vocab_size}); the draft must share its tokenizer")
+    if runner.num_kv_blocks != target.num_kv_blocks or runner.block_size != target.block_size:
+        raise ValueError("speculative_config: the draft's KV cache must have the target's blocks")
+    return runner
+
