@@ -14,6 +14,8 @@ import triton_python_backend_utils as pb_utils
 
 NAMESPACES = ("pagedbackend", "vllm")
 GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+# A counter per draft position (label ``position``), from a list of EngineStats.
+PER_POSITION = "counter per position"
 
 
 def _one_two_five(limit: int) -> List[int]:
@@ -78,6 +80,16 @@ FAMILIES: Dict[Tuple[str, str], tuple] = {
     ("pagedbackend", "grammar_compile_seconds"): (HISTOGRAM, "grammar_compile",
                                                   "Time to compile a request's grammar (cache misses only).",
                                                   GRAMMAR_BUCKETS),
+    ("pagedbackend", "spec_decode_num_drafts_total"): (COUNTER, "spec_num_drafts",
+                                                       "Verifications of speculative tokens (a sequence, a step).", None),
+    ("pagedbackend", "spec_decode_num_draft_tokens_total"): (COUNTER, "spec_num_draft_tokens",
+                                                             "Speculative tokens proposed and verified.", None),
+    ("pagedbackend", "spec_decode_num_accepted_tokens_total"): (COUNTER, "spec_num_accepted_tokens",
+                                                                "Speculative tokens accepted.", None),
+    ("pagedbackend", "spec_decode_num_accepted_tokens_per_pos"): (
+        PER_POSITION, "spec_accepted_per_pos", "Speculative tokens accepted at each draft position.", None),
+    ("pagedbackend", "spec_decode_propose_seconds_total"): (COUNTER, "propose_seconds",
+                                                            "Of the step time, proposing speculative tokens.", None),
     ("pagedbackend", "time_to_first_token_seconds"): (HISTOGRAM, "ttft", "Time from arrival to the first token.",
                                                       TTFT_BUCKETS),
     ("pagedbackend", "time_per_output_token_seconds"): (HISTOGRAM, "tpot", "Time per output token after the first.",
@@ -92,6 +104,14 @@ FAMILIES: Dict[Tuple[str, str], tuple] = {
     ("vllm", "num_requests_waiting"): (GAUGE, "num_waiting", "Requests queued for admission (vLLM name).", None),
     ("vllm", "kv_cache_usage_perc"): (GAUGE, "kv_usage", "Used / total KV blocks, 1 = full (vLLM name).", None),
     ("vllm", "gpu_cache_usage_perc"): (GAUGE, "kv_usage", "Used / total KV blocks, 1 = full (older vLLM name).", None),
+    ("vllm", "spec_decode_num_drafts_total"): (COUNTER, "spec_num_drafts", "Speculative verifications (vLLM name).",
+                                               None),
+    ("vllm", "spec_decode_num_draft_tokens_total"): (COUNTER, "spec_num_draft_tokens",
+                                                     "Speculative tokens proposed (vLLM name).", None),
+    ("vllm", "spec_decode_num_accepted_tokens_total"): (COUNTER, "spec_num_accepted_tokens",
+                                                        "Speculative tokens accepted (vLLM name).", None),
+    ("vllm", "spec_decode_num_accepted_tokens_per_pos"): (
+        PER_POSITION, "spec_accepted_per_pos", "Speculative tokens accepted per draft position (vLLM name).", None),
     ("vllm", "time_to_first_token_seconds"): (HISTOGRAM, "ttft", "Time from arrival to the first token (vLLM name).",
                                               TTFT_BUCKETS),
     ("vllm", "time_per_output_token_seconds"): (HISTOGRAM, "tpot", "Time per output token after the first (vLLM name).",
@@ -132,15 +152,19 @@ class Metrics:
         self.families = []  # each family must outlive its metrics
         self.gauges, self.counters, self.histograms = [], [], {}
         self.last: Dict[str, float] = {}
+        self.labels = labels
+        self.per_position = []   # (EngineStats list field, family, {position: metric})
         try:
             for (space, name), (kind, key, text, buckets) in FAMILIES.items():
                 if space not in namespaces:
                     continue
                 family = pb_utils.MetricFamily(name=f"{space}:{name}", description=text, kind={
                     GAUGE: pb_utils.MetricFamily.GAUGE, COUNTER: pb_utils.MetricFamily.COUNTER,
-                    HISTOGRAM: pb_utils.MetricFamily.HISTOGRAM}[kind])
+                    PER_POSITION: pb_utils.MetricFamily.COUNTER, HISTOGRAM: pb_utils.MetricFamily.HISTOGRAM}[kind])
                 self.families.append(family)
-                if kind == HISTOGRAM:
+                if kind == PER_POSITION:
+                    self.per_position.append((key, family, {}))
+                elif kind == HISTOGRAM:
                     buckets = _one_two_five(max_model_len) if buckets == "tokens" else buckets
                     self.histograms.setdefault(key, []).append(family.Metric(labels=labels, buckets=buckets))
                 else:
@@ -148,7 +172,7 @@ class Metrics:
                     self.last[key] = 0
         except pb_utils.TritonModelException as exc:  # metrics switched off in the server
             pb_utils.Logger.log_warn(f"paged_llm: no custom metrics: {exc}")
-            self.gauges, self.counters, self.histograms = [], [], {}
+            self.gauges, self.counters, self.histograms, self.per_position = [], [], {}, []
 
     def update(self, stats):
         """Counters first, then gauges: a scrape that sees a gauge of this
@@ -163,6 +187,13 @@ class Metrics:
                 counter.increment(float(increments[key]))
         for key, amount in increments.items():
             self.last[key] += amount
+        for key, family, metrics in self.per_position:   # metrics: position -> [metric, value reported]
+            for position, value in enumerate(getattr(stats, key)):
+                if value > (metrics[position][1] if position in metrics else 0):
+                    if position not in metrics:
+                        metrics[position] = [family.Metric(labels={**self.labels, "position": str(position)}), 0]
+                    metrics[position][0].increment(float(value - metrics[position][1]))
+                    metrics[position][1] = value
         for key, gauge in self.gauges:
             gauge.set(float(getattr(stats, key)))
 
