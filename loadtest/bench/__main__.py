@@ -19,6 +19,7 @@ BENCHMARKS = {
     "contention": "serving tok/s, TTFT and TPOT idle and beside 1 and 2 busy processes, ours and vLLM's",
     "fairness": "canary TTFT beside an 8k-token prompt, an n=64 request and preempted groups",
     "structured": "JSON-schema constrained decoding against free decoding at 32 requests; grammar compile times",
+    "specdecode": "speculative decoding (ngram, self_int4) against none: TPOT and tok/s, copying and chat, with peers",
     "priority": "high-priority TTFT under a full KV pool, scheduling_policy fcfs against priority",
     "startup": "time from starting the launcher to ready, to a first token, and to the compiled step",
     "aiperf": "NVIDIA's AIPerf against our OpenAI API and vLLM's, concurrency 1, 8 and 32",
