@@ -429,3 +429,53 @@ def test_quant_quality_bench_compares_settings_and_kernels_with_fp32(default_mod
         # the same int8 weights: perplexity within a rounding of the activations
         assert rows[mode]["perplexity"] == pytest.approx(rows["none"]["perplexity"], rel=0.05)
     assert (tmp_path / "quant_quality.json").exists()
+
+
+# ---------------------------------------------------------------- specdecode and structured
+
+def test_specdecode_workloads_are_seeded_and_copy_prompts_hold_what_the_answer_copies():
+    from loadtest.bench import specdecode
+    first, again = specdecode.copy_prompts(6, seed=3), specdecode.copy_prompts(6, seed=3)
+    assert first == again and first != specdecode.copy_prompts(6, seed=4)
+    assert "Rename the function" in first[0] and "def " in first[0]
+    assert len(set(specdecode.chat_prompts(12, seed=3))) > 1
+
+
+def test_specdecode_reads_acceptance_per_position_from_vllm_counters():
+    from loadtest.bench import specdecode
+    page = "\n".join([
+        'vllm:spec_decode_num_drafts_total{model="m",version="1"} 10',
+        'vllm:spec_decode_num_draft_tokens_total{model="m",version="1"} 30',
+        'vllm:spec_decode_num_accepted_tokens_total{model="m",version="1"} 12',
+        'vllm:spec_decode_num_accepted_tokens_per_pos{model="m",position="0",version="1"} 8',
+        'vllm:spec_decode_num_accepted_tokens_per_pos{model="m",position="1",version="1"} 4'])
+    values = specdecode.parse_spec_counters(page)
+    result = specdecode.acceptance({}, values)
+    assert result == {"draft_tokens": 30, "accepted_tokens": 12, "acceptance_rate": 0.4,
+                      "accepted_per_position": [0.8, 0.4]}
+    assert specdecode.acceptance(values, values) is None
+
+
+def test_closed_loop_keeps_the_streams_busy_and_times_each_token():
+    import time as clock
+    from loadtest.bench import specdecode
+
+    def stream(prompt):
+        for _ in range(int(prompt)):
+            clock.sleep(0.01)
+            yield 1
+    records = specdecode.closed_loop(stream, ["3", "5", "4", "2"], concurrency=2)
+    assert sorted(r["i"] for r in records) == [0, 1, 2, 3]
+    row = specdecode.summarise(records)
+    assert row["output_tokens"] == 14 and not row["errors"]
+    assert 5 <= row["tpot_ms_p50"] < 100 and row["tok_s"] > 0
+
+
+def test_structured_bench_compares_constrained_and_free_decoding(tiny_model_dir, tmp_path):
+    from loadtest.bench import structured
+    result = structured.main(["--model", str(tiny_model_dir), "--quick", "--compile", "false",
+                              "--concurrency", "4", "--max-tokens", "8", "--out", str(tmp_path)])
+    [pair] = result["rounds"]
+    assert pair["free"]["generated_tokens"] > 0 and pair["json_schema"]["generated_tokens"] > 0
+    assert pair["json_schema"]["mask_ms_per_step"] >= 0 and result["compile_s_small"][0] > 0
+    assert (tmp_path / "structured.json").exists()

@@ -168,11 +168,16 @@ def summarise(records: List[dict]) -> dict:
 
 
 def spec_counters(metrics_url: Optional[str]) -> Dict[str, float]:
-    """The vllm:spec_decode_* counters of a Prometheus page (per position too)."""
+    """The vllm:spec_decode_* counters a server exports now (none without a page)."""
     if not metrics_url:
         return {}
     with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
+        return parse_spec_counters(reply.read().decode())
+
+
+def parse_spec_counters(text: str) -> Dict[str, float]:
+    """The vllm:spec_decode_* counters of a Prometheus page, per position too
+    (``num_accepted_tokens_per_pos[i]``)."""
     values: Dict[str, float] = {}
     for line in text.splitlines():
         match = re.match(r'^vllm:spec_decode_(num_\w+?)(?:_total)?\{([^}]*)\} (\S+)$', line)
