@@ -20,6 +20,7 @@ ENV_PREFIX = "PAGEDBACKEND_"
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self_int4")
+QUANTIZATION_MODES = ("none", "int8", "int4", "w8a8")   # what each is: EngineConfig.quantization
 
 
 @dataclass
@@ -128,6 +129,13 @@ class EngineConfig:
     # or "auto" (triton on CUDA, sdpa on CPU).
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    # Tensor parallelism (docs/tensor_parallel.md): a collective waits this
+    # long for a hung rank before the step fails; rank 0 waits this long for
+    # every worker to load its shard (remote ranks may start later); ranks on
+    # rank 0's node, which it starts itself (None: all of them).
+    tp_timeout_s: float = 120.0
+    tp_rendezvous_s: float = 900.0
+    tp_local_size: Optional[int] = None
     # Compile the model step with torch.compile (inductor: C++/OpenMP on CPU,
     # Triton on CUDA), warmed up at load. Runs eager, with one log line, when
     # no compiler is available or it fails here, and under tensor parallelism.
@@ -150,6 +158,21 @@ class EngineConfig:
     # kernel) or "auto" (packed where it can run, else torch with one log
     # line). See BENCHMARKS.md, sections 13 and 14.
     linear_backend: str = "auto"
+    # Packed and w8a8 layers call their C++ torch operators (a compiled step
+    # calls them without entering Python; BENCHMARKS.md, "native_ops_ab") where
+    # they build; False keeps the operators whose Python kernels call the C
+    # kernels through ctypes. One setting per process: the first engine whose
+    # layers use them sets it, a later one asking otherwise gets a warning.
+    native_ops: bool = True
+    # int8 steps of packed_linear.INT8_BF16_ROWS rows or more multiply in
+    # bfloat16 where the CPU has AVX512_BF16: True on, False off, None on AMD
+    # CPUs only (faster there, slower on Intel; BENCHMARKS.md, "quant_kernels").
+    # One setting per process, as native_ops.
+    int8_bf16: Optional[bool] = None
+    # A compiled CPU step's wrapper in C++ (inductor's cpp_wrapper: no Python
+    # line per kernel); False keeps inductor's Python wrapper (a shorter first
+    # compile, each step slower; BENCHMARKS.md, "compiled step").
+    cpp_wrapper: bool = True
     # "cpu", "cuda" or "auto" (cuda when available).
     device: str = "auto"
     # "paged" grows each sequence a block at a time. "max", "pow2" and "oracle"
@@ -179,7 +202,7 @@ class EngineConfig:
         choice("dtype", ("float32", "float16", "bfloat16"))
         choice("attention_backend", ("auto", "triton", "torch", "sdpa"))
         choice("device", ("auto", "cpu", "cuda"))
-        choice("quantization", ("none", "int8", "int4", "w8a8"))
+        choice("quantization", QUANTIZATION_MODES)
         choice("linear_backend", ("auto", "torch", "packed"))
         if self.linear_backend == "packed" and self.quantization in ("int4", "w8a8"):
             raise ValueError("linear_backend=packed serves float32 and int8 weights; it cannot be "
@@ -202,8 +225,20 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
+        for name in ("native_ops", "cpp_wrapper"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.int8_bf16 is not None and not isinstance(self.int8_bf16, bool):
+            raise ValueError(f"int8_bf16 must be true, false or None (by the CPU's vendor), got {self.int8_bf16!r}")
+        for name in ("tp_timeout_s", "tp_rendezvous_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.tp_local_size is not None and self.tp_local_size < 1:
+            raise ValueError(f"tp_local_size must be >= 1 (or None: every rank), got {self.tp_local_size}")
         if self.swap_space_blocks < 0:
             raise ValueError(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         self.speculative_config = SpeculativeConfig.build(self.speculative_config)
         spec = self.speculative_config
         if spec is not None and spec.method != "ngram" and self.tensor_parallel_size > 1:

@@ -417,11 +417,28 @@ def test_paged_mode_holds_only_the_blocks_its_tokens_fill(tiny_model_dir):
     assert engine.get_stats().stored_positions == 37
 
 
-def test_engine_settings_are_checked():
-    with pytest.raises(ValueError, match="kv_reservation"):
-        EngineConfig(kv_reservation="contiguous")
-    with pytest.raises(ValueError, match="power of two"):
-        EngineConfig(block_size=24)
+@pytest.mark.parametrize("settings,named", [
+    (dict(kv_reservation="contiguous"), "kv_reservation must be one of"),
+    (dict(block_size=24), "block_size must be a power of two"),
+    (dict(dtype="float64"), "dtype must be one of float32, float16, bfloat16"),
+    (dict(preemption_mode="pause"), "preemption_mode must be one of recompute, swap"),
+    (dict(attention_backend="flash"), "attention_backend must be one of"),
+    (dict(watermark=1.0), r"watermark must be in \[0, 1\)"),
+    (dict(native_ops="0"), "native_ops must be true or false"),
+    (dict(cpp_wrapper=None), "cpp_wrapper must be true or false"),
+    (dict(int8_bf16="auto"), "int8_bf16 must be true, false or None"),
+    (dict(tp_timeout_s=0), "tp_timeout_s must be > 0 seconds"),
+    (dict(tp_rendezvous_s=-1.0), "tp_rendezvous_s must be > 0 seconds"),
+    (dict(tp_local_size=0), "tp_local_size must be >= 1"),
+])
+def test_engine_settings_are_checked_once_in_the_config_naming_the_field(settings, named):
+    """EngineConfig is the one place the engine checks its settings: a bad
+    one is refused before any model loads, naming the field."""
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(**settings)
+
+
+def test_engine_settings_unknown_names_are_refused():
     with pytest.raises(TypeError, match="unknown engine setting"):
         EngineConfig.from_kwargs(blocksize=16)
 

@@ -121,26 +121,19 @@ def test_int8_steps_from_a_row_count_multiply_in_bfloat16_and_can_be_switched_of
         packed_linear.set_int8_bf16_rows(packed_linear.native_ops().int8_bf16_min_rows)
 
 
-def test_int8_bfloat16_path_is_on_by_default_on_amd_cpus_and_follows_the_environment(monkeypatch):
+def test_int8_bfloat16_path_is_on_by_default_on_amd_cpus_and_follows_the_config():
     """The bfloat16 path was measured faster on AMD Zen 4 and slower on Intel
-    Emerald Rapids: the default follows the CPU's vendor, and
-    ``PAGEDBACKEND_INT8_BF16`` overrides it either way; another value is an
-    error that names the variable."""
+    Emerald Rapids: ``EngineConfig.int8_bf16`` None follows the CPU's vendor,
+    True and False override it either way."""
     vendor = packed_linear.cpu_vendor()
     if platform.machine() in ("x86_64", "AMD64"):
         assert vendor, "no vendor_id in /proc/cpuinfo on an x86 machine"
-    monkeypatch.delenv("PAGEDBACKEND_INT8_BF16", raising=False)
     expected = packed_linear.INT8_BF16_ROWS if vendor == "AuthenticAMD" else 0
-    assert packed_linear.default_int8_bf16_rows() == expected
-    if "PAGEDBACKEND_INT8_BF16" not in os.environ:
-        assert packed_linear.native_ops().int8_bf16_min_rows == expected
-    monkeypatch.setenv("PAGEDBACKEND_INT8_BF16", "1")
-    assert packed_linear.default_int8_bf16_rows() == packed_linear.INT8_BF16_ROWS
-    monkeypatch.setenv("PAGEDBACKEND_INT8_BF16", " 0 ")
-    assert packed_linear.default_int8_bf16_rows() == 0
-    monkeypatch.setenv("PAGEDBACKEND_INT8_BF16", "yes")
-    with pytest.raises(ValueError, match="PAGEDBACKEND_INT8_BF16 must be 0 or 1"):
-        packed_linear.default_int8_bf16_rows()
+    assert EngineConfig().int8_bf16 is None
+    assert packed_linear.int8_bf16_rows(None) == expected
+    assert packed_linear.NativeOps().int8_bf16_min_rows == expected   # before any engine sets it
+    assert packed_linear.int8_bf16_rows(True) == packed_linear.INT8_BF16_ROWS
+    assert packed_linear.int8_bf16_rows(False) == 0
 
 
 def test_packed_int8_results_do_not_depend_on_the_thread_count(ops):
@@ -321,6 +314,47 @@ def test_int8_runner_serves_every_layer_through_the_packed_kernel(tiny_untied_mo
     assert torch_int8.linear_backend == "torch"
     assert isinstance(torch_int8.model.lm_head_matmul, Int8Linear)
 
+
+
+@pytest.fixture
+def fresh_native_ops(monkeypatch):
+    """A process whose native operators no engine has set up yet; the C
+    kernel's bfloat16 row count (a global of the library) is put back after."""
+    before = packed_linear.native_ops()
+    monkeypatch.setattr(packed_linear, "_state", packed_linear.NativeOps())
+    yield packed_linear.native_ops()
+    monkeypatch.setattr(packed_linear, "_state", before)
+    packed_linear.set_int8_bf16_rows(before.int8_bf16_min_rows)
+
+
+def test_native_ops_false_in_the_config_keeps_the_python_operators(tiny_model_dir, fresh_native_ops):
+    load_native_ops()   # they build here: the config alone keeps them out
+    served = runner(tiny_model_dir, linear_backend="packed", native_ops=False)
+    assert fresh_native_ops.use_native_ops is False and fresh_native_ops.native_ops_failure is None
+    layer = served.model.lm_head_matmul
+    x = torch.randn(2, layer.in_features)
+    assert python_kernel_calls(layer, x) == 1
+    assert relative_error(layer(x), F.linear(x, layer.dequantized())) < 1e-5
+
+
+def test_a_later_engine_asking_other_native_settings_is_warned_and_served_the_first(tiny_model_dir,
+                                                                                      fresh_native_ops, caplog):
+    """The settings are one per process (compiled steps call the operators by
+    name; the bfloat16 row count is a global of the C kernel)."""
+    runner(tiny_model_dir, linear_backend="packed", native_ops=False, int8_bf16=False)
+    with caplog.at_level("WARNING", logger="pagedbackend"):
+        later = runner(tiny_model_dir, linear_backend="packed", native_ops=True)
+    assert "this engine's native_ops=True, int8_bf16=None are not applied" in caplog.text
+    assert fresh_native_ops.use_native_ops is False and later.linear_backend == "packed"
+    assert fresh_native_ops.int8_bf16_min_rows == 0
+
+
+@pytest.mark.skipif(not packed_linear.int8_bf16_available(),
+                    reason="this CPU (or ATEN_CPU_CAPABILITY) has no AVX512_BF16")
+@pytest.mark.parametrize("int8_bf16", [True, False])
+def test_int8_bf16_in_the_config_reaches_the_kernel(tiny_untied_model_dir, fresh_native_ops, int8_bf16):
+    runner(tiny_untied_model_dir, quantization="int8", int8_bf16=int8_bf16)
+    assert packed_linear.int8_rounds_to_bf16(packed_linear.INT8_BF16_ROWS) is int8_bf16
 
 
 def test_layers_fall_back_to_the_python_operators_when_the_native_ones_cannot_build(monkeypatch):

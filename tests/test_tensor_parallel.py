@@ -1,6 +1,7 @@
 """Tensor parallelism over two CPU ranks (gloo): the same tokens as one rank,
 through preemption too; workers start and stop with the engine, leave no
 process behind, and a dead worker makes generation fail at once, naming it."""
+import dataclasses
 import gc
 import json
 import os
@@ -242,3 +243,67 @@ def test_default_model_on_two_ranks_generates_the_same_tokens_as_one(default_mod
     gc.collect()
     with LLM("default", tensor_parallel_size=2, num_kv_blocks=64, **CPU) as llm:
         assert token_ids(llm.generate(prompts, params)) == one
+
+
+# ---- settings (EngineConfig's tp_* fields) ----------------------------------
+
+def test_a_worker_takes_its_timeouts_from_rank_0s_config(tiny_model_dir, monkeypatch):
+    """A worker reads the engine config from rank 0's store and forms its
+    process group with that config's tp_timeout_s (the step itself is not
+    run: ModelRunner and the groups are replaced; the store is real)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+    from pagedbackend.worker import tp_worker
+    from pagedbackend.worker.tp_protocol import CONFIG_KEY, loaded_key
+    config = EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, tp_timeout_s=7.5, **CPU)
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    store.set(CONFIG_KEY, json.dumps(dataclasses.asdict(config)))
+    seen = {}
+
+    def init_groups(device, store, rank, world, timeout_s):
+        seen["timeout_s"] = timeout_s
+        raise RuntimeError("stop before the groups")
+    monkeypatch.setattr(tp_worker, "ModelRunner", lambda config, rank, world: seen.setdefault("config", config))
+    monkeypatch.setattr(tp_worker, "init_groups", init_groups)
+    threads = torch.get_num_threads()
+    try:
+        code = tp_worker.run_worker(1, 2, "127.0.0.1", store.port, local_size=2, rendezvous_s=30)
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 1 and store.get(loaded_key(1)) == b""
+    assert seen == {"config": config, "timeout_s": 7.5}
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_waits_tp_rendezvous_s_for_ranks_it_does_not_start(tiny_model_dir):
+    """tp_local_size 1: rank 0 starts no worker and waits tp_rendezvous_s for
+    rank 1 (a remote rank), then fails naming it."""
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank\(s\) \[1\] did not load within 2 s"):
+        LLM(str(tiny_model_dir), tensor_parallel_size=2, tp_local_size=1, tp_rendezvous_s=2,
+            num_kv_blocks=32, **CPU)
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(90)
+def test_a_hung_worker_fails_the_step_after_tp_timeout_s(tiny_model_dir):
+    """A worker that stops answering (SIGSTOP) fails the step once a collective
+    has waited tp_timeout_s, not the default 120 s; the worker was started
+    with rank 0's tp_rendezvous_s."""
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, tp_timeout_s=3, tp_rendezvous_s=45,
+              num_kv_blocks=64, **CPU)
+    (pid,) = llm.engine.runner.worker_pids
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert "\x00--rendezvous-s\x0045\x00" in f.read().decode()
+    llm.generate(PROMPTS[:1], GREEDY)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="tensor-parallel step failed"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - start < 20
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGCONT)
+        llm.shutdown()
+    assert still_alive([pid]) == []

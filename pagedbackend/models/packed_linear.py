@@ -21,17 +21,20 @@ Python kernel that calls the C function through ctypes; ``packed_linear_native``
 torch) that calls the same C function. A compiled step calls the C++ kernel
 straight from its C++ wrapper, without entering Python: a step makes 121 such
 calls for SmolLM2. The layers use the C++ operators wherever they build
-(``PAGEDBACKEND_NATIVE_OPS=0`` keeps the Python ones).
+(``EngineConfig.native_ops`` false keeps the Python ones).
 """
 import ctypes
-import os
+import logging
 import threading
 from typing import Optional
 
 import torch
 from torch import nn
 
+from pagedbackend.config import EngineConfig
 from pagedbackend.kernels import native
+
+logger = logging.getLogger("pagedbackend")
 
 # Rows above which torch's GEMM on a weight unpacked for the call is the
 # faster of the two: over SmolLM2's 120 layer weights the kernel is faster up
@@ -50,8 +53,7 @@ W8A8_KERNEL_MAX_ROWS = 16
 # slower at every row count on an Intel Emerald Rapids one, where vdpbf16ps
 # issues slower than FMAs and the conversions cost more than the bfloat16
 # products gain (BENCHMARKS.md, "quant_kernels"). So it is on by default on
-# AMD CPUs only.
-# ``PAGEDBACKEND_INT8_BF16=1`` turns it on, ``=0`` off, on any CPU.
+# AMD CPUs only; ``EngineConfig.int8_bf16`` turns it on or off on any CPU.
 INT8_BF16_ROWS = 9
 
 
@@ -67,23 +69,30 @@ def cpu_vendor() -> str:
     return ""
 
 
-def default_int8_bf16_rows() -> int:
-    """From how many rows int8 steps take the bfloat16 path by default (0: none)."""
-    setting = os.environ.get("PAGEDBACKEND_INT8_BF16", "").strip()
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"PAGEDBACKEND_INT8_BF16 must be 0 or 1; got {setting!r}")
-    if setting:
-        return INT8_BF16_ROWS if setting == "1" else 0
-    return INT8_BF16_ROWS if cpu_vendor() == "AuthenticAMD" else 0
+def int8_bf16_rows(setting: Optional[bool]) -> int:
+    """From how many rows int8 steps take the bfloat16 path (0: none), for
+    ``EngineConfig.int8_bf16`` (None: by the CPU's vendor)."""
+    if setting is None:
+        setting = cpu_vendor() == "AuthenticAMD"
+    return INT8_BF16_ROWS if setting else 0
 
 
 class NativeOps:
     """What this process knows of its native operators: whether layers call
-    the C++ ones, why they or w8a8's kernel are not used, the CPU's int8
-    bfloat16 setting. One per process (``native_ops()``), made at first use."""
+    the C++ ones, why they or w8a8's kernel are not used, the int8 bfloat16
+    setting. One per process (``native_ops()``), made at first use.
+
+    Both settings are process-wide (compiled steps call the operators by
+    name; the bfloat16 row count is one global of the C kernel), so the first
+    engine whose layers use them sets them (``configure``) and a later engine
+    asking otherwise is served the same, with a warning. Until then they are
+    ``EngineConfig``'s defaults."""
 
     def __init__(self):
-        self.int8_bf16_min_rows = default_int8_bf16_rows()   # reads /proc/cpuinfo
+        # (native_ops, int8_bf16) in force; fixed by the first configure or packed layer
+        self.settings = (EngineConfig.native_ops, EngineConfig.int8_bf16)
+        self.fixed = False
+        self.int8_bf16_min_rows = int8_bf16_rows(EngineConfig.int8_bf16)   # reads /proc/cpuinfo
         self.gemm = self.gemm_i8 = None   # the kernel's packed_gemm and packed_gemm_i8, once loaded
         self.use_native_ops: Optional[bool] = None   # whether layers call the C++ operators (decided at first layer)
         self.native_ops_failure: Optional[str] = None   # why they could not be built, when they could not
@@ -93,13 +102,31 @@ class NativeOps:
         self.registered = False   # the C++ operators have their kernels and fakes
         self.register_lock, self.decide_lock = threading.Lock(), threading.Lock()
 
+    def configure(self, native_ops: bool, int8_bf16: Optional[bool]) -> None:
+        """An engine's ``EngineConfig.native_ops`` and ``int8_bf16``, taken
+        when nothing has fixed them yet (else a warning if they differ)."""
+        with self.decide_lock:
+            wanted = (native_ops, int8_bf16)
+            if not self.fixed:
+                self.settings, self.fixed = wanted, True
+                rows = int8_bf16_rows(int8_bf16)
+                if rows != self.int8_bf16_min_rows:
+                    self.int8_bf16_min_rows = rows
+                    if self.gemm is not None:   # the kernel is loaded already: hand it over now
+                        load_library().packed_gemm_set_bf16_rows(rows)
+            elif wanted != self.settings:
+                logger.warning("pagedbackend: this process's packed layers run with native_ops=%s, int8_bf16=%s "
+                               "(set by its first engine, one setting per process); this engine's "
+                               "native_ops=%s, int8_bf16=%s are not applied", *self.settings, *wanted)
+
     def decide(self) -> bool:
         """Whether layers call the C++ operators: yes where they build, unless
-        ``PAGEDBACKEND_NATIVE_OPS=0``. Decided once, at the first packed layer."""
+        the setting (``configure``) says no. Decided once, at the first packed layer."""
         with self.decide_lock:
+            self.fixed = True
             if self.use_native_ops is None:
                 use = False
-                if os.environ.get("PAGEDBACKEND_NATIVE_OPS", "1") != "0":
+                if self.settings[0]:
                     try:
                         load_native_ops()
                         use = True

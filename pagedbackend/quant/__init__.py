@@ -9,7 +9,8 @@ Layer: above ``models`` (it replaces the matmuls of a model's layers), below
 ``worker`` (the runner calls ``apply`` once, at load); ``models`` never
 imports it.
 """
-from pagedbackend.quant.policy import QUANTIZATION_MODES, LinearPlan, apply
+from pagedbackend.config import QUANTIZATION_MODES
+from pagedbackend.quant.policy import LinearPlan, apply
 from pagedbackend.quant.smooth import Calibration
 
 __all__ = ["Calibration", "LinearPlan", "QUANTIZATION_MODES", "apply"]

@@ -27,7 +27,6 @@ from pagedbackend.quant import int4, smooth
 from pagedbackend.quant.int8 import INT8_KERNEL_MAX_ROWS, Int8Linear, PackedInt8Linear
 from pagedbackend.quant.w8a8 import W8A8Linear
 
-QUANTIZATION_MODES = ("none", "int8", "int4", "w8a8")
 INT4_GROUP_SIZE = 32   # where the weights are rounded here (not the GGUF's blocks)
 
 logger = logging.getLogger("pagedbackend")
@@ -48,11 +47,10 @@ def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
     """Give every projection and the LM head of ``model`` (loaded, float) the
     matmul that ``config`` asks for and this machine runs; ``calibration``:
     the prefill that w8a8's smoothing measures on (none: no smoothing)."""
-    mode = config.quantization
-    if mode not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {mode!r}")
+    mode = config.quantization   # one of config.QUANTIZATION_MODES (EngineConfig checks it)
     if mode == "w8a8":
         _require_cpu(mode, device)
+        packed_linear.native_ops().configure(config.native_ops, config.int8_bf16)
         if calibration is not None:
             smooth.smooth_with(model, calibration)
         _serve_through(model, W8A8Linear)
@@ -103,7 +101,8 @@ def _packed_usable(config, device: torch.device, dtype: torch.dtype) -> bool:
         logger.info("pagedbackend: linear layers use torch's kernels: %s", reason)
         return False
     ops = packed_linear.native_ops()
+    ops.configure(config.native_ops, config.int8_bf16)
     if not ops.decide():
         logger.info("pagedbackend: packed linear layers call their C kernels through Python: %s",
-                    ops.native_ops_failure or "PAGEDBACKEND_NATIVE_OPS=0")
+                    ops.native_ops_failure or "native_ops is false")
     return True

@@ -74,13 +74,10 @@ def compile_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(lines[0] if lines else '')[:300]}"
 
 
-def cpu_options() -> dict:
-    """Inductor's settings for a CPU step: the graph's wrapper in C++
-    (``cpp_wrapper``), which calls the fused loops and the custom ops without
-    a Python line per kernel; ``PAGEDBACKEND_CPP_WRAPPER=0`` keeps inductor's
-    Python wrapper (a shorter first compile, each step slower;
-    BENCHMARKS.md, "compiled step")."""
-    return {"cpp_wrapper": os.environ.get("PAGEDBACKEND_CPP_WRAPPER", "1") != "0"}
+def cpu_options(cpp_wrapper: bool) -> dict:
+    """Inductor's settings for a CPU step: the graph's wrapper in C++ or in
+    Python (``EngineConfig.cpp_wrapper``)."""
+    return {"cpp_wrapper": cpp_wrapper}
 
 
 def own_code(method: Callable) -> Callable:
@@ -95,15 +92,16 @@ def own_code(method: Callable) -> Callable:
 
 class CompiledStep:
     """``forward(input_ids, positions)`` and ``logits(hidden)`` of a model,
-    compiled; ``guard_model=True`` keeps dynamo's guards on the model's
-    modules (``loadtest.native_ops_ab --compare guards`` measures them)."""
+    compiled; ``cpp_wrapper``: ``EngineConfig.cpp_wrapper`` (CPU steps);
+    ``guard_model=True`` keeps dynamo's guards on the model's modules
+    (``loadtest.native_ops_ab --compare guards`` measures them)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device = torch.device("cpu"),
-                 guard_model: bool = False):
+    def __init__(self, model: torch.nn.Module, device: torch.device = torch.device("cpu"), *,
+                 cpp_wrapper: bool, guard_model: bool = False):
         use_compile_cache()
         # The token dimension varies every step: compile for a dynamic size up front
         # instead of after a first recompile; fullgraph=True makes a graph break an error.
-        self.options = options = cpu_options() if device.type == "cpu" else {}
+        self.options = options = cpu_options(cpp_wrapper) if device.type == "cpu" else {}
         if not guard_model:
             options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         self.forward: Callable = torch.compile(own_code(model.forward), dynamic=True, fullgraph=True,

@@ -30,7 +30,7 @@ from pagedbackend.worker.compiled import CompiledStep, compile_failure, compile_
 from pagedbackend.worker.cpu_wait import governor_for
 from pagedbackend.worker.cuda_graphs import DecodeGraphs, decode_graphs_for
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}   # EngineConfig.dtype
 
 __all__ = ["DTYPES", "ModelRunner", "SeqEntry", "StepBatch", "kv_block_bytes", "resolve_device"]
 
@@ -49,8 +49,6 @@ class ModelRunner:
         take the compiled function from the first one after it is warm."""
         self.config = config
         self.device = resolve_device(config.device)
-        if config.dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {config.dtype!r}; expected one of {', '.join(DTYPES)}")
         self.dtype = DTYPES[config.dtype]
         self.model_path = resolve_model_path(config.model)
         hf_config = json.loads((self.model_path / "config.json").read_text())
@@ -100,7 +98,7 @@ class ModelRunner:
                 self.compile_thread.start()
                 return
             if reason is None:
-                self.compiled = CompiledStep(self.model, self.device)
+                self.compiled = CompiledStep(self.model, self.device, cpp_wrapper=self.config.cpp_wrapper)
                 try:
                     self.warm_up()
                     return
@@ -123,7 +121,7 @@ class ModelRunner:
         # 0.25 s) while the compile runs a third longer.
         sys.setswitchinterval(COMPILE_SWITCH_INTERVAL_S)
         try:
-            compiled = CompiledStep(self.model, self.device)
+            compiled = CompiledStep(self.model, self.device, cpp_wrapper=self.config.cpp_wrapper)
             scratch = [(k[:1].clone(), v[:1].clone()) for k, v in self.kv_caches]
             self.warm_up((compiled.forward, compiled.logits), scratch)
         except Exception as exc:   # a compiler that fails on this machine
@@ -156,8 +154,6 @@ class ModelRunner:
                                step=step, kv_caches=kv_caches)
 
     def _allocate_kv_cache(self, args: LlamaArgs) -> None:
-        if self.config.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.config.block_size}")
         self.block_size = self.config.block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         block_shape = (self.block_size, self.model.num_kv_heads, args.head_dim)
@@ -172,8 +168,6 @@ class ModelRunner:
                     f"a block needs {self.kv_bytes_per_block} bytes (2 x {args.num_layers} layers "
                     f"x {self.block_size} positions x {self.model.num_kv_heads} KV heads x "
                     f"{args.head_dim} x {elem} bytes)")
-        if self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         # One tensor for all of it, so a block copy or swap is one indexed copy.
         shape = (2, args.num_layers, self.num_kv_blocks, *block_shape)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -31,10 +31,9 @@ from pagedbackend.models import LlamaArgs
 from pagedbackend.models.default_model import check_model_folder, resolve_model_path
 from pagedbackend.models.linear import even_split, kv_heads_of_rank, query_heads_of_rank
 from pagedbackend.worker.model_runner import DTYPES, ModelRunner, kv_block_bytes, resolve_device
-from pagedbackend.worker.tp_protocol import (COPY, CONFIG_KEY, RENDEZVOUS_S, SWAP_IN, SWAP_OUT,
-                                             TIMEOUT_S, Moves, TensorParallelError, control_group,
-                                             init_groups, loaded_key, pack_step, stop_message,
-                                             threads_per_rank)
+from pagedbackend.worker.tp_protocol import (COPY, CONFIG_KEY, SWAP_IN, SWAP_OUT, Moves,
+                                             TensorParallelError, control_group, init_groups,
+                                             loaded_key, pack_step, stop_message, threads_per_rank)
 
 class TensorParallelExecutor:
     """The model runner interface over ``tensor_parallel_size`` ranks; this
@@ -51,7 +50,7 @@ class TensorParallelExecutor:
                                      num_kv_blocks=_plan_kv_blocks(config, self.model_path, world))
         self.config = config
         self._moves: Moves = []
-        self._ranks = _Ranks(world)
+        self._ranks = _Ranks(world, config.tp_timeout_s, config.tp_rendezvous_s)
         self._finalizer = weakref.finalize(self, self._ranks.close)
         try:
             self._ranks.start(config)
@@ -130,8 +129,8 @@ class _Ranks:
     Kept apart from the executor so that its finalizer can close them after
     the executor has been garbage-collected."""
 
-    def __init__(self, world: int):
-        self.world = world
+    def __init__(self, world: int, timeout_s: float, rendezvous_s: float):
+        self.world, self.timeout_s, self.rendezvous_s = world, timeout_s, rendezvous_s
         self.procs: List[subprocess.Popen] = []
         self.store = self.ctrl = self.port = self.device = None
         self.threads_before: Optional[int] = None
@@ -146,10 +145,10 @@ class _Ranks:
         self.device = resolve_device(config.device)
         # Port 0 lets the store pick a free port: no race with other servers.
         self.store = dist.TCPStore(addr, int(os.environ.get("MASTER_PORT", "0")), self.world, True,
-                                   timeout=timedelta(seconds=RENDEZVOUS_S), wait_for_workers=False)
+                                   timeout=timedelta(seconds=self.rendezvous_s), wait_for_workers=False)
         self.port = self.store.port
         self.store.set(CONFIG_KEY, json.dumps(dataclasses.asdict(config)))
-        local = int(os.environ.get("PAGEDBACKEND_TP_LOCAL_SIZE", self.world))
+        local = config.tp_local_size or self.world
         first_gpu = torch.cuda.current_device() if self.device.type == "cuda" else 0
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # The local ranks share the cores; oversubscribed, each step waits on
@@ -160,7 +159,8 @@ class _Ranks:
         for rank in range(1, min(local, self.world)):
             cmd = [_python(), "-m", "pagedbackend.worker.tp_worker", "--rank", str(rank),
                    "--world-size", str(self.world), "--master-addr", addr,
-                   "--master-port", str(self.port), "--local-size", str(local), "--watch-stdin"]
+                   "--master-port", str(self.port), "--local-size", str(local),
+                   "--rendezvous-s", repr(self.rendezvous_s), "--watch-stdin"]
             if self.device.type == "cuda":
                 cmd += ["--cuda-device", str((first_gpu + rank) % torch.cuda.device_count())]
             self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env))
@@ -171,7 +171,7 @@ class _Ranks:
         The groups come last on purpose: some torch modules imported while a
         model loads capture the default group for good, which would keep the
         store, and its port, alive after shutdown."""
-        waiting, deadline = set(range(1, self.world)), time.monotonic() + RENDEZVOUS_S
+        waiting, deadline = set(range(1, self.world)), time.monotonic() + self.rendezvous_s
         while waiting:
             self.raise_if_failed()
             for rank in [r for r in waiting if self.store.check([loaded_key(r)])]:
@@ -181,14 +181,14 @@ class _Ranks:
                     raise TensorParallelError(f"tensor-parallel rank {rank} could not load the model: {error}")
             if waiting and time.monotonic() > deadline:
                 raise TensorParallelError(
-                    f"tensor-parallel rank(s) {sorted(waiting)} did not load within {RENDEZVOUS_S:.0f} s "
+                    f"tensor-parallel rank(s) {sorted(waiting)} did not load within {self.rendezvous_s:.0f} s "
                     f"(master {os.environ.get('MASTER_ADDR', '127.0.0.1')}:{self.port})")
             time.sleep(0.02)
 
         def form_groups():
-            init_groups(self.device, self.store, 0, self.world)
+            init_groups(self.device, self.store, 0, self.world, self.timeout_s)
             # Bounded here, unbounded on the workers: rank 0 never waits forever on a hung worker.
-            return control_group(timedelta(seconds=TIMEOUT_S))
+            return control_group(timedelta(seconds=self.timeout_s))
         self.ctrl = self.run(form_groups)
 
     def send(self, tensors: List[torch.Tensor]) -> None:
@@ -234,7 +234,7 @@ class _Ranks:
         return self.error
 
     def close(self) -> None:
-        if self.lock.acquire(timeout=TIMEOUT_S):
+        if self.lock.acquire(timeout=self.timeout_s):
             try:
                 self._stop(graceful=self.error is None)
             finally:

@@ -18,11 +18,9 @@ import torch.distributed as dist
 from pagedbackend.models.attention import AttentionMetadata
 from pagedbackend.worker.batch import StepBatch
 
-# A collective (an all-reduce inside the forward) waits this long for a hung rank.
-TIMEOUT_S = float(os.environ.get("PAGEDBACKEND_TP_TIMEOUT_S", "120"))
-# Rank 0 waits this long for every worker's shard (remote ranks may start later).
-RENDEZVOUS_S = float(os.environ.get("PAGEDBACKEND_TP_RENDEZVOUS_S", "900"))
-# Workers wait for the next step as long as the server idles.
+# Timeouts: EngineConfig.tp_timeout_s (collectives) and tp_rendezvous_s (loading),
+# the same on every rank since workers read the config from the store. But
+# workers wait for the next step as long as the server idles.
 IDLE = timedelta(days=365)
 CONFIG_KEY = "pagedbackend/config"
 
@@ -122,11 +120,12 @@ def loaded_key(rank: int) -> str:
     return f"pagedbackend/loaded/{rank}"
 
 
-def init_groups(device: torch.device, store, rank: int, world: int) -> None:
-    """The default group carries the all-reduces, with a timeout so that a hung rank fails."""
+def init_groups(device: torch.device, store, rank: int, world: int, timeout_s: float) -> None:
+    """The default group carries the all-reduces, with a timeout
+    (``EngineConfig.tp_timeout_s``) so that a hung rank fails."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT_S))
+                            timeout=timedelta(seconds=timeout_s))
 
 
 def control_group(timeout: timedelta = IDLE):

@@ -20,14 +20,18 @@ import torch.distributed as dist
 
 from pagedbackend.config import EngineConfig
 from pagedbackend.worker.model_runner import ModelRunner, resolve_device
-from pagedbackend.worker.tp_protocol import (CONFIG_KEY, RENDEZVOUS_S, apply_moves, control_group,
-                                             init_groups, loaded_key, receive_step, threads_per_rank)
+from pagedbackend.worker.tp_protocol import (CONFIG_KEY, apply_moves, control_group, init_groups,
+                                             loaded_key, receive_step, threads_per_rank)
 
-def run_worker(rank: int, world: int, master_addr: str, master_port: int,
-               local_size: int, cuda_device: Optional[int] = None) -> int:
-    """Load this rank's shard, join the groups, then run every step rank 0 sends."""
+
+def run_worker(rank: int, world: int, master_addr: str, master_port: int, local_size: int,
+               cuda_device: Optional[int] = None,
+               rendezvous_s: float = EngineConfig.tp_rendezvous_s) -> int:
+    """Load this rank's shard, join the groups, then run every step rank 0
+    sends. ``rendezvous_s``: how long to wait for rank 0's store, before its
+    config (which says the rest) can be read."""
     store = dist.TCPStore(master_addr, master_port, world, False,
-                          timeout=timedelta(seconds=RENDEZVOUS_S))
+                          timeout=timedelta(seconds=rendezvous_s))
     config = EngineConfig(**json.loads(store.get(CONFIG_KEY)))
     device = resolve_device(config.device)
     if device.type == "cuda":
@@ -41,7 +45,7 @@ def run_worker(rank: int, world: int, master_addr: str, master_port: int,
         return 1
     store.set(loaded_key(rank), "")
     try:
-        init_groups(device, store, rank, world)
+        init_groups(device, store, rank, world, config.tp_timeout_s)
         ctrl = control_group()
         while True:
             step = receive_step(ctrl)
@@ -74,6 +78,9 @@ def main(argv=None) -> int:
     parser.add_argument("--local-size", type=int, default=1,
                         help="ranks on this node (CPU threads are shared among them)")
     parser.add_argument("--cuda-device", type=int, default=None, help="default: rank %% GPUs")
+    parser.add_argument("--rendezvous-s", type=float, default=EngineConfig.tp_rendezvous_s,
+                        help="how long to wait for rank 0's store (default: EngineConfig.tp_rendezvous_s, "
+                             "%(default)s; local workers get rank 0's)")
     parser.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes")
     args = parser.parse_args(argv)
     if args.master_port is None:
@@ -86,7 +93,7 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
     return run_worker(args.rank, args.world_size, args.master_addr, args.master_port,
-                      args.local_size, args.cuda_device)
+                      args.local_size, args.cuda_device, args.rendezvous_s)
 
 
 if __name__ == "__main__":
