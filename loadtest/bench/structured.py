@@ -46,14 +46,16 @@ def large_schema(tag: int, properties: int = 60) -> dict:
              {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"}, {"type": "boolean"},
              {"type": "array", "maxItems": 4, "items": {"type": "object", "properties": {
                  "id": {"type": "integer"}, "name": {"type": "string"}}, "required": ["id", "name"]}}]
-    props = {f"field_{i}": kinds[i % len(kinds)] for i in range(properties)}
-    return {"title": f"large {tag}", "type": "object", "properties": props, "required": list(props)[:properties // 2]}
+    props = {f"field_{tag}_{i}": kinds[i % len(kinds)] for i in range(properties)}
+    return {"type": "object", "properties": props, "required": list(props)[:properties // 2]}
 
 
 def small_schema(tag: int) -> dict:
-    return {"title": f"small {tag}", "type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-        "required": ["name", "age"]}
+    # Property names carry the tag: xgrammar caches compiled schemas by their structure.
+    return {"type": "object", "properties": {
+        f"name_{tag}": {"type": "string", "maxLength": 20}, f"age_{tag}": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 120}},
+        "required": [f"name_{tag}", f"age_{tag}"]}
 
 
 def run_batch(engine: LLMEngine, texts: list, max_tokens: int, constrained: bool, tag: str) -> dict:
