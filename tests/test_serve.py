@@ -17,6 +17,7 @@ from processes import processes_mentioning
 from pagedbackend.serving.harness import ServerError, TritonServer
 from pagedbackend.serving.process import find_tritonserver, prepare_backend, server_command, triton_home
 from pagedbackend.serving.repository import make_model_repository, read_parameters
+from pagedbackend.serving.triton.settings import ModelSettings
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -160,10 +161,29 @@ def test_engine_config_reads_typed_parameters_and_environment_overrides():
                                   watermark=0.05, max_model_len=None, dtype="bfloat16")
 
 
+def test_engine_and_worker_knobs_keep_their_environment_spellings():
+    """Knobs that used to be read from the environment where they were used are
+    EngineConfig fields now, so the same variables set them (and config.pbtxt
+    parameters, and LLM(...) keywords)."""
+    environ = {"PAGEDBACKEND_NATIVE_OPS": "0", "PAGEDBACKEND_INT8_BF16": "1", "PAGEDBACKEND_CPP_WRAPPER": "0",
+               "PAGEDBACKEND_TP_TIMEOUT_S": "30", "PAGEDBACKEND_TP_RENDEZVOUS_S": "60",
+               "PAGEDBACKEND_TP_LOCAL_SIZE": "2"}
+
+    config = engine_config({"int8_bf16": {"string_value": "0"}}, environ)
+
+    assert (config.native_ops, config.int8_bf16, config.cpp_wrapper) == (False, True, False)
+    assert (config.tp_timeout_s, config.tp_rendezvous_s, config.tp_local_size) == (30.0, 60.0, 2)
+    assert engine_config({"int8_bf16": {"string_value": ""}}, {}).int8_bf16 is None   # by the CPU
+
+
 @pytest.mark.parametrize("parameters, message", [
     ({"num_kv_blokcs": "64"}, "unknown engine setting(s): num_kv_blokcs"),
     ({"num_kv_blocks": "many"}, "num_kv_blocks: expected int"),
     ({"enable_prefix_caching": "perhaps"}, "enable_prefix_caching: expected bool"),
+    ({"native_ops": "sometimes"}, "engine setting native_ops: expected bool"),
+    ({"int8_bf16": "auto"}, "engine setting int8_bf16: expected bool"),
+    ({"tp_timeout_s": "soon"}, "engine setting tp_timeout_s: expected float"),
+    ({"tp_timeout_s": "0"}, "tp_timeout_s must be > 0 seconds"),
 ])
 def test_engine_config_names_a_bad_setting(parameters, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -177,6 +197,38 @@ def test_shipped_config_parses_into_an_engine_config():
 
     assert config.model == "default" and config.max_num_seqs == 64 and config.num_kv_blocks > 0
     assert config.compile is True
+
+
+def test_shipped_config_parses_into_model_settings():
+    text = (REPO / "model_repository" / "paged_llm" / "config.pbtxt").read_text()
+
+    settings = ModelSettings.from_parameters(read_parameters(text))
+
+    assert settings == ModelSettings()   # the shipped values are the defaults
+    assert settings.metric_namespaces == ("pagedbackend", "vllm")
+
+
+def test_model_settings_read_upper_case_parameters_and_vllm_backends_names():
+    parameters = {"UNLOAD_ON_ENGINE_FAILURE": {"string_value": "true"}, "METRIC_NAMES": {"string_value": " VLLM "},
+                  "ENABLE_VLLM_HEALTH_CHECK": "false", "EXECUTION_ENV_PATH": "/env", "block_size": "16"}
+
+    settings = ModelSettings.from_parameters(parameters)
+
+    assert settings.unload_on_engine_failure is False   # vllm_backend's name wins
+    assert settings.metric_namespaces == ("vllm",)
+    assert ModelSettings.from_parameters({"REPORT_CUSTOM_METRICS": "false"}).metric_namespaces == ()
+    assert ModelSettings.from_parameters({"UNLOAD_ON_ENGINE_FAILURE": {"string_value": ""}}) == ModelSettings()
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"UNLOAD_ON_ENGINE_FAILURE": "perhaps"}, "parameter UNLOAD_ON_ENGINE_FAILURE: expected bool"),
+    ({"ENABLE_VLLM_HEALTH_CHECK": "2"}, "parameter ENABLE_VLLM_HEALTH_CHECK: expected bool"),
+    ({"REPORT_CUSTOM_METRICS": "yes please"}, "parameter REPORT_CUSTOM_METRICS: expected bool"),
+    ({"METRIC_NAMES": "prometheus"}, "parameter METRIC_NAMES must be one of both, pagedbackend, vllm"),
+])
+def test_model_settings_name_a_bad_parameter(parameters, message):
+    with pytest.raises(ValueError, match=message):
+        ModelSettings.from_parameters(parameters)
 
 
 @pytest.mark.slow

@@ -29,7 +29,8 @@ from pagedbackend.serving.triton.io import (FINAL, Job, accumulate, build_respon
                                             read_prompt_or_ids, read_sampling_params, send_error)
 from pagedbackend.serving.triton.lifecycle import (log_to_stderr, on_sigterm, use_utf8_locale, watch_listener,
                                                    watch_server)
-from pagedbackend.serving.triton.metrics import Metrics, metric_settings
+from pagedbackend.serving.triton.metrics import Metrics
+from pagedbackend.serving.triton.settings import ModelSettings
 
 TICK_S = 0.1             # cancellation poll period
 STATS_EVERY_TICKS = 2    # gauges and counters refreshed every 0.2 s
@@ -45,11 +46,12 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("paged_llm needs model_transaction_policy { decoupled: true }")
         parameters = model_config.get("parameters", {})
-        self.failure = EngineFailurePolicy(args["model_name"], parameters)
-        self.engine = AsyncLLMEngine(engine_config(parameters), on_failure=self.failure.engine_failed)
-        report, namespaces = metric_settings(parameters)
+        settings = ModelSettings.from_parameters(parameters)   # upper case: the model's own
+        config = engine_config(parameters)                     # lower case: the engine's
+        self.failure = EngineFailurePolicy(args["model_name"], settings.unload_on_engine_failure)
+        self.engine = AsyncLLMEngine(config, on_failure=self.failure.engine_failed)
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
-                               namespaces if report else (), self.engine.engine.max_model_len)
+                               settings.metric_namespaces, self.engine.engine.max_model_len)
         self.jobs, self.lock = {}, threading.Lock()
         self.closing = None            # why new requests are refused, once draining
         self.drain_lock, self.drained = threading.Lock(), False

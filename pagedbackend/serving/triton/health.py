@@ -1,33 +1,24 @@
 """What ``model.py`` does when its engine fails for good.
 
-The engine has already ended every open request with an error. With the
-model parameter ``UNLOAD_ON_ENGINE_FAILURE`` (default true) the model then
+The engine has already ended every open request with an error. With
+``ModelSettings.unload_on_engine_failure`` (settings.py) the model then
 unloads itself, so ``/v2/models/<name>/ready`` stops answering 200 and later
 requests get "unknown model" (as vllm_backend does with its health check).
 Unloading from inside a model needs tritonserver's
 ``--model-control-mode=explicit`` (``python -m pagedbackend.serve`` sets it,
-with ``--load-model=*``). With the parameter false, the model stays loaded and
-refuses every request with UNAVAILABLE until the server is restarted.
-vllm_backend's ``ENABLE_VLLM_HEALTH_CHECK``, when present, sets the same switch
-(true: unload; false: stay loaded), so its users' configs keep their meaning.
+with ``--load-model=*``). Otherwise the model stays loaded and refuses every
+request with UNAVAILABLE until the server is restarted.
 """
 import threading
 from typing import Optional
 
 import triton_python_backend_utils as pb_utils
 
-from pagedbackend.serving.triton.io import model_flag
-
-PARAMETER = "UNLOAD_ON_ENGINE_FAILURE"
-VLLM_PARAMETER = "ENABLE_VLLM_HEALTH_CHECK"
-
 
 class EngineFailurePolicy:
-    def __init__(self, model_name: str, parameters: dict):
+    def __init__(self, model_name: str, unload: bool):
         self.model_name = model_name
-        self.unload = model_flag(parameters, PARAMETER, True)
-        if VLLM_PARAMETER in parameters:   # vllm_backend's name for the same switch wins
-            self.unload = model_flag(parameters, VLLM_PARAMETER, self.unload)
+        self.unload = unload   # ModelSettings.unload_on_engine_failure
         self.unloader: Optional[threading.Thread] = None
 
     def refusal(self, engine_error: Optional[BaseException]) -> Optional[str]:
@@ -40,7 +31,7 @@ class EngineFailurePolicy:
     def engine_failed(self, exc: BaseException) -> None:
         """AsyncLLMEngine's ``on_failure``: log why, and unload the model from a
         thread of its own (the engine thread must be free to end)."""
-        then = "unloading the model" if self.unload else f"{PARAMETER} is false, so it stays loaded"
+        then = "unloading the model" if self.unload else "UNLOAD_ON_ENGINE_FAILURE is false, so it stays loaded"
         pb_utils.Logger.log_error(f"{self.model_name}: the engine failed: {exc!r}; "
                                   f"every open request got an error; {then}")
         if self.unload:

@@ -11,7 +11,6 @@ from typing import Optional
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pagedbackend.config import coerce
 from pagedbackend.sampling_params import SamplingParams
 
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
@@ -139,15 +138,6 @@ def _from_json_text(name: str, value):
     if name == "stop" and not (isinstance(decoded, list) and all(isinstance(s, str) for s in decoded)):
         return value
     return decoded
-
-
-def model_flag(parameters: dict, name: str, default: bool) -> bool:
-    """A true/false ``parameters`` entry of config.pbtxt; absent or empty: ``default``."""
-    value = parameters.get(name)
-    value = value.get("string_value", "") if isinstance(value, dict) else value
-    if value is None or not str(value).strip():
-        return default
-    return coerce(f"parameter {name}", bool, value)
 
 
 def send_error(sender, message: str, code) -> None:

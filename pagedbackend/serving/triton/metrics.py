@@ -133,17 +133,6 @@ FAMILIES: Dict[Tuple[str, str], tuple] = {
 }
 
 
-def metric_settings(parameters: dict) -> Tuple[bool, Tuple[str, ...]]:
-    """(report at all, namespaces) from the model's config.pbtxt parameters."""
-    from pagedbackend.serving.triton.io import model_flag
-    report = model_flag(parameters, "REPORT_CUSTOM_METRICS", True)
-    names = parameters.get("METRIC_NAMES", {})
-    names = (names.get("string_value", "") if isinstance(names, dict) else str(names)).strip().lower() or "both"
-    if names not in ("both", *NAMESPACES):
-        raise ValueError(f"parameter METRIC_NAMES must be both, pagedbackend or vllm; got {names!r}")
-    return report, NAMESPACES if names == "both" else (names,)
-
-
 class Metrics:
     """The families of the chosen namespaces, fed from engine statistics
     (gauges, counters) and from each request's timeline (histograms)."""

@@ -1,0 +1,70 @@
+"""The Triton model's own settings, beside the engine's.
+
+config.pbtxt ``parameters`` in upper case belong to the Triton model, not to
+the engine (Triton's convention, and the names vllm_backend gives the same
+switches, so its users' configs keep their meaning); ``engine_config`` skips
+them. ``model.py`` reads them here once, in ``initialize``, before the engine
+loads, so a bad value fails the load at once and names the parameter. Other
+upper-case parameters (Triton's own, such as ``EXECUTION_ENV_PATH``) pass.
+Lower-case parameters are ``EngineConfig`` fields.
+"""
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Tuple
+
+from pagedbackend.config import coerce
+
+METRIC_NAMES = ("both", "pagedbackend", "vllm")
+# vllm_backend's names for the same switches; when present, they win.
+ALIASES = {"unload_on_engine_failure": ("ENABLE_VLLM_HEALTH_CHECK",)}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Each field is set by the parameter of its name in upper case."""
+    # When the engine fails for good (every open request has its error): true
+    # unloads the model, so Triton stops reporting it ready (needs
+    # --model-control-mode=explicit, which python -m pagedbackend.serve sets);
+    # false keeps it loaded, refusing every request until a restart (health.py).
+    unload_on_engine_failure: bool = True
+    # Custom metrics on /metrics at all (vllm_backend's name); false exports none.
+    report_custom_metrics: bool = True
+    # Which names the metrics carry: "both" (pagedbackend:* and vLLM's vllm:*),
+    # "pagedbackend" or "vllm".
+    metric_names: str = "both"
+
+    def __post_init__(self):
+        if self.metric_names not in METRIC_NAMES:
+            raise ValueError(f"parameter METRIC_NAMES must be one of {', '.join(METRIC_NAMES)}; "
+                             f"got {self.metric_names!r}")
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, Any]) -> "ModelSettings":
+        """From config.pbtxt ``parameters`` (strings or Triton's ``{"string_value": ...}``);
+        an absent or empty parameter keeps the default."""
+        values = {}
+        for field in dataclasses.fields(cls):
+            for name in parameter_names(field.name):   # the last one present wins
+                text = _text(parameters.get(name))
+                if text:
+                    values[field.name] = coerce(f"parameter {name}", field.type, text)
+        if "metric_names" in values:
+            values["metric_names"] = values["metric_names"].lower()
+        return cls(**values)
+
+    @property
+    def metric_namespaces(self) -> Tuple[str, ...]:
+        """The metric namespaces to export (none when custom metrics are off)."""
+        if not self.report_custom_metrics:
+            return ()
+        return METRIC_NAMES[1:] if self.metric_names == "both" else (self.metric_names,)
+
+
+def parameter_names(field: str) -> Tuple[str, ...]:
+    """The config.pbtxt parameters that set ``field``."""
+    return (field.upper(), *ALIASES.get(field, ()))
+
+
+def _text(value: Any) -> str:
+    value = value.get("string_value", "") if isinstance(value, dict) else value
+    return "" if value is None else str(value).strip()
