@@ -12,7 +12,7 @@ import torch
 from pagedbackend.config import EngineConfig, engine_config
 from pagedbackend.worker.cuda_graphs import DecodeGraphs, capture_sizes, decode_graphs_for
 from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
-from test_model_runner import greedy_hf, greedy_paged, load_hf, random_prompts
+from runner_reference import greedy_hf, greedy_paged, load_hf, random_prompts
 
 LENGTHS = [1, 7, 16, 17, 33, 64]
 
