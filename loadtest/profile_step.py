@@ -30,7 +30,8 @@ def make_engine(model: str, seqs: int, compile_step: bool, quantization: str = "
         settings["quantization"] = quantization
     if "compile" in {f.name for f in dataclasses.fields(EngineConfig)}:
         settings["compile"] = compile_step
-    return LLMEngine(EngineConfig(**settings))
+    from loadtest.bench.common import settings_with_environment
+    return LLMEngine(EngineConfig(**settings_with_environment(settings)))
 
 
 def add_batch(engine, seqs: int, seed: int, max_tokens: int, tag: str) -> None:

@@ -84,3 +84,13 @@ def tool_command(given, venv_name: str, command: str, packages) -> str:
             subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *args], check=True)
         marker.write_text(wanted)
     return str(path)
+
+
+def settings_with_environment(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """``settings`` (EngineConfig fields) with ``PAGEDBACKEND_<FIELD>``
+    variables on top, as the server reads them, so that e.g.
+    ``PAGEDBACKEND_CPP_WRAPPER=0 python -m loadtest.profile_step`` changes
+    ``cpp_wrapper`` for a benchmark too."""
+    import dataclasses
+    from pagedbackend.config import engine_config
+    return dataclasses.asdict(engine_config(settings, os.environ))

@@ -27,7 +27,7 @@ import torch
 
 from loadtest import workloads
 
-from .common import add_common_args, bench_model, set_threads, write_result
+from .common import add_common_args, bench_model, set_threads, settings_with_environment, write_result
 
 TOPICS = ("the moon", "photosynthesis", "a rainy city", "the Roman empire", "prime numbers",
           "coffee", "volcanoes", "the internet", "honey bees", "chess", "the ocean tides",
@@ -95,8 +95,9 @@ def measure(mode: str, args, agree_prompts, text_ids, work_prompts, work_lengths
     from pagedbackend import LLM
     start = time.perf_counter()
     quantization, _, backend = mode.partition("/")
-    llm = LLM(model=args.model, quantization=quantization, linear_backend=backend or "auto",
-              compile=args.compile, max_num_seqs=64, enable_prefix_caching=False, seed=args.seed)
+    llm = LLM(**settings_with_environment(dict(
+        model=args.model, quantization=quantization, linear_backend=backend or "auto", compile=args.compile,
+        max_num_seqs=64, enable_prefix_caching=False, seed=args.seed)))
     load_s = time.perf_counter() - start
     ppl = perplexity(llm, text_ids)
     tokens, agree_s = greedy(llm, agree_prompts, [args.new_tokens] * len(agree_prompts))
