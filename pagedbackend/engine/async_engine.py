@@ -162,6 +162,18 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.engine.max_prompt_chars
+
+    def describe(self) -> Dict[str, object]:
+        """What serves (``LLMEngine.describe``)."""
+        return self.engine.describe()
+
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 

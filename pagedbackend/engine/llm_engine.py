@@ -93,6 +93,20 @@ class LLMEngine:
         self.last_step_seconds = self.last_forward_seconds = 0.0
         self.last_schedule_seconds = self.last_sample_seconds = 0.0
 
+    def describe(self) -> Dict[str, object]:
+        """What serves, for a log line at start: model, dtype, quantisation, how
+        the linear layers multiply (and whether through the C++ operators),
+        attention, KV pool, context, speculation."""
+        from ..models.packed_linear import native_ops
+        backend = getattr(self.runner, "linear_backend", None)
+        spec = self.config.speculative_config
+        return {"model": self.config.model, "dtype": self.config.dtype, "quantization": self.config.quantization,
+                "linear_backend": backend,
+                "native_ops": bool(native_ops().use_native_ops) if backend == "packed" else False,
+                "attention_backend": type(getattr(self.runner, "attention_ops", None)).__name__,
+                "num_kv_blocks": self.runner.num_kv_blocks, "max_model_len": self.max_model_len,
+                "speculative": spec.method if spec is not None else None}
+
     @property
     def block_manager(self):
         """The scheduler's block manager, for statistics and tests (read only)."""

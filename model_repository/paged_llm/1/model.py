@@ -50,8 +50,9 @@ class TritonPythonModel:
         config = engine_config(parameters)                     # lower case: the engine's
         self.failure = EngineFailurePolicy(args["model_name"], settings.unload_on_engine_failure)
         self.engine = AsyncLLMEngine(config, on_failure=self.failure.engine_failed)
+        pb_utils.Logger.log_info("paged_llm: serving " + ", ".join(f"{k}={v}" for k, v in self.engine.describe().items()))
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
-                               settings.metric_namespaces, self.engine.engine.max_model_len)
+                               settings.metric_namespaces, self.engine.max_model_len)
         self.jobs, self.lock = {}, threading.Lock()
         self.closing = None            # why new requests are refused, once draining
         self.drain_lock, self.drained = threading.Lock(), False
@@ -104,7 +105,7 @@ class TritonPythonModel:
     def _submit(self, request, sender) -> Job:
         if self.closing:
             raise EngineDeadError(self.closing)
-        prompt = read_prompt_or_ids(request, self.engine.engine.max_prompt_chars)
+        prompt = read_prompt_or_ids(request, self.engine.max_prompt_chars)
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)   # what echo shows
         job = Job(uuid.uuid4().hex, text, read_flags(request), sender, triton_id=request.request_id())
         params = read_sampling_params(request)
