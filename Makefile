@@ -48,7 +48,7 @@ serve: setup
 
 # Arbitrary request payloads against the engine (10,000 examples; not part of `make test`).
 fuzz: setup
-	PAGEDBACKEND_FUZZ_EXAMPLES=$${PAGEDBACKEND_FUZZ_EXAMPLES:-10000} $(PY) -m pytest -q tests/test_request_fuzz.py
+	PAGEDBACKEND_FUZZ_EXAMPLES=$${PAGEDBACKEND_FUZZ_EXAMPLES:-10000} $(PY) -m pytest -q tests/engine/test_request_fuzz.py
 
 loadtest: setup
 	$(PY) -m loadtest.run_locust --out results/loadtest

@@ -38,3 +38,18 @@ def alive(pid: int) -> bool:
         return _stat_fields(pid)[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def group_members(pgid: int) -> list:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if stat:
+            state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == pgid and state != "Z":
+                members.append(int(entry.name))
+    return members

@@ -22,7 +22,7 @@ from processes import alive, children_of, processes_mentioning
 
 pytestmark = pytest.mark.slow
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 STREAM_TOKENS = 2000
 # The exit timeout, the launcher's margin, and the time the streams take to close.
 STOP_LIMIT_S = EXIT_TIMEOUT_S + 5 + 10

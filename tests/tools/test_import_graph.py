@@ -6,7 +6,7 @@ import ast
 import pathlib
 from typing import Dict, List, Optional, Set, Tuple
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Source folder -> the package it installs as (kernels/ installs as pagedbackend.kernels).
 SOURCES = {ROOT / "pagedbackend": "pagedbackend", ROOT / "kernels": "pagedbackend.kernels"}
 

@@ -27,7 +27,7 @@ from pagedbackend.worker.tp_protocol import (COPY, MESSAGE_LEN, SWAP_IN, SWAP_OU
 
 CPU = dict(device="cpu", attention_backend="torch", compile=False)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make_prompts(n, seed=0, low=3, high=60):

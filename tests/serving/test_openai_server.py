@@ -22,7 +22,7 @@ from pagedbackend.serving.openai.harness import OpenAIServer
 
 pytestmark = pytest.mark.slow
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 # Small pool: 96 blocks x 16 positions; the tiny model's context is 512.
 SETTINGS = dict(block_size=16, num_kv_blocks=96, max_num_seqs=64, max_num_batched_tokens=1024,
                 dtype="float32", device="cpu", compile=False)

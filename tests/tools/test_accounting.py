@@ -11,7 +11,7 @@ from pagedbackend.accounting import (
     PRESETS, KVModel, format_bytes, model_from_config, reserved_positions,
     scheme_report, utilisation_report)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKED = [37, 91, 128, 201, 511]
 
 

@@ -18,11 +18,11 @@ from client import ServerError, generate, grpc_stream, http_stream
 from fault_injection import make_faulty_repository
 from pagedbackend.serving.harness import TritonServer, free_port
 from pagedbackend.serving.repository import make_model_repository
-from test_serve import group_members
+from processes import group_members
 
 pytestmark = pytest.mark.slow
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SETTINGS = dict(num_kv_blocks=128, max_num_seqs=16, device="cpu", compile=False)
 LONG = {"max_tokens": 450, "ignore_eos": True}
 CRASH_MARKS = ("Signal (11)", "Signal (6)", "Signal (7)", "Segmentation fault", "terminate called",

@@ -451,7 +451,7 @@ def test_importing_kernels_defers_triton_and_its_interpreter_setting_until_a_ker
             "assert 'triton' in sys.modules\n"
             "assert os.environ.get('TRITON_INTERPRET') == (None if torch.cuda.is_available() else '1')")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1], env=env)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[2], env=env)
 
 
 # ---------------------------------------------------------------- on a GPU

@@ -44,7 +44,7 @@ MODES = {
 }
 # No flag, every flag, and each one alone (sent as explicit false otherwise).
 FLAG_SETS = [(), FLAGS] + [(flag,) for flag in FLAGS]
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,13 @@ import urllib.request
 import pytest
 
 from pagedbackend.config import EngineConfig, engine_config
-from processes import processes_mentioning
+from processes import group_members, processes_mentioning
 from pagedbackend.serving.harness import ServerError, TritonServer
 from pagedbackend.serving.process import find_tritonserver, prepare_backend, server_command, triton_home
 from pagedbackend.serving.repository import make_model_repository, read_parameters
 from pagedbackend.serving.triton.settings import ModelSettings
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 ECHO_CONFIG = """
 backend: "python"
@@ -256,21 +256,6 @@ def test_make_model_repository_replaces_and_adds_parameters(tmp_path):
     assert params["num_kv_blocks"] == "48" and params["model"] == "/m"
     assert params["seed"] == "5" and params["enable_prefix_caching"] == "false"
     assert params["max_num_seqs"] == "64"  # untouched entries stay
-
-
-def group_members(pgid: int) -> list:
-    """Live (not zombie) processes of process group ``pgid``."""
-    members = []
-    for entry in pathlib.Path("/proc").iterdir():
-        try:
-            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
-        except OSError:
-            continue
-        if stat:
-            state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
-            if int(pgrp) == pgid and state != "Z":
-                members.append(int(entry.name))
-    return members
 
 
 @pytest.mark.slow

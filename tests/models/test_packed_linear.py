@@ -386,9 +386,9 @@ def test_kernels_built_for_avx2_only_compute_the_same():
                            env=env, capture_output=True, text=True, timeout=600)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["16", "-march=x86-64-v3", "-mtune=native"]
-    tests = pathlib.Path(__file__).parent
+    tests = pathlib.Path(__file__).parents[1]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(tests / "test_packed_linear.py"), str(tests / "test_kernels.py"),
+                          str(tests / "models" / "test_packed_linear.py"), str(tests / "kernels" / "test_kernels.py"),
                           "-k", f"({' or '.join(AVX2_TESTS)}) and not avx2_only"], env=env, capture_output=True, text=True,
                          timeout=1200, cwd=tests.parent)
     assert run.returncode == 0, run.stdout[-3000:]
