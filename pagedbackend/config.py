@@ -149,14 +149,14 @@ class EngineConfig:
     # channel) or "int4" (groups of 32; the default model serves its GGUF's own
     # Q4_1 blocks). The LM head is int8 in both. "w8a8": int8's weights, and
     # the activations rounded to int8 per row at each matmul (int32 products).
-    # CPU only, tensor_parallel_size 1, dtype float32 or bfloat16. See
-    # BENCHMARKS.md for speed and quality.
+    # CPU only, tensor_parallel_size 1, dtype float32 or bfloat16. Speed and
+    # quality: BENCHMARKS.md, "quant_quality" and "quant_kernels".
     quantization: str = "none"
     # Kernel of the float32 and int8 linear layers: "packed" (weights packed at
     # load for a C kernel built on this machine, fastest at decode-sized steps;
     # CPU, float32 activations, needs gcc), "torch" (F.linear, or torch's int8
     # kernel) or "auto" (packed where it can run, else torch with one log
-    # line). See BENCHMARKS.md, sections 13 and 14.
+    # line). See BENCHMARKS.md, "cpu_kernels" and "quant_kernels".
     linear_backend: str = "auto"
     # Packed and w8a8 layers call their C++ torch operators (a compiled step
     # calls them without entering Python; BENCHMARKS.md, "native_ops_ab") where
