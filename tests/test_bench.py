@@ -276,6 +276,65 @@ def test_vllm_is_held_to_avx2_by_onednn_not_by_torch(monkeypatch, capability, he
     assert env["OMP_NUM_THREADS"] == "2"
 
 
+def test_peer_commands_carry_their_speculative_flags():
+    """vLLM's ``--speculative-config`` JSON and llama-server's draft model or
+    n-gram type (this llama.cpp build removed ``--draft-max`` and needs
+    ``--spec-type`` to use a draft at all); without them the commands are as
+    before, and no peer needs to be installed to build them."""
+    from loadtest.bench import peer_servers
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    plain = peer_servers.vllm("/v/python", "/m", 8001, 2, 16)
+    command = peer_servers.vllm("/v/python", "/m", 8001, 2, 16, speculative_config=spec).command
+    assert "--speculative-config" not in plain.command
+    assert command[:len(plain.command)] == plain.command
+    assert json.loads(command[command.index("--speculative-config") + 1]) == spec
+
+    base = peer_servers.llama("/b/llama-server", "t.gguf", 8002, 2, 4).command
+    assert "--metrics" in base and not any(arg.startswith("--spec") or arg == "-md" for arg in base)
+    draft = peer_servers.llama("/b/llama-server", "t.gguf", 8002, 2, 4, draft_gguf="d.gguf", draft_max=5).command
+    assert draft[:len(base)] == base
+    assert draft[len(base):] == ["--spec-type", "draft-simple", "-md", "d.gguf", "--spec-draft-n-max", "5"]
+    assert "--draft-max" not in draft and "--draft" not in draft
+    ngram = peer_servers.llama("/b/llama-server", "t.gguf", 8002, 2, 4, spec_type="ngram-simple",
+                               draft_max=4, ngram_size=3).command
+    assert ngram[len(base):] == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                                 "--spec-ngram-simple-size-m", "4"]
+
+
+def test_peer_acceptance_is_read_from_vllm_and_llama_cpp_counters():
+    """Both peers' ``spec_decode`` counters (vLLM's labelled, with creation
+    timestamps beside them; llama.cpp's bare) give the same acceptance."""
+    from loadtest.bench import peer_servers
+    vllm_page = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.79e+09',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 40.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 22.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 8.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 6.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="m",position="0"} 1.79e+09',
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 99.0'])
+    llama_page = "\n".join([
+        "# TYPE llamacpp:spec_decode_num_draft_tokens_total counter",
+        "llamacpp:spec_decode_num_draft_tokens_total 40",
+        "llamacpp:spec_decode_num_accepted_tokens_total 22",
+        "llamacpp:spec_decode_num_drafts_total 10",
+        'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 8',
+        'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 6',
+        "llamacpp:tokens_predicted_total 99"])
+    expected = {"draft_tokens": 40, "accepted_tokens": 22, "acceptance_rate": 0.55, "verifications": 10,
+                "accepted_per_verification": 2.2, "accepted_per_position": [0.8, 0.6]}
+    for page in (vllm_page, llama_page):
+        after = peer_servers.parse_spec_counters(page)
+        assert after == {"num_drafts": 10.0, "num_draft_tokens": 40.0, "num_accepted_tokens": 22.0,
+                         "num_accepted_tokens_per_pos[0]": 8.0, "num_accepted_tokens_per_pos[1]": 6.0}
+        assert peer_servers.draft_acceptance({}, after) == expected
+        assert peer_servers.draft_acceptance(after, after) is None
+    assert peer_servers.parse_spec_counters("llamacpp:tokens_predicted_total 5") == {}
+    assert peer_servers.spec_counters("http://127.0.0.1:9") == {}   # nothing listens: no counters
+
+
 @pytest.mark.parametrize("ending, expected", [
     ("os.kill(os.getpid(), signal.SIGILL)", "was killed by SIGILL (an instruction this CPU will not run"),
     ("sys.exit(3)", "exited with status 3; its log ends"),

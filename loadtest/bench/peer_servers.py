@@ -8,17 +8,30 @@ and one streaming request to each.
 
 Every stream function yields the number of new tokens of each event as it
 arrives; the driver stamps the times.
+
+Speculative decoding (vLLM 0.32 CPU and llama.cpp 11434, SmolLM2, this CPU):
+vLLM takes ``--speculative-config JSON`` (``vllm(..., speculative_config=)``:
+``ngram`` and ``draft_model`` run on its CPU backend); llama.cpp's server a
+draft GGUF with ``-md F --spec-type draft-simple --spec-draft-n-max N``
+(``llama(..., draft_gguf=, draft_max=)``; this build removed ``--draft-max``
+and, without ``--spec-type``, loads the draft and never uses it) or a
+draftless n-gram type (``spec_type="ngram-simple"``). Both count drafted and
+accepted tokens in ``*:spec_decode_*`` counters on ``/metrics`` (llama.cpp
+with ``--metrics``, always passed here): ``spec_counters`` reads them and
+``draft_acceptance`` compares two readings. llama.cpp also reports one
+request's ``draft_n`` / ``draft_n_accepted`` in its ``timings``.
 """
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 HOST = "127.0.0.1"
 
@@ -207,18 +220,109 @@ def step_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict[st
 
 
 def vllm(python: str, model_dir: str, port: int, threads: int, max_num_seqs: int,
-         env_file: Optional[str] = None) -> Server:
+         env_file: Optional[str] = None, speculative_config: Optional[dict] = None) -> Server:
+    """vLLM's OpenAI server; ``speculative_config`` (e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``)
+    goes to ``--speculative-config`` as JSON."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs),
                "--host", HOST, "--port", str(port)]
+    if speculative_config:
+        command += ["--speculative-config", json.dumps(speculative_config)]
     return Server("vllm", command, port, "/health", vllm_env(threads, env_file))
 
 
-def llama(binary: str, gguf: str, port: int, threads: int, slots: int, name: str = "llama") -> Server:
-    """Continuous batching is on by default; each slot holds 512 positions."""
+# llama.cpp's draftless speculative types whose draft length and n-gram size have flags of their own.
+LLAMA_NGRAM_FLAGS = {"ngram-simple": ("--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m"),
+                     "ngram-map-k": ("--spec-ngram-map-k-size-n", "--spec-ngram-map-k-size-m"),
+                     "ngram-map-k4v": ("--spec-ngram-map-k4v-size-n", "--spec-ngram-map-k4v-size-m")}
+
+
+def llama_spec_args(draft_gguf: Optional[str] = None, draft_max: int = 4,
+                    spec_type: Optional[str] = None, ngram_size: int = 3) -> List[str]:
+    """llama-server's speculative flags: a draft GGUF (``draft-simple``: this
+    build does not infer the type from an ordinary model, so without
+    ``--spec-type`` the draft is loaded and never used) drafting ``draft_max``
+    tokens, or a draftless type (``ngram-simple``: the ``draft_max`` tokens that
+    followed the last earlier match of the last ``ngram_size`` tokens)."""
+    if spec_type is None and draft_gguf is None:
+        return []
+    spec_type = spec_type or "draft-simple"
+    args = ["--spec-type", spec_type]
+    if draft_gguf:
+        args += ["-md", draft_gguf]
+    if spec_type.startswith("draft") or draft_gguf:
+        args += ["--spec-draft-n-max", str(draft_max)]
+    if spec_type in LLAMA_NGRAM_FLAGS:
+        size_n, size_m = LLAMA_NGRAM_FLAGS[spec_type]
+        args += [size_n, str(ngram_size), size_m, str(draft_max)]
+    elif spec_type == "ngram-mod":
+        args += ["--spec-ngram-mod-n-match", str(ngram_size), "--spec-ngram-mod-n-min", "1",
+                 "--spec-ngram-mod-n-max", str(draft_max)]
+    return args
+
+
+def llama(binary: str, gguf: str, port: int, threads: int, slots: int, name: str = "llama",
+          draft_gguf: Optional[str] = None, draft_max: int = 4, spec_type: Optional[str] = None,
+          ngram_size: int = 3, extra_args: Sequence[str] = ()) -> Server:
+    """Continuous batching is on by default; each slot holds 512 positions.
+    ``draft_gguf`` / ``spec_type``: speculative decoding (``llama_spec_args``);
+    ``/metrics`` is on, for ``spec_counters``. A ``GGML_NATIVE`` build on a CPU
+    that reports AMX but refuses it dies of SIGILL on a quantised GGUF (target
+    or draft): build with ``-mno-amx-*`` or pass ``extra_args=["--no-repack"]``."""
     command = [binary, "-m", gguf, "--host", HOST, "--port", str(port), "-np", str(slots),
-               "-c", str(512 * slots), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+               "-c", str(512 * slots), "-t", str(threads), "-tb", str(threads), "--no-webui", "--metrics"]
+    command += llama_spec_args(draft_gguf, draft_max, spec_type, ngram_size) + list(extra_args)
     return Server(name, command, port, "/health")
+
+
+# ---------------------------------------------------------------- draft acceptance
+
+_SPEC_LINE = re.compile(r'^(vllm|llamacpp):spec_decode_(num_\w+?)(_total|_created)?(?:\{([^}]*)\})? (\S+)$')
+
+
+def parse_spec_counters(text: str) -> Dict[str, float]:
+    """The ``spec_decode_*`` counters of a Prometheus page, vLLM's (``vllm:``)
+    or llama.cpp's (``llamacpp:``), summed over series: ``num_drafts``
+    (verifications), ``num_draft_tokens``, ``num_accepted_tokens`` and
+    ``num_accepted_tokens_per_pos[i]``."""
+    values: Dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SPEC_LINE.match(line.strip())
+        if match and match.group(3) != "_created":   # vLLM's creation timestamps
+            position = re.search(r'position="(\d+)"', match.group(4) or "")
+            key = match.group(2) + (f"[{position.group(1)}]" if position else "")
+            values[key] = values.get(key, 0.0) + float(match.group(5))
+    return values
+
+
+def spec_counters(server_or_url) -> Dict[str, float]:
+    """A peer's speculative counters now, from its ``/metrics`` (a ``Server`` or
+    a base URL); empty when it exports none or does not answer."""
+    url = getattr(server_or_url, "url", server_or_url).rstrip("/")
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+            return parse_spec_counters(reply.read().decode())
+    except OSError:
+        return {}
+
+
+def draft_acceptance(before: Dict[str, float], after: Dict[str, float]) -> Optional[dict]:
+    """Draft tokens, accepted tokens, their ratio, mean tokens accepted per
+    verification and the share of verifications accepting position i, between
+    two ``spec_counters`` readings; None when nothing was drafted."""
+    grew = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    drafted = grew.get("num_draft_tokens", 0.0)
+    if drafted <= 0:
+        return None
+    accepted = grew.get("num_accepted_tokens", 0.0)
+    verifications = grew.get("num_drafts", 0.0)
+    positions = sorted((int(k.split("[")[1][:-1]), v) for k, v in grew.items()
+                       if k.startswith("num_accepted_tokens_per_pos["))
+    return {"draft_tokens": int(drafted), "accepted_tokens": int(accepted),
+            "acceptance_rate": round(accepted / drafted, 4), "verifications": int(verifications),
+            "accepted_per_verification": round(accepted / verifications, 3) if verifications else None,
+            "accepted_per_position": [round(v / verifications, 4) for _, v in positions] if verifications else []}
 
 
 # ---------------------------------------------------------------- streams
@@ -244,10 +348,15 @@ def stream_vllm(url: str, model: str, prompt, max_tokens: int, timeout: float) -
             yield len(ids) if ids is not None else int(bool(choice.get("text")))
 
 
-def stream_llama(url: str, prompt, max_tokens: int, timeout: float) -> Iterator[int]:
+def stream_llama(url: str, prompt, max_tokens: int, timeout: float,
+                 timings: Optional[dict] = None) -> Iterator[int]:
+    """``timings``: filled with the last event's ``timings`` (with a draft model,
+    ``draft_n`` and ``draft_n_accepted`` of this request)."""
     body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "cache_prompt": False, "stream": True, "return_tokens": True}
     for event in _events(url + "/completion", body, timeout):
+        if timings is not None and isinstance(event.get("timings"), dict):
+            timings.update(event["timings"])
         ids = event.get("tokens")
         yield len(ids) if ids is not None else int(bool(event.get("content")))
 
