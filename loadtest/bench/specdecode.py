@@ -11,19 +11,20 @@ at EOS, at every ``--concurrency`` (a closed loop: that many streams, each
 sending its next request when the last one ends). Every system runs in a
 server of its own, one after another; rounds repeat the whole sequence, in
 turn order rotated, and the figures are medians over rounds. Acceptance per
-draft position comes from the servers' ``vllm:spec_decode_*`` counters
-(ours and vLLM's).
+draft position comes from the servers' ``spec_decode_*`` counters (ours
+and vLLM's under ``vllm:``, llama.cpp's under ``llamacpp:``). Modes: ours
+none / ngram / self_int4; vLLM none / ngram; llama.cpp none / ngram-mod /
+its draft-simple with the default model's Q4_1 GGUF as draft (the
+counterpart of self_int4).
 """
 import argparse
 import json
 import random
-import re
 import statistics
 import tempfile
 import threading
 import time
-import urllib.request
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List
 
 from pagedbackend.serving.harness import free_port
 
@@ -167,40 +168,6 @@ def summarise(records: List[dict]) -> dict:
             "tpot_ms_mean": round(1000 * statistics.fmean(tpot), 2) if tpot else None}
 
 
-def spec_counters(metrics_url: Optional[str]) -> Dict[str, float]:
-    """The vllm:spec_decode_* counters a server exports now (none without a page)."""
-    if not metrics_url:
-        return {}
-    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        return parse_spec_counters(reply.read().decode())
-
-
-def parse_spec_counters(text: str) -> Dict[str, float]:
-    """The vllm:spec_decode_* counters of a Prometheus page, per position too
-    (``num_accepted_tokens_per_pos[i]``)."""
-    values: Dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r'^vllm:spec_decode_(num_\w+?)(?:_total)?\{([^}]*)\} (\S+)$', line)
-        if match:
-            position = re.search(r'position="(\d+)"', match.group(2))
-            key = match.group(1) + (f"[{position.group(1)}]" if position else "")
-            values[key] = values.get(key, 0.0) + float(match.group(3))
-    return values
-
-
-def acceptance(before: Dict[str, float], after: Dict[str, float]) -> Optional[dict]:
-    grew = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    drafts = grew.get("num_draft_tokens", 0.0)
-    if not drafts:
-        return None
-    verifications = grew.get("num_drafts", 0.0) or 1.0
-    positions = sorted((int(k.split("[")[1][:-1]), v) for k, v in grew.items() if k.startswith("num_accepted_tokens_per_pos["))
-    return {"draft_tokens": int(drafts), "accepted_tokens": int(grew.get("num_accepted_tokens", 0.0)),
-            "acceptance_rate": round(grew.get("num_accepted_tokens", 0.0) / drafts, 3),
-            # The share of verifications whose draft at position i was accepted.
-            "accepted_per_position": [round(v / verifications, 3) for _, v in positions]}
-
-
 # ---------------------------------------------------------------- systems
 
 def systems(args) -> Dict[str, Callable[[], tuple]]:
@@ -216,7 +183,7 @@ def systems(args) -> Dict[str, Callable[[], tuple]]:
             server = peer_servers.ours(args.model, free_port(), args.threads, settings, repo)
             metrics_port = server.command[server.command.index("--metrics-port") + 1]
             return (server, lambda p: stream_ours(server.url, p, args.max_tokens, args.timeout),
-                    f"http://{peer_servers.HOST}:{metrics_port}/metrics")
+                    f"http://{peer_servers.HOST}:{metrics_port}")
         out[f"ours/{method}"] = make
     peers = find_peers(args)
     for message in peers["skipped"]:
@@ -227,17 +194,19 @@ def systems(args) -> Dict[str, Callable[[], tuple]]:
                 server = peer_servers.vllm(peers["found"]["vllm"], model_dir, free_port(), args.threads,
                                            max(64, max(args.concurrency)), speculative_config=spec)
                 return (server, lambda p: stream_vllm(server.url, model_dir, p, args.max_tokens, args.timeout),
-                        server.url + "/metrics")
+                        server.url)
             out[f"vllm/{name}"] = make
     if "llama" in peers["found"]:
         binary, ggufs = peers["found"]["llama"]
-        target = ggufs[0]
-        drafts = {"none": None, **({"draft_q4_1": args.llama_draft} if args.llama_draft else {})}
-        for name, draft in drafts.items():
-            def make(draft=draft):
-                server = peer_servers.llama(binary, target, free_port(), args.threads, max(args.concurrency),
-                                            draft_gguf=draft, draft_max=4)
-                return server, lambda p: stream_llama(server.url, p, args.max_tokens, args.timeout), None
+        # none; the Q4_1 GGUF of the same model as draft (our self_int4); draftless n-grams.
+        modes = {"none": {}, "ngram": {"spec_type": "ngram-mod", "draft_max": 4}}
+        if args.llama_draft:
+            modes["draft_q4_1"] = {"draft_gguf": args.llama_draft, "draft_max": 3}
+        for name, mode in modes.items():
+            def make(mode=mode):
+                server = peer_servers.llama(binary, ggufs[0], free_port(), args.threads, max(args.concurrency),
+                                            **mode)
+                return server, lambda p: stream_llama(server.url, p, args.max_tokens, args.timeout), server.url
             out[f"llama.cpp/{name}"] = make
     return out
 
@@ -252,10 +221,10 @@ def run_system(make, workloads: Dict[str, List[str]], concurrency: List[int]) ->
             for c in concurrency:
                 # One stream: half the prompts in turn; c streams: at least two requests each.
                 count = max(2, len(prompts) // 2) if c == 1 else max(len(prompts), 2 * c)
-                before = spec_counters(metrics_url)
+                before = peer_servers.spec_counters(metrics_url)
                 row = summarise(closed_loop(stream, [prompts[i % len(prompts)] for i in range(count)], c))
                 time.sleep(0.5)   # servers refresh their counters every 0.2 s
-                row["acceptance"] = acceptance(before, spec_counters(metrics_url))
+                row["acceptance"] = peer_servers.draft_acceptance(before, peer_servers.spec_counters(metrics_url))
                 rows[f"{workload}@{c}"] = row
     return rows
 
