@@ -72,7 +72,9 @@ def apply_suppression(logits: torch.Tensor, rows: Sequence[SampleRow], masked: b
             logits[r.row, ids] = float("-inf")
             if kept is not None and not bool(torch.isfinite(logits[r.row]).any()):
                 logits[r.row, ids] = kept
-        if r.constraint is not None and not bool(torch.isfinite(logits[r.row]).any()):
+        # The grammar alone always allows a token; processing and suppression may take them all.
+        if (r.constraint is not None and (r.suppress or r.params.has_logits_processing)
+                and not bool(torch.isfinite(logits[r.row]).any())):
             raise NoAllowedTokenError("no token satisfies the structured-output constraint together with "
                                       "allowed_token_ids, bad_words or logit_bias")
 
