@@ -192,7 +192,8 @@ def systems(args) -> Dict[str, Callable[[], tuple]]:
         for name, spec in (("none", None), ("ngram", METHODS["ngram"])):
             def make(spec=spec):
                 server = peer_servers.vllm(peers["found"]["vllm"], model_dir, free_port(), args.threads,
-                                           max(64, max(args.concurrency)), speculative_config=spec)
+                                           max(64, max(args.concurrency)), env_file=args.vllm_env,
+                                           speculative_config=spec)
                 return (server, lambda p: stream_vllm(server.url, model_dir, p, args.max_tokens, args.timeout),
                         server.url)
             out[f"vllm/{name}"] = make
@@ -241,6 +242,8 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-python", default=None)
+    ap.add_argument("--vllm-env", default=None, help="shell file of exports for vLLM (e.g. LD_PRELOAD of Intel "
+                                                   "OpenMP, which its CPU speculative decoding asks for)")
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--gguf", default=None, help="llama.cpp's target GGUF (f32 for a like-for-like run)")
     ap.add_argument("--llama-draft", default=None, help="llama.cpp's draft GGUF (the default model's Q4_1)")
@@ -252,6 +255,7 @@ def parse_args(argv=None):
     args.vllm_python = None if args.no_peers else (args.vllm_python or os.environ.get("BENCH_VLLM_PYTHON"))
     args.llama_server = None if args.no_peers else (args.llama_server or os.environ.get("BENCH_LLAMA_SERVER"))
     args.gguf = args.gguf or os.environ.get("BENCH_GGUF")
+    args.vllm_env = args.vllm_env or os.environ.get("BENCH_VLLM_ENV")
     args.llama_draft = args.llama_draft or os.environ.get("BENCH_LLAMA_DRAFT")
     if args.quick:
         args.requests, args.max_tokens, args.rounds, args.concurrency = 4, 48, 1, "1,4"
