@@ -44,25 +44,7 @@ class SwapMixin:
         if len(distinct) > self.num_free_swap_blocks:
             raise NoFreeBlocksError(
                 f"swapping out needs {len(distinct)} host blocks, {self.num_free_swap_blocks} free")
-        to_host: Dict[int, KVBlock] = {}
-        copies: BlockMapping = []
-        for seq_id in seq_ids:
-            state = self._seqs[seq_id]
-            host_blocks = []
-            for block in state.blocks:
-                host = to_host.get(block.block_id)
-                if host is None:
-                    host = to_host[block.block_id] = self.host_pool.allocate()
-                    self._host_meta[host.block_id] = (block.block_hash, block.parent_hash,
-                                                      block.token_ids, block.num_tokens)
-                    copies.append((block.block_id, host.block_id))
-                else:
-                    self.host_pool.incref(host)
-                host_blocks.append(host)
-            for block in reversed(state.blocks):
-                self.pool.decref(block)
-            state.blocks, state.on_device = host_blocks, False
-        return copies
+        return self._move(seq_ids, self.host_pool, self._to_host, self.pool.decref, on_device=False)
 
     def swap_in(self, seq_ids: Sequence[int]) -> BlockMapping:
         """Bring a swapped-out group back. Returns (host, device) pairs to copy;
@@ -71,22 +53,35 @@ class SwapMixin:
         if len(distinct) > self.pool.num_free:
             raise NoFreeBlocksError(f"swapping in needs {len(distinct)} device blocks, "
                                     f"{self.pool.num_free} free")
-        to_device: Dict[int, KVBlock] = {}
+        return self._move(seq_ids, self.pool, self._bring_back,
+                          lambda host: self._release(self.host_pool, host), on_device=True)
+
+    def _move(self, seq_ids: Sequence[int], target_pool, place, release, on_device: bool) -> BlockMapping:
+        """Give every distinct block of the group one counterpart in
+        ``target_pool`` (``place(block, copies)``), shared again wherever the
+        group shared it; the old blocks go back (``release``), last first."""
+        moved: Dict[int, KVBlock] = {}
         copies: BlockMapping = []
         for seq_id in seq_ids:
             state = self._seqs[seq_id]
-            device_blocks = []
-            for host in state.blocks:
-                block = to_device.get(host.block_id)
-                if block is None:
-                    block = to_device[host.block_id] = self._bring_back(host, copies)
+            blocks = []
+            for block in state.blocks:
+                twin = moved.get(block.block_id)
+                if twin is None:
+                    twin = moved[block.block_id] = place(block, copies)
                 else:
-                    self.pool.incref(block)
-                device_blocks.append(block)
-            for host in reversed(state.blocks):
-                self._release(self.host_pool, host)
-            state.blocks, state.on_device = device_blocks, True
+                    target_pool.incref(twin)
+                blocks.append(twin)
+            for block in reversed(state.blocks):
+                release(block)
+            state.blocks, state.on_device = blocks, on_device
         return copies
+
+    def _to_host(self, block: KVBlock, copies: BlockMapping) -> KVBlock:
+        host = self.host_pool.allocate()
+        self._host_meta[host.block_id] = (block.block_hash, block.parent_hash, block.token_ids, block.num_tokens)
+        copies.append((block.block_id, host.block_id))
+        return host
 
     def _bring_back(self, host: KVBlock, copies: BlockMapping) -> KVBlock:
         block_hash, parent_hash, token_ids, num_tokens = self._host_meta[host.block_id]
