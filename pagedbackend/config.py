@@ -20,6 +20,7 @@ ENV_PREFIX = "PAGEDBACKEND_"
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self_int4")
+DISABLE_BY_BATCH_SIZE = {"ngram": 8, "draft_model": 2, "self_int4": 2}
 QUANTIZATION_MODES = ("none", "int8", "int4", "w8a8")   # what each is: EngineConfig.quantization
 
 
@@ -41,8 +42,11 @@ class SpeculativeConfig:
     model: Optional[str] = None
     # draft_model: the draft's quantization ("none", "int8", "int4", "w8a8").
     quantization: str = "none"
-    # vLLM's name: no proposals in a step where more sequences decode (None: never off).
-    disable_by_batch_size: Optional[int] = 8
+    # vLLM's name: no proposals in a step where more sequences decode; 0: never
+    # off; None: the method's default (DISABLE_BY_BATCH_SIZE), from BENCHMARKS.md's
+    # "specdecode": a draft model's rounds cost nearly a target step on a CPU,
+    # so they pay only at one or two streams; n-gram lookups cost nothing.
+    disable_by_batch_size: Optional[int] = None
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -57,9 +61,11 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model (the draft's folder) is needed for method draft_model")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1 or null, "
-                             f"got {self.disable_by_batch_size!r}")
+        if self.disable_by_batch_size is None:
+            self.disable_by_batch_size = DISABLE_BY_BATCH_SIZE[self.method]
+        if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 0:
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 0 (0: never off) "
+                             f"or null (the method's default), got {self.disable_by_batch_size!r}")
 
     @classmethod
     def build(cls, value: Any) -> Optional["SpeculativeConfig"]:

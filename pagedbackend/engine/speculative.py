@@ -18,7 +18,9 @@ requests give the very tokens of non-speculative decoding.
 
 Adaptive rule. A step proposes nothing while more than
 ``disable_by_batch_size`` sequences decode (verifying costs compute that a
-full batch does not have to spare). Each sequence proposes at most one token
+full batch does not have to spare; a draft model's rounds cost nearly as much
+as a target step on a CPU, so its default limit is 2 streams, the n-gram
+lookup's 8). Each sequence proposes at most one token
 more than it had accepted at its previous verification (at least one, at most
 ``num_speculative_tokens``), so a sequence whose drafts keep failing costs one
 extra position a step, and one whose drafts are accepted grows to the limit.
@@ -76,7 +78,7 @@ class Speculator:
     def lookahead(self, num_decoding: int) -> int:
         """Speculative slots per decoding sequence for the coming step."""
         limit = self.config.disable_by_batch_size
-        if limit is not None and num_decoding > limit:
+        if limit and num_decoding > limit:
             return 0
         return self.config.num_speculative_tokens
 

@@ -162,7 +162,7 @@ def test_unseeded_samples_follow_the_target_distribution():
     prompt = chat("Count with me: one two three four five, one two three four five, one two three")
     params = SamplingParams(n=250, temperature=1.3, top_k=6, max_tokens=4, ignore_eos=True)
     settings = dict(num_kv_blocks=512, max_num_seqs=256, seed=1)
-    spec_config = {**METHODS["ngram"], "prompt_lookup_min": 1, "disable_by_batch_size": None}
+    spec_config = {**METHODS["ngram"], "prompt_lookup_min": 1, "disable_by_batch_size": 0}
     plain, _ = generate([prompt] * 4, params, **settings)
     spec, stats = generate([prompt] * 4, params, speculative_config=spec_config, **{**settings, "seed": 2})
     assert 0.1 < stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens < 0.95
@@ -179,7 +179,7 @@ def test_block_invariants_hold_through_a_fuzzed_mix_with_cancellations():
     config = EngineConfig(model="default", num_kv_blocks=26, block_size=8, max_num_seqs=6, compile=False,
                           preemption_mode="swap", swap_space_blocks=24, watermark=0.0,
                           speculative_config={"method": "ngram", "num_speculative_tokens": 5,
-                                              "prompt_lookup_min": 1, "disable_by_batch_size": None})
+                                              "prompt_lookup_min": 1, "disable_by_batch_size": 0})
     # Every slot a step reads must hold K/V of the reader's own verified
     # tokens: never a rejected draft's, never another request's.
     runner = TaggingRunner(ModelRunner(config))
@@ -212,6 +212,7 @@ def test_block_invariants_hold_through_a_fuzzed_mix_with_cancellations():
     ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, ["prompt_lookup_min"]),
     ({"method": "ngram", "lookahead": 3}, ["unknown", "lookahead"]),
     ('{"method": ', ["JSON"]),
+    ({"method": "ngram", "disable_by_batch_size": -1}, ["disable_by_batch_size"]),
 ])
 def test_a_bad_speculative_config_is_refused_naming_the_field(value, words):
     with pytest.raises(ValueError) as refused:
@@ -243,3 +244,13 @@ def test_verification_through_the_triton_lang_kernels_gives_plain_greedy_tokens(
         stats = llm.engine.get_stats()
     assert spec == plain
     assert stats.spec_num_accepted_tokens > 0 and stats.num_steps < 1 + len(plain)
+
+
+def test_proposals_stop_above_the_methods_batch_limit():
+    from pagedbackend.engine.speculative import Speculator
+    limits = {m: SpeculativeConfig(m, model="m").disable_by_batch_size for m in ("ngram", "draft_model", "self_int4")}
+    assert limits == {"ngram": 8, "draft_model": 2, "self_int4": 2}
+    speculator = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=3), proposer=None)
+    assert [speculator.lookahead(n) for n in (1, 8, 9, 32)] == [3, 3, 0, 0]
+    never = Speculator(SpeculativeConfig("ngram", disable_by_batch_size=0), proposer=None)
+    assert never.lookahead(256) == 3

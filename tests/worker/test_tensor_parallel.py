@@ -155,6 +155,21 @@ def test_two_ranks_generate_the_same_tokens_as_one(tiny_model_dir, one_rank):
 
 
 @pytest.mark.timeout(120)
+def test_ngram_speculation_on_two_ranks_gives_the_tokens_of_one(tiny_model_dir):
+    # Prompts that end as they began, after the model's own continuation of
+    # that beginning: n-grams are found at once and drafts verified
+    # (multi-token entries and their logits rows through the ranks).
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 0}
+    with LLM(str(tiny_model_dir), num_kv_blocks=256, **CPU) as llm:
+        first = token_ids(llm.generate(PROMPTS[:4], GREEDY))
+        prompts = [list(p) + out[0][:8] + list(p) for p, out in zip(PROMPTS[:4], first)]
+        plain = token_ids(llm.generate(prompts, GREEDY))
+    with LLM(str(tiny_model_dir), tensor_parallel_size=2, num_kv_blocks=256, speculative_config=spec, **CPU) as llm:
+        assert token_ids(llm.generate(prompts, GREEDY)) == plain
+        assert llm.engine.get_stats().spec_num_draft_tokens > 0
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_forced_preemption_under_two_ranks_keeps_the_tokens(tiny_model_dir, one_rank, mode):
     greedy, _ = one_rank
