@@ -1,8 +1,9 @@
 """Model implementations: our own torch forward passes over the paged KV cache.
 
 Every supported Hugging Face ``model_type`` maps to the class that serves it.
-Mistral and Qwen2 are Llama-shaped (Qwen2 adds q/k/v biases); a sliding-window
-model is served up to its window length (see ``LlamaArgs``). The classes (and
+Mistral and Qwen2 are Llama-shaped (Qwen2 adds q/k/v biases); their
+sliding-window layers attend to their window (``llama.sliding_windows``) at
+any context length. The classes (and
 torch with them) load on first use, so checking a model folder stays cheap.
 """
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})

@@ -13,14 +13,14 @@ names follow Hugging Face after merging q/k/v into ``qkv_proj`` and gate/up
 into ``gate_up_proj``; ``load_weights`` takes the original HF tensors.
 """
 import re
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedbackend.models.attention import PagedAttention
+from pagedbackend.models.attention import PagedAttention, layer_windows_of
 from pagedbackend.models.linear import (ColumnParallelLinear, QKVParallelLinear, Reduce,
                                         RowParallelLinear)
 from pagedbackend.models.rotary import (CosSin, RotaryEmbedding, apply_rotary, inverse_frequencies,
@@ -43,6 +43,7 @@ class LlamaArgs:
     attention_bias: bool
     mlp_bias: bool
     rope: dict
+    layer_windows: List[Optional[int]] = field(default_factory=list)   # per layer; None: full attention
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArgs":
@@ -50,12 +51,6 @@ class LlamaArgs:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (SwiGLU needs silu)")
         heads = cfg["num_attention_heads"]
-        max_positions = cfg.get("max_position_embeddings", 2048)
-        # Full causal attention equals sliding-window attention on sequences no
-        # longer than the window, so a windowed model is served up to its window.
-        window = cfg.get("sliding_window")
-        if window and (model_type != "qwen2" or cfg.get("use_sliding_window")):
-            max_positions = min(max_positions, window)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -65,14 +60,40 @@ class LlamaArgs:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=max_positions,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             # HF's LlamaConfig, MistralConfig and Qwen2Config all default to untied.
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama declares them in attention_bias.
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
             mlp_bias=cfg.get("mlp_bias", False),
             rope=rope_parameters(cfg),
+            layer_windows=sliding_windows(cfg),
         )
+
+
+def sliding_windows(cfg: dict) -> List[Optional[int]]:
+    """Each layer's sliding window (None: full attention), as Hugging Face
+    reads the config: Mistral windows every layer (``sliding_window``);
+    Qwen2 only with ``use_sliding_window``, the layers ``layer_types`` names
+    ``sliding_attention`` (by default those from ``max_window_layers`` on);
+    Llama has none."""
+    layers, model_type = cfg["num_hidden_layers"], cfg.get("model_type")
+    window = cfg.get("sliding_window")
+    if model_type == "llama" or (model_type == "qwen2" and not cfg.get("use_sliding_window", False)):
+        window = None
+    if window is None:
+        return [None] * layers
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive number of positions, got {window!r}")
+    types = cfg.get("layer_types") if model_type == "qwen2" else None
+    if types is None:
+        first = cfg.get("max_window_layers", 28) if model_type == "qwen2" else 0
+        return [window if i >= first else None for i in range(layers)]
+    kinds = {"sliding_attention": window, "full_attention": None}
+    if len(types) != layers or any(t not in kinds for t in types):
+        raise ValueError(f"layer_types must name {layers} layers, each 'sliding_attention' or "
+                         f"'full_attention', got {types!r}")
+    return [kinds[t] for t in types]
 
 
 class RMSNorm(nn.Module):
@@ -100,8 +121,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size, False,
                                         tp_rank, tp_size, reduce, dtype,
                                         in_slice=self.qkv_proj.rank_slices[0])
+        windows = args.layer_windows
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, args.head_dim,
-                                   args.head_dim ** -0.5, layer)
+                                   args.head_dim ** -0.5, layer, windows[layer] if windows else None)
 
     def forward(self, cos_sin: CosSin, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes_per_rank, dim=-1)
@@ -182,6 +204,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
         self.lm_head_matmul: Optional[nn.Module] = None   # set by use_head_matmul()
+
+    @property
+    def layer_windows(self) -> List[Optional[int]]:
+        """Each layer's sliding window (None: full attention)."""
+        return layer_windows_of(self)
 
     @property
     def num_kv_heads(self) -> int:
