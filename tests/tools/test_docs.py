@@ -113,6 +113,10 @@ def test_a_setting_without_a_comment_cannot_be_documented(tmp_path):
         config_reference.class_fields(source, "Example")
 
 
+def test_benchmarks_md_is_a_reference_of_at_most_1000_lines():
+    assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) <= BENCHMARKS_MAX_LINES
+
+
 def test_benchmarks_are_cited_by_name_not_by_section_number():
     numbered = re.compile(r"BENCHMARKS(\.md)?\W{0,3}sections?\s+\d", re.I)
     offenders = []
