@@ -113,6 +113,20 @@ def test_a_setting_without_a_comment_cannot_be_documented(tmp_path):
         config_reference.class_fields(source, "Example")
 
 
+def nav_pages() -> list:
+    return re.findall(r"^\s+- [^:\n]+: (\S+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+
+
+def test_readme_is_a_front_door_that_reaches_every_page_in_one_link():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MAX_LINES
+    assert "make serve" in readme and "make test" in readme
+    links = set(re.findall(r"\]\(([^)#\s]+)", readme))
+    for page in nav_pages():
+        target = page if page == "BENCHMARKS.md" else f"docs/{page}"
+        assert target in links, f"README.md does not link {target}"
+
+
 def test_benchmarks_md_is_a_reference_of_at_most_1000_lines():
     assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) <= BENCHMARKS_MAX_LINES
 
