@@ -59,8 +59,8 @@ class Field(NamedTuple):
 
 
 def class_fields(path: pathlib.Path, class_name: str) -> List[Field]:
-    """The annotated fields of ``class_name`` in ``path``, each with the comment above it.
-    Raises ValueError naming a field that has no comment."""
+    """The annotated fields of ``class_name`` in ``path``, each with the comment above it
+    (and any after it on its line). Raises ValueError naming a field that has no comment."""
     text = path.read_text()
     lines = text.splitlines()
     tree = ast.parse(text)
@@ -74,6 +74,9 @@ def class_fields(path: pathlib.Path, class_name: str) -> List[Field]:
         while row >= 0 and lines[row].strip().startswith("#"):
             comment.insert(0, lines[row].strip().lstrip("#").strip())
             row -= 1
+        inline = lines[node.lineno - 1].partition("  #")[2].strip()
+        if inline:   # a comment after the field, on its line
+            comment.append(inline)
         if not comment:
             raise ValueError(f"{class_name}.{node.target.id} has no comment above it saying what it is "
                              f"({path})")

@@ -108,9 +108,13 @@ def test_every_setting_has_a_documented_entry_in_the_reference(cls, name):
 
 def test_a_setting_without_a_comment_cannot_be_documented(tmp_path):
     source = tmp_path / "settings.py"
-    source.write_text("class Example:\n    # What it is.\n    documented: int = 1\n    bare: int = 2\n")
+    source.write_text("class Example:\n    # What it is.\n    documented: int = 1\n"
+                      "    inline: int = 2  # What this one is.\n    bare: int = 3\n")
     with pytest.raises(ValueError, match="Example.bare has no comment"):
         config_reference.class_fields(source, "Example")
+    source.write_text(source.read_text().replace("    bare: int = 3\n", ""))
+    assert [(f.name, f.doc) for f in config_reference.class_fields(source, "Example")] == [
+        ("documented", "What it is."), ("inline", "What this one is.")]
 
 
 def nav_pages() -> list:
