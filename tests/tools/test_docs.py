@@ -145,3 +145,16 @@ def test_benchmarks_are_cited_by_name_not_by_section_number():
                     if numbered.search(line):
                         offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_every_benchmarks_section_cited_by_name_exists():
+    sections = set(re.findall(r"^## (\S+(?: step)?)", (ROOT / "BENCHMARKS.md").read_text(), re.M))
+    cited = re.compile(r'BENCHMARKS(?:\.md)?[^"\n]{0,12}"([^"]+)"')
+    missing = []
+    for folder in ("pagedbackend", "kernels", "model_repository", "loadtest", "client"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and path.suffix in (".py", ".c", ".cpp", ".pbtxt"):
+                for name in cited.findall(path.read_text(errors="replace")):
+                    if name not in sections:
+                        missing.append(f"{path.relative_to(ROOT)}: {name!r}")
+    assert not missing, f"cited, but BENCHMARKS.md has no such section: {missing}"
