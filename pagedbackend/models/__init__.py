@@ -15,6 +15,7 @@ FAMILIES = {
     "llama": "llama:LlamaForCausalLM",
     "mistral": "llama:LlamaForCausalLM",
     "qwen2": "llama:LlamaForCausalLM",
+    "qwen3": "qwen3:Qwen3ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 

@@ -1,0 +1,79 @@
+"""Tiny random checkpoints of every served model family, saved by
+transformers itself, for the family tests and ``loadtest.bench models``.
+
+Each family gets a small config of its own kind (a few layers, hidden 64-128)
+that exercises what makes it differ: Qwen3's head_dim apart from the hidden
+size, Gemma 3's sliding and full layers with their own RoPE, Phi-3's partial
+rotary dims and fused tensors, SmolLM3's NoPE layers, Granite's multipliers,
+Mistral 3's and Gemma 3's multimodal wrappers (a one-layer vision tower that
+the engine skips). Weights are seeded and drawn wider than HF's init so that
+greedy decoding does not sit on near-ties; the tokenizer is SmolLM2's.
+"""
+import pathlib
+import shutil
+
+import torch
+
+from loadtest.tiny_model import TOKENIZER_FILES
+
+VOCAB = 49152   # SmolLM2's tokenizer
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+            bos_token_id=1, eos_token_id=2, pad_token_id=2)
+# Windowed families keep every test sequence within the window (served up to it).
+WINDOW = 128
+
+# name -> (model_type, config fields): one checkpoint per family, and the
+# RoPE variants that need a checkpoint of their own.
+CASES = {
+    "qwen3": ("qwen3", dict(TEXT, head_dim=32, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                                             "original_max_position_embeddings": 128})),
+    # Dynamic NTK: sequences that cross max_position_embeddings (32) while generating.
+    "llama-dynamic": ("llama", dict(TEXT, max_position_embeddings=32,
+                                    rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                     "factor": 2.0})),
+}
+
+# Norms that multiply by (1 + w): their weights are drawn around 0, not 1.
+OFFSET_NORMS = ("gemma",)
+
+
+def build_tiny_family(path, case: str, seed: int = 0, std: float = 0.15, **overrides) -> pathlib.Path:
+    """Write config.json, model.safetensors and SmolLM2's tokenizer of
+    ``case`` (a key of ``CASES``) into ``path``; ``overrides`` replace config
+    fields."""
+    from transformers import AutoConfig
+
+    from pagedbackend.models.default_model import resolve_model_path
+
+    path = pathlib.Path(path)
+    model_type, settings = CASES[case]
+    settings = {**settings, **overrides}
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = hf_model_class(model_type).from_config(config, dtype=torch.float32)
+    offset = model_type.startswith(OFFSET_NORMS)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_((0.0 if offset else 1.0) + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, std)
+    model.save_pretrained(path, safe_serialization=True)
+    source = resolve_model_path("default")
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, path / name)
+    return path
+
+
+def hf_model_class(model_type: str):
+    """The Auto class that builds ``model_type`` with an LM head."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    return AutoModelForImageTextToText if model_type == "mistral3" else AutoModelForCausalLM
+
+
+def load_hf(path, case: str):
+    """The saved checkpoint of ``case`` in transformers, fp32, for reference outputs."""
+    return hf_model_class(CASES[case][0]).from_pretrained(path, dtype=torch.float32).eval()
