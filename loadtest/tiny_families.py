@@ -29,6 +29,19 @@ CASES = {
     "qwen3": ("qwen3", dict(TEXT, head_dim=32, tie_word_embeddings=True,
                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
                                              "original_max_position_embeddings": 128})),
+    "gemma3_text": ("gemma3_text", dict(
+        TEXT, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}})),
+    "gemma3": ("gemma3", dict(
+        text_config=dict(TEXT, model_type="gemma3_text", head_dim=16, sliding_window=WINDOW,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4)),
+    "gemma2": ("gemma2", dict(TEXT, head_dim=16, query_pre_attn_scalar=32, sliding_window=WINDOW,
+                              attn_logit_softcapping=None, final_logit_softcapping=5.0)),
     # Dynamic NTK: sequences that cross max_position_embeddings (32) while generating.
     "llama-dynamic": ("llama", dict(TEXT, max_position_embeddings=32,
                                     rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,

@@ -16,6 +16,9 @@ FAMILIES = {
     "mistral": "llama:LlamaForCausalLM",
     "qwen2": "llama:LlamaForCausalLM",
     "qwen3": "qwen3:Qwen3ForCausalLM",
+    "gemma3_text": "gemma3:Gemma3ForCausalLM",
+    "gemma3": "gemma3:Gemma3ForConditionalGeneration",
+    "gemma2": "gemma3:Gemma2ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 

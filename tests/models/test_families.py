@@ -82,8 +82,17 @@ def test_engine_batch_with_prefix_cache_preemption_and_n_generates_what_transfor
 
 
 @pytest.mark.parametrize("case, windows", [
-    ("qwen3", [None, None])])
+    ("gemma3_text", [WINDOW, None, WINDOW, None]), ("gemma3", [WINDOW, None]), ("qwen3", [None, None])])
 def test_each_layer_says_its_sliding_window(tiny_family, case, windows):
     runner = make_runner(tiny_family(case), num_kv_blocks=4)
     assert runner.model.layer_windows == windows
     assert [layer.self_attn.attn.sliding_window for layer in runner.model.layers] == windows
+
+
+@pytest.mark.parametrize("case, parts", [("gemma3", ["multimodal projector", "vision tower"])])
+def test_a_multimodal_checkpoint_loads_its_text_decoder_and_says_what_it_skipped(tiny_family, caplog, case, parts):
+    with caplog.at_level("INFO", logger="pagedbackend"):
+        runner = make_runner(tiny_family(case), num_kv_blocks=4)
+    said = [r.getMessage() for r in caplog.records if "are not loaded" in r.getMessage()]
+    assert sorted(runner.model.skipped) == parts
+    assert [part for part in parts if any(f"of the {part} are not loaded" in line for line in said)] == parts
