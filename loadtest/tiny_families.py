@@ -42,6 +42,13 @@ CASES = {
         mm_tokens_per_image=4)),
     "gemma2": ("gemma2", dict(TEXT, head_dim=16, query_pre_attn_scalar=32, sliding_window=WINDOW,
                               attn_logit_softcapping=None, final_logit_softcapping=5.0)),
+    "phi3": ("phi3", dict(TEXT, hidden_size=128, partial_rotary_factor=0.5, tie_word_embeddings=False)),
+    # LongRoPE: short factors up to 32 positions, long ones past them.
+    "phi3-longrope": ("phi3", dict(
+        TEXT, hidden_size=128, max_position_embeddings=128, original_max_position_embeddings=32,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0 + 0.25 * i for i in range(8)],
+                         "long_factor": [2.0 + 1.5 * i for i in range(8)]})),
     # Dynamic NTK: sequences that cross max_position_embeddings (32) while generating.
     "llama-dynamic": ("llama", dict(TEXT, max_position_embeddings=32,
                                     rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,

@@ -19,6 +19,7 @@ FAMILIES = {
     "gemma3_text": "gemma3:Gemma3ForCausalLM",
     "gemma3": "gemma3:Gemma3ForConditionalGeneration",
     "gemma2": "gemma3:Gemma2ForCausalLM",
+    "phi3": "phi3:Phi3ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 

@@ -81,6 +81,13 @@ def test_engine_batch_with_prefix_cache_preemption_and_n_generates_what_transfor
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+def test_longrope_serving_at_most_the_original_length_uses_the_short_factors(tiny_family):
+    folder = tiny_family("phi3-longrope")
+    prompts = random_prompts([1, 7, 15], VOCAB, seed=2)   # with 16 new tokens: within 32 positions
+    runner = make_runner(folder, max_model_len=32)
+    assert greedy_paged(runner, prompts) == greedy_hf(load_hf(folder, "phi3-longrope"), prompts)
+
+
 @pytest.mark.parametrize("case, windows", [
     ("gemma3_text", [WINDOW, None, WINDOW, None]), ("gemma3", [WINDOW, None]), ("qwen3", [None, None])])
 def test_each_layer_says_its_sliding_window(tiny_family, case, windows):
@@ -96,3 +103,16 @@ def test_a_multimodal_checkpoint_loads_its_text_decoder_and_says_what_it_skipped
     said = [r.getMessage() for r in caplog.records if "are not loaded" in r.getMessage()]
     assert sorted(runner.model.skipped) == parts
     assert [part for part in parts if any(f"of the {part} are not loaded" in line for line in said)] == parts
+
+
+def test_two_tensor_parallel_ranks_generate_what_transformers_does(tiny_family):
+    """Phi-3's fused q/k/v and gate/up tensors, split into each rank's heads
+    and features, with partial RoPE, over two gloo ranks."""
+    case = "phi3"
+    folder = tiny_family(case)
+    prompts = engine_prompts(case)[:3]
+    expected = [hf_greedy_until_eos(load_hf(folder, case), p, NEW_TOKENS) for p in prompts]
+    with LLM(model=str(folder), compile=False, tensor_parallel_size=2, device="cpu",
+             attention_backend="torch") as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    assert [o.outputs[0].token_ids for o in outs] == expected
