@@ -49,6 +49,17 @@ CASES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0 + 0.25 * i for i in range(8)],
                          "long_factor": [2.0 + 1.5 * i for i in range(8)]})),
+    "mistral3": ("mistral3", dict(
+        text_config=dict(TEXT, model_type="mistral", head_dim=16, tie_word_embeddings=False),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=16, image_size=28, patch_size=14),
+        tie_word_embeddings=False)),
+    # Ministral 3's text decoder: YaRN and the position-scaled queries.
+    "ministral3": ("ministral3", dict(
+        TEXT, head_dim=16, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.5,
+                         "mscale": 1.0, "mscale_all_dim": 1.0})),
     # Dynamic NTK: sequences that cross max_position_embeddings (32) while generating.
     "llama-dynamic": ("llama", dict(TEXT, max_position_embeddings=32,
                                     rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,

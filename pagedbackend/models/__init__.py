@@ -20,6 +20,8 @@ FAMILIES = {
     "gemma3": "gemma3:Gemma3ForConditionalGeneration",
     "gemma2": "gemma3:Gemma2ForCausalLM",
     "phi3": "phi3:Phi3ForCausalLM",
+    "mistral3": "mistral3:Mistral3ForConditionalGeneration",
+    "ministral3": "mistral3:Ministral3ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 

@@ -96,7 +96,8 @@ def test_each_layer_says_its_sliding_window(tiny_family, case, windows):
     assert [layer.self_attn.attn.sliding_window for layer in runner.model.layers] == windows
 
 
-@pytest.mark.parametrize("case, parts", [("gemma3", ["multimodal projector", "vision tower"])])
+@pytest.mark.parametrize("case, parts", [("gemma3", ["multimodal projector", "vision tower"]),
+                                         ("mistral3", ["multimodal projector", "vision tower"])])
 def test_a_multimodal_checkpoint_loads_its_text_decoder_and_says_what_it_skipped(tiny_family, caplog, case, parts):
     with caplog.at_level("INFO", logger="pagedbackend"):
         runner = make_runner(tiny_family(case), num_kv_blocks=4)
