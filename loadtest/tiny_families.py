@@ -49,6 +49,7 @@ CASES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0 + 0.25 * i for i in range(8)],
                          "long_factor": [2.0 + 1.5 * i for i in range(8)]})),
+    "smollm3": ("smollm3", dict(TEXT, num_hidden_layers=4, no_rope_layer_interval=2, tie_word_embeddings=True)),
     "mistral3": ("mistral3", dict(
         text_config=dict(TEXT, model_type="mistral", head_dim=16, tie_word_embeddings=False),
         vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -22,6 +22,7 @@ FAMILIES = {
     "phi3": "phi3:Phi3ForCausalLM",
     "mistral3": "mistral3:Mistral3ForConditionalGeneration",
     "ministral3": "mistral3:Ministral3ForCausalLM",
+    "smollm3": "smollm3:SmolLM3ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 

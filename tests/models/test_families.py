@@ -89,11 +89,20 @@ def test_longrope_serving_at_most_the_original_length_uses_the_short_factors(tin
 
 
 @pytest.mark.parametrize("case, windows", [
-    ("gemma3_text", [WINDOW, None, WINDOW, None]), ("gemma3", [WINDOW, None]), ("qwen3", [None, None])])
+    ("gemma3_text", [WINDOW, None, WINDOW, None]), ("gemma3", [WINDOW, None]), ("qwen3", [None, None]),
+    ("smollm3", [None] * 4)])
 def test_each_layer_says_its_sliding_window(tiny_family, case, windows):
     runner = make_runner(tiny_family(case), num_kv_blocks=4)
     assert runner.model.layer_windows == windows
     assert [layer.self_attn.attn.sliding_window for layer in runner.model.layers] == windows
+
+
+def test_nope_layers_have_no_rope_and_gemma_layer_types_their_own(tiny_family):
+    smollm3 = make_runner(tiny_family("smollm3"), num_kv_blocks=4).model
+    assert [layer.self_attn.rope for layer in smollm3.layers] == [0, None, 0, None]
+    gemma = make_runner(tiny_family("gemma3_text"), num_kv_blocks=4).model
+    assert [layer.self_attn.rope for layer in gemma.layers] == [0, 1, 0, 1]
+    assert [params["rope_theta"] for params in gemma.args.ropes] == [10000.0, 1e6]
 
 
 @pytest.mark.parametrize("case, parts", [("gemma3", ["multimodal projector", "vision tower"]),
