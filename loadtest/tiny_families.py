@@ -50,6 +50,8 @@ CASES = {
                          "short_factor": [1.0 + 0.25 * i for i in range(8)],
                          "long_factor": [2.0 + 1.5 * i for i in range(8)]})),
     "smollm3": ("smollm3", dict(TEXT, num_hidden_layers=4, no_rope_layer_interval=2, tie_word_embeddings=True)),
+    "granite": ("granite", dict(TEXT, embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.2,
+                                logits_scaling=2.5, tie_word_embeddings=False)),
     "mistral3": ("mistral3", dict(
         text_config=dict(TEXT, model_type="mistral", head_dim=16, tie_word_embeddings=False),
         vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,

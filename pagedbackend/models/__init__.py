@@ -23,6 +23,7 @@ FAMILIES = {
     "mistral3": "mistral3:Mistral3ForConditionalGeneration",
     "ministral3": "mistral3:Ministral3ForCausalLM",
     "smollm3": "smollm3:SmolLM3ForCausalLM",
+    "granite": "granite:GraniteForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 
