@@ -80,7 +80,8 @@ def gemma_ropes(cfg: dict, layer_types: List[str]) -> List[Optional[dict]]:
         full = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 1e6),
                 **(cfg.get("rope_scaling") or {}), **given}
         sliding = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}
-        cfg = {**cfg, "rope_parameters": {"full_attention": full, "sliding_attention": sliding}}
+        cfg = {**cfg, "layer_types": layer_types,
+               "rope_parameters": {"full_attention": full, "sliding_attention": sliding}}
     settings = [rope_parameters(cfg, kind) for kind in layer_types]
     for params in settings:
         if params is not None and params.get("partial_rotary_factor", 1.0) != 1.0:

@@ -3,6 +3,8 @@
 transformers: through shuffled paged blocks with prefills and decodes mixed,
 and through the engine batched with other sequences, with prefix caching,
 under preemption (recompute and swap) and with n > 1."""
+import shutil
+
 import pytest
 import torch
 
@@ -79,6 +81,17 @@ def test_engine_batch_with_prefix_cache_preemption_and_n_generates_what_transfor
     assert stats.prefix_cache_hits > 0
     assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions > 0
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_bfloat16_checkpoint_is_served_in_float32(tiny_family, tmp_path):
+    from safetensors.torch import load_file, save_file
+    folder = shutil.copytree(tiny_family("gemma3"), tmp_path / "bf16")
+    tensors = {name: t.to(torch.bfloat16) for name, t in load_file(folder / "model.safetensors").items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    runner = make_runner(folder)
+    assert {p.dtype for p in runner.model.parameters()} == {runner.kv_cache.dtype} == {torch.float32}
+    prompts = random_prompts([5, 20], VOCAB, seed=3)
+    assert greedy_paged(runner, prompts) == greedy_hf(load_hf(folder, "gemma3"), prompts)
 
 
 def test_longrope_serving_at_most_the_original_length_uses_the_short_factors(tiny_family):
