@@ -60,7 +60,7 @@ CASES = {
     # Ministral 3's text decoder: YaRN and the position-scaled queries.
     "ministral3": ("ministral3", dict(
         TEXT, head_dim=16, max_position_embeddings=256,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
                          "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.5,
                          "mscale": 1.0, "mscale_all_dim": 1.0})),
     # Dynamic NTK: sequences that cross max_position_embeddings (32) while generating.
