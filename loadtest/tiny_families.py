@@ -73,10 +73,12 @@ CASES = {
 OFFSET_NORMS = ("gemma",)
 
 
-def build_tiny_family(path, case: str, seed: int = 0, std: float = 0.15, **overrides) -> pathlib.Path:
+def build_tiny_family(path, case: str, seed: int = 0, std: float = 0.15, shape=None,
+                      **overrides) -> pathlib.Path:
     """Write config.json, model.safetensors and SmolLM2's tokenizer of
     ``case`` (a key of ``CASES``) into ``path``; ``overrides`` replace config
-    fields."""
+    fields, ``shape`` those of the text decoder (``hidden_size``,
+    ``num_hidden_layers``, ...: its layer types repeat to the new depth)."""
     from transformers import AutoConfig
 
     from pagedbackend.models.default_model import resolve_model_path
@@ -84,6 +86,12 @@ def build_tiny_family(path, case: str, seed: int = 0, std: float = 0.15, **overr
     path = pathlib.Path(path)
     model_type, settings = CASES[case]
     settings = {**settings, **overrides}
+    if shape:
+        text = dict(settings.get("text_config", settings), **shape)
+        if "layer_types" in text:
+            text["layer_types"] = [text["layer_types"][i % len(text["layer_types"])]
+                                   for i in range(text["num_hidden_layers"])]
+        settings = {**settings, "text_config": text} if "text_config" in settings else text
     config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(seed)
     model = hf_model_class(model_type).from_config(config, dtype=torch.float32)
