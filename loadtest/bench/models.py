@@ -28,15 +28,16 @@ FAMILY_CASES = ["llama", "qwen3", "gemma3_text", "gemma3", "gemma2", "phi3", "mi
 
 def checkpoint(case: str, hidden: int, layers: int) -> pathlib.Path:
     """The case's random checkpoint at this shape, built once into the cache."""
-    from loadtest.tiny_families import build_tiny_family
+    from loadtest.tiny_families import CASES, build_tiny_family
     from loadtest.tiny_model import build_tiny_llama
     from pagedbackend.config import cache_root
     path = cache_root() / "bench-families" / f"{case}-h{hidden}-l{layers}"
     if not (path / "config.json").exists():
         shape = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                      max_position_embeddings=4096)
-        if case.startswith("gemma"):   # windows wider than any context here: both attend in full
-            shape["sliding_window"] = 4096
+        settings = CASES[case][1]
+        if "sliding_window" in settings.get("text_config", settings):
+            shape["sliding_window"] = 4096   # wider than any context here: every layer attends in full
         if case == "llama":
             build_tiny_llama(path, **shape)
         else:
