@@ -30,8 +30,13 @@ $(STAMP): pyproject.toml requirements.txt constraints.txt
 	$(PY) -m pagedbackend.serve --prepare-only >/dev/null 2>&1 || true
 	touch $(STAMP)
 
+# Two passes: the suite on one process per core (files kept whole, so a module's
+# shared server stays in one process), then the few tests that measure the
+# machine's load (marked serial) alone. Exit code 5 is "no test selected".
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:xdist -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # tritonserver and the OpenAI-compatible API in front of it (OPENAI_PORT); Ctrl-C
 # or SIGTERM stops both (each gets one SIGTERM from here; repeats that reach them

@@ -43,9 +43,30 @@ def bench_model(model: str, cache_dir: str = None) -> str:
     base = pathlib.Path(cache_dir or os.environ.get("PAGEDBACKEND_CACHE",
                                                     pathlib.Path.home() / ".cache" / "pagedbackend"))
     path = base / "bench-tiny-llama"
-    if not (path / "config.json").exists():
-        build_tiny_llama(path, max_position_embeddings=4096)
+    built_once(path, lambda scratch: build_tiny_llama(scratch, max_position_embeddings=4096))
     return str(path)
+
+
+def built_once(path: pathlib.Path, build) -> pathlib.Path:
+    """``path``, made by ``build(scratch)`` in a scratch folder beside it and
+    renamed into place unless it exists: processes building it at the same
+    time (parallel tests, two benchmarks) never see a half-written folder."""
+    import shutil
+    import tempfile
+    if (path / "config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = pathlib.Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    try:
+        build(scratch)
+        try:
+            os.replace(scratch, path)
+        except OSError:   # another process put its build there first
+            if not (path / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return path
 
 
 def add_common_args(ap, out: str = "results/bench", threads: int = 1) -> None:

@@ -31,18 +31,16 @@ def checkpoint(case: str, hidden: int, layers: int) -> pathlib.Path:
     from loadtest.tiny_families import CASES, build_tiny_family
     from loadtest.tiny_model import build_tiny_llama
     from pagedbackend.config import cache_root
+    from loadtest.bench.common import built_once
+    shape = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                 max_position_embeddings=4096)
+    settings = CASES[case][1]
+    if "sliding_window" in settings.get("text_config", settings):
+        shape["sliding_window"] = 4096   # wider than any context here: every layer attends in full
     path = cache_root() / "bench-families" / f"{case}-h{hidden}-l{layers}"
-    if not (path / "config.json").exists():
-        shape = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                     max_position_embeddings=4096)
-        settings = CASES[case][1]
-        if "sliding_window" in settings.get("text_config", settings):
-            shape["sliding_window"] = 4096   # wider than any context here: every layer attends in full
-        if case == "llama":
-            build_tiny_llama(path, **shape)
-        else:
-            build_tiny_family(path, case, shape=shape)
-    return path
+    if case == "llama":
+        return built_once(path, lambda scratch: build_tiny_llama(scratch, **shape))
+    return built_once(path, lambda scratch: build_tiny_family(scratch, case, shape=shape))
 
 
 def measure(case: str, folder, batch: int, context: int, steps: int, rounds: int,

@@ -168,6 +168,7 @@ def test_every_engine_in_a_process_shares_one_watching_governor():
 
 @needs_governor
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) > 4, reason="one busy process contends only on a few cores")
+@pytest.mark.serial   # the other tests' processes would be neighbours too
 def test_real_neighbour_switches_to_short_spin_and_back():
     """Matmuls on every core of ours beside processes that spin on every core:
     the governor sees our threads wait and switches; without them it switches back."""

@@ -22,7 +22,7 @@ from pagedbackend.worker.model_runner import SeqEntry
 from pagedbackend.models.linear import (QKVParallelLinear, RowParallelLinear, kv_heads_of_rank,
                                         query_heads_of_rank)
 from loadtest.bench.broadcast import synthetic_decode_batch
-from processes import processes_mentioning
+from processes import children_of, processes_mentioning
 from pagedbackend.worker.tp_protocol import (COPY, MESSAGE_LEN, SWAP_IN, SWAP_OUT, TensorParallelError,
                                              pack_step, unpack_step)
 
@@ -118,10 +118,12 @@ def test_uneven_head_split_reassembles_the_full_attention_projections():
 
 def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(tiny_model_dir):
     # 4 query heads / 2 KV heads cannot go over 3 ranks.
-    workers = set(processes_mentioning("pagedbackend.worker.tp_worker"))
+    def our_workers():   # this process's own: tests in other processes may run workers meanwhile
+        return set(processes_mentioning("pagedbackend.worker.tp_worker")) & set(children_of([os.getpid()]))
+    workers = our_workers()
     with pytest.raises(ValueError, match="num_key_value_heads"):
         LLM(str(tiny_model_dir), tensor_parallel_size=3, num_kv_blocks=32, **CPU)
-    assert set(processes_mentioning("pagedbackend.worker.tp_worker")) <= workers   # none was started
+    assert our_workers() <= workers   # none was started
 
 
 # ---- the step message -------------------------------------------------------
