@@ -180,7 +180,7 @@ class ReplicaWorker(LLMEngine):
             if exc.status == 400:
                 raise InvalidArgument(exc.message) from None
             if exc.status == 503 or SHUTTING_DOWN in exc.message:   # another replica can take it
-                asyncio.get_running_loop().create_task(self._check_replica())
+                self.tasks.append(asyncio.get_running_loop().create_task(self._check_replica()))
                 raise Disconnected(f"replica {self.args.triton_url}: {exc.message}") from None
             raise Unknown(f"replica {self.args.triton_url}: {exc.message}") from None
         finally:
