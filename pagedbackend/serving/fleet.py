@@ -68,6 +68,18 @@ def frontend_workers(port: int, model: str = SERVED_MODEL) -> int:
     return sum(1 for i in instances if i.get("endpoint") == "generate")
 
 
+def child_pids(pid: int) -> List[int]:
+    """Live children of ``pid`` (a replica's launcher: its tritonserver)."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     env = os.environ.get
     parser = argparse.ArgumentParser(prog="python -m pagedbackend.serving.fleet", description=__doc__.split("\n")[0])
