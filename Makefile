@@ -12,6 +12,9 @@ REPLICAS ?= 2
 FLEET_BASE_PORT ?= 8100
 MIGRATION_LIMIT ?= 3
 FLEET_ARGS ?=
+# `make serve MODEL=FOLDER` (and `make fleet MODEL=FOLDER`) serves a Hugging Face model folder
+# instead of the default model.
+MODEL :=
 PYTEST_ARGS ?=
 SOAK_MINUTES ?= 10
 
@@ -45,9 +48,10 @@ serve: SHELL := /bin/bash
 serve: setup
 	@export PAGEDBACKEND_ADMIN_KEY=$${PAGEDBACKEND_ADMIN_KEY:-$$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}; \
 	$(PY) -m pagedbackend.serve --model-repository model_repository \
-	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) & triton=$$!; \
+	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+	  $(if $(MODEL),--model $(MODEL)) & triton=$$!; \
 	$(PY) -m pagedbackend.serving.openai_server --triton-url 127.0.0.1:$(GRPC_PORT) \
-	  --port $(OPENAI_PORT) & openai=$$!; \
+	  --port $(OPENAI_PORT) $(if $(MODEL),--tokenizer $(MODEL)) & openai=$$!; \
 	stopped=; stop() { [ -n "$$stopped" ] && return; stopped=1; trap '' INT TERM; \
 	  kill $$triton $$openai 2>/dev/null; }; \
 	trap stop INT TERM; \
@@ -60,7 +64,7 @@ serve: setup
 fleet: SHELL := /bin/bash
 fleet: setup
 	@exec $(PY) -m pagedbackend.serving.fleet --replicas $(REPLICAS) --openai-port $(OPENAI_PORT) \
-	  --base-port $(FLEET_BASE_PORT) --migration-limit $(MIGRATION_LIMIT) $(FLEET_ARGS)
+	  --base-port $(FLEET_BASE_PORT) --migration-limit $(MIGRATION_LIMIT) $(if $(MODEL),--model $(MODEL)) $(FLEET_ARGS)
 
 # Arbitrary request payloads against the engine (10,000 examples; not part of `make test`).
 fuzz: setup

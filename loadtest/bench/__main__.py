@@ -30,6 +30,7 @@ BENCHMARKS = {
     "quant_quality": "quantization none / int8 / int4: perplexity, greedy agreement, offline tokens/s",
     "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
     "fleet": "replicas behind Dynamo's KV router vs round-robin and random on multi-turn chat; the hop's cost",
+    "models": "per model family: decode-batch step time, ours against Hugging Face's forward",
 }
 NEEDS_CUDA = {"gpu"}
 # Each installs a client of its own from PyPI on first use: run them by name only.
@@ -44,6 +45,7 @@ QUICK_ARGS = {
     "contention": ["--quick", "--model", "tiny"],
     "fairness": ["--quick", "--model", "tiny"],
     "fleet": ["--quick"],
+    "models": ["--quick", "--hidden", "64", "--layers", "2"],
 }
 
 

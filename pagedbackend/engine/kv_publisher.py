@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Optional
 
+from ..core.kv_events import KVEventLog
 from ..kv_events_config import KVEventsConfig
 
 logger = logging.getLogger("pagedbackend")
@@ -151,3 +152,29 @@ def make_publisher(config: Optional[KVEventsConfig], dp_rank: int = 0):
     if config is None or not config.publishes:
         return NullPublisher()
     return ZmqPublisher(config, dp_rank)
+
+
+class KVEventRelay:
+    """The engine's end of ``kv_events_config``: the block pool records its
+    events in a log, and ``flush`` (once per engine step) hands them to the
+    publisher as one batch."""
+
+    def __init__(self, config: Optional[KVEventsConfig], prefix_caching: bool, pool):
+        self.publisher = make_publisher(config)
+        self.pool = pool
+        if config is not None and config.publishes:
+            if prefix_caching:
+                pool.events = KVEventLog()
+            else:
+                logger.warning("kv_events_config is on but enable_prefix_caching is off: no block enters "
+                               "the prefix cache, so no event is published")
+
+    def flush(self) -> None:
+        """Publish what the block pool recorded since the last flush."""
+        log = self.pool.events
+        if log is not None and log.events:
+            self.publisher.publish(log.take())
+
+    def shutdown(self) -> None:
+        """Send what is queued, then close the publisher's sockets."""
+        self.publisher.shutdown()

@@ -13,14 +13,12 @@ after it. The engine owns the tokenizer; the runner sees token ids only.
 """
 import dataclasses
 import logging
-import threading
 import time
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 import torch
 
 from ..config import EngineConfig
-from ..core.kv_events import KVEventLog
 from ..core.scheduler import Scheduler, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
 from ..models.default_model import resolve_model_path
@@ -28,35 +26,14 @@ from ..sample import Sampler
 from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
-from .kv_publisher import make_publisher
+from .kv_publisher import KVEventRelay
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .speculative import make_speculator
 from .step_sampler import StepSampler, isolated
-from .tokenizer import eos_token_ids, load_tokenizer
+from .tokenizer import eos_token_ids, TokenizerLoad
 
 logger = logging.getLogger("pagedbackend")
-
-
-class _Background:
-    """``work(*args)`` in a thread; ``result()`` waits and returns it, or raises its error."""
-
-    def __init__(self, work, *args):
-        self._value, self._error = None, None
-
-        def run():
-            try:
-                self._value = work(*args)
-            except BaseException as exc:   # raised again in result()
-                self._error = exc
-        self._thread = threading.Thread(target=run, name="pagedbackend-load", daemon=True)
-        self._thread.start()
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 class LLMEngine:
@@ -66,7 +43,7 @@ class LLMEngine:
         model_path = resolve_model_path(config.model)
         self.config = config = dataclasses.replace(config, model=str(model_path))
         # The tokenizer (most of it importing transformers) loads beside the weights.
-        tokenizer = _Background(load_tokenizer, model_path)
+        tokenizer = TokenizerLoad(model_path)
         if runner is None:
             from ..worker import make_executor
             runner = make_executor(config, compile_in_background)
@@ -78,7 +55,8 @@ class LLMEngine:
         model_key = f"{model_path}|{config.dtype}|{config.quantization}".encode()
         self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config)
         self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key)
-        self.kv_events = self._start_kv_events(config)
+        self.kv_events = KVEventRelay(config.kv_events_config, config.enable_prefix_caching,
+                                      self.block_manager.pool)
         self.speculator = make_speculator(config, runner, compile_in_background)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
@@ -223,7 +201,7 @@ class LLMEngine:
                 self.speculator.copy_blocks(sched.copy_pairs)
         if sched.is_empty:
             self.last_step_seconds = time.perf_counter() - start
-            self._publish_kv_events()
+            self.kv_events.flush()
             return outputs
         if self.speculator is not None:
             propose_start = time.perf_counter()
@@ -257,7 +235,7 @@ class LLMEngine:
         self.stats.step_seconds += self.last_step_seconds
         self.stats.forward_seconds += self.last_forward_seconds
         self.stats.sample_seconds += self.last_sample_seconds
-        self._publish_kv_events()
+        self.kv_events.flush()
         return [o for o in outputs if o is not None]
 
     def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> RequestOutput:
@@ -280,29 +258,11 @@ class LLMEngine:
         if self.speculator is not None and seqs:
             self.speculator.release([s.seq_id for s in seqs])
 
-    # ------------------------------------------------------------ KV-cache events
-    def _start_kv_events(self, config: EngineConfig):
-        """The publisher of ``kv_events_config``; the block pool reports to a
-        log that ``step`` hands to it."""
-        publisher = make_publisher(config.kv_events_config)
-        if config.kv_events_config is not None and config.kv_events_config.publishes:
-            if config.enable_prefix_caching:
-                self.block_manager.pool.events = KVEventLog()
-            else:
-                logger.warning("kv_events_config is on but enable_prefix_caching is off: no block enters "
-                               "the prefix cache, so no event is published")
-        return publisher
-
-    def _publish_kv_events(self) -> None:
-        log = self.block_manager.pool.events
-        if log is not None and log.events:
-            self.kv_events.publish(log.take())
-
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no request holds (published as
         ``AllBlocksCleared`` when none is held). From the engine's thread."""
         self.block_manager.pool.reset_prefix_cache()
-        self._publish_kv_events()
+        self.kv_events.flush()
 
     # ------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
