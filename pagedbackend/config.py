@@ -8,6 +8,8 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
+from .kv_events_config import KVEventsConfig
+
 
 def cache_root() -> pathlib.Path:
     """Where prepared models, compiled kernels and the inductor cache live
@@ -205,6 +207,10 @@ class EngineConfig:
     # "prompt_lookup_max", "model", "quantization", "disable_by_batch_size"}
     # (SpeculativeConfig; JSON text in config.pbtxt). None: off.
     speculative_config: Optional[Any] = None
+    # vLLM's KV-cache events for KV-aware routers: {"enable_kv_cache_events":
+    # true, "endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events", ...}
+    # (KVEventsConfig: every field; JSON text in config.pbtxt). None: off.
+    kv_events_config: Optional[Any] = None
 
     def __post_init__(self):
         def choice(name, allowed):
@@ -257,6 +263,7 @@ class EngineConfig:
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         self.speculative_config = SpeculativeConfig.build(self.speculative_config)
+        self.kv_events_config = KVEventsConfig.build(self.kv_events_config)
         spec = self.speculative_config
         if spec is not None and spec.method != "ngram" and self.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config.method {spec.method} does not support tensor_parallel_size > 1 "

@@ -74,7 +74,7 @@ class BlockManager(SwapMixin):
         self.hash_fn = hash_fn
         self._seqs: Dict[int, _SeqBlocks] = {}
         # Device block content carried by each host block, to find it again on swap-in.
-        self._host_meta: Dict[int, Tuple[Optional[bytes], Optional[bytes], Optional[tuple], int]] = {}
+        self._host_meta: Dict[int, Tuple[Optional[bytes], Optional[bytes], Optional[tuple], int, bytes]] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0     # of those, tokens found cached
 
@@ -305,7 +305,7 @@ class BlockManager(SwapMixin):
                            start=start, parent_hash=parent, limit=n_full)
         bs = self.block_size
         for i, h in enumerate(new, start):
-            self.pool.register(state.blocks[i], h, parent, token_ids[i * bs:(i + 1) * bs])
+            self.pool.register(state.blocks[i], h, parent, token_ids[i * bs:(i + 1) * bs], state.salt)
             parent = h
         state.hashes.extend(new)
 

@@ -5,8 +5,18 @@ Like page frames in an OS, blocks are handed out and returned in O(1). A block
 whose reference count drops to zero keeps its hash and contents: it stays
 findable by the prefix cache until the pool needs it again, and free blocks are
 reused least-recently-freed first (lazy LRU eviction).
+
+Cached blocks form a tree: a block is registered only under a cached parent,
+and a block leaving the cache takes its cached descendants with it (a prefix
+lookup walks from the first block, so they could not be found anyway). With
+``events`` set (a ``KVEventLog``), blocks entering the prefix cache
+(``register``) and leaving it (eviction, reset) are reported there, each block
+before its parent, for routers that route by what the engine holds
+(``kv_events.py``).
 """
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from .kv_events import KVEventLog
 
 
 class BlockManagerError(RuntimeError):
@@ -20,7 +30,7 @@ class NoFreeBlocksError(BlockManagerError):
 class KVBlock:
     """One physical block of ``block_size`` token slots."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids",
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "salt",
                  "num_tokens", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
@@ -31,6 +41,7 @@ class KVBlock:
         self.block_hash: Optional[bytes] = None
         self.parent_hash: Optional[bytes] = None
         self.token_ids: Optional[Tuple[int, ...]] = None
+        self.salt = b""   # the cache salt in its hash (reported with the block's events)
         # Token positions of this block that hold a sequence's tokens (<= block_size).
         self.num_tokens = 0
         self.prev_free: Optional["KVBlock"] = None
@@ -101,9 +112,12 @@ class BlockPool:
         self.blocks: List[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: Dict[bytes, KVBlock] = {}
+        self.children: Dict[bytes, Set[KVBlock]] = {}   # parent hash -> its cached children
         self.num_shared = 0        # blocks with ref_cnt > 1
         self.num_cached_free = 0   # free blocks still holding a cached hash
         self.num_evictions = 0
+        # Set by the engine when KV-cache events are on (None: nothing reported).
+        self.events: Optional[KVEventLog] = None
 
     @property
     def num_free(self) -> int:
@@ -150,22 +164,52 @@ class BlockPool:
         return block
 
     def register(self, block: KVBlock, block_hash: bytes, parent_hash: Optional[bytes],
-                 token_ids: Sequence[int]) -> bool:
-        """Make a full, computed block findable by its hash. A hash already taken
-        (the same content computed twice, or a collision) leaves it unregistered."""
-        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+                 token_ids: Sequence[int], salt: bytes = b"") -> bool:
+        """Make a full, computed block findable by its hash (``salt``: the cache
+        salt that went into it, for its event). A hash already taken (the same
+        content computed twice, or a collision), or a parent no longer cached,
+        leaves it unregistered."""
+        if (not self.enable_caching or block.block_hash is not None or block_hash in self.cached
+                or (parent_hash is not None and parent_hash not in self.cached)):
             return False
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
+        block.salt = salt
         self.cached[block_hash] = block
+        if parent_hash is not None:
+            self.children.setdefault(parent_hash, set()).add(block)
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, block.token_ids, salt)
         return True
 
-    def _uncache(self, block: KVBlock) -> None:
-        del self.cached[block.block_hash]
-        block.block_hash = block.parent_hash = block.token_ids = None
+    def _uncache(self, block: KVBlock, report: bool = True) -> None:
+        """Drop the block's hash, and before it those of its cached descendants
+        (deepest first; those still free no longer count as cached)."""
+        subtree, stack = [], [block]
+        while stack:
+            node = stack.pop()
+            subtree.append(node)
+            stack.extend(self.children.pop(node.block_hash, ()))
+        for node in reversed(subtree):   # every child after its parent in subtree
+            if node is not block and node.ref_cnt == 0:
+                self.num_cached_free -= 1
+            del self.cached[node.block_hash]
+            if node.parent_hash is not None and node.parent_hash in self.children:
+                self.children[node.parent_hash].discard(node)
+                if not self.children[node.parent_hash]:
+                    del self.children[node.parent_hash]
+            if report and self.events is not None:
+                self.events.removed(node.block_hash)
+            node.block_hash = node.parent_hash = node.token_ids = None
+            node.salt = b""
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached hash of a free block (e.g. after weights change)."""
-        for block in list(self.cached.values()):
-            if block.ref_cnt == 0:
-                self._uncache(block)
+        """Forget every cached hash of a free block (e.g. after weights change):
+        reported as one ``AllBlocksCleared`` when no cached block is in use, else
+        block by block, newest first (children before their parents)."""
+        everything = all(block.ref_cnt == 0 for block in self.cached.values())
+        for block in reversed(list(self.cached.values())):
+            if block.ref_cnt == 0 and block.block_hash is not None:   # not gone with a parent
+                self._uncache(block, report=not everything)
                 self.num_cached_free -= 1
+        if everything and self.events is not None:
+            self.events.cleared()

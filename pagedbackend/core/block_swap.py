@@ -79,12 +79,13 @@ class SwapMixin:
 
     def _to_host(self, block: KVBlock, copies: BlockMapping) -> KVBlock:
         host = self.host_pool.allocate()
-        self._host_meta[host.block_id] = (block.block_hash, block.parent_hash, block.token_ids, block.num_tokens)
+        self._host_meta[host.block_id] = (block.block_hash, block.parent_hash, block.token_ids, block.num_tokens,
+                                          block.salt)
         copies.append((block.block_id, host.block_id))
         return host
 
     def _bring_back(self, host: KVBlock, copies: BlockMapping) -> KVBlock:
-        block_hash, parent_hash, token_ids, num_tokens = self._host_meta[host.block_id]
+        block_hash, parent_hash, token_ids, num_tokens, salt = self._host_meta[host.block_id]
         if block_hash is not None:
             cached = self.pool.lookup(block_hash, parent_hash, token_ids)
             if cached is not None:
@@ -94,5 +95,5 @@ class SwapMixin:
         block.num_tokens = num_tokens
         copies.append((host.block_id, block.block_id))
         if block_hash is not None:
-            self.pool.register(block, block_hash, parent_hash, token_ids)
+            self.pool.register(block, block_hash, parent_hash, token_ids, salt)
         return block

@@ -189,6 +189,7 @@ class AsyncLLMEngine:
         executor_shutdown = getattr(self.engine.runner, "shutdown", None)
         if executor_shutdown is not None:
             executor_shutdown()
+        self.engine.kv_events.shutdown()
 
     # ------------------------------------------------------------ loop
     def _run(self) -> None:

@@ -18,10 +18,12 @@ class LLM:
         return self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers, if any (also done when the LLM is garbage-collected)."""
+        """Stop tensor-parallel workers, if any (also done when the LLM is
+        garbage-collected), and the KV-event publisher."""
         stop = getattr(self.engine.runner, "shutdown", None)
         if stop is not None:
             stop()
+        self.engine.kv_events.shutdown()
 
     def __enter__(self) -> "LLM":
         return self

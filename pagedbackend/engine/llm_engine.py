@@ -26,6 +26,7 @@ from ..sample import Sampler
 from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
+from .kv_publisher import KVEventRelay
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .speculative import make_speculator
@@ -54,6 +55,8 @@ class LLMEngine:
         model_key = f"{model_path}|{config.dtype}|{config.quantization}".encode()
         self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config)
         self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key)
+        self.kv_events = KVEventRelay(config.kv_events_config, config.enable_prefix_caching,
+                                      self.block_manager.pool)
         self.speculator = make_speculator(config, runner, compile_in_background)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
@@ -198,6 +201,7 @@ class LLMEngine:
                 self.speculator.copy_blocks(sched.copy_pairs)
         if sched.is_empty:
             self.last_step_seconds = time.perf_counter() - start
+            self.kv_events.flush()
             return outputs
         if self.speculator is not None:
             propose_start = time.perf_counter()
@@ -231,6 +235,7 @@ class LLMEngine:
         self.stats.step_seconds += self.last_step_seconds
         self.stats.forward_seconds += self.last_forward_seconds
         self.stats.sample_seconds += self.last_sample_seconds
+        self.kv_events.flush()
         return [o for o in outputs if o is not None]
 
     def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> RequestOutput:
@@ -252,6 +257,12 @@ class LLMEngine:
         """Forget what speculation kept for sequences that are gone."""
         if self.speculator is not None and seqs:
             self.speculator.release([s.seq_id for s in seqs])
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (published as
+        ``AllBlocksCleared`` when none is held). From the engine's thread."""
+        self.block_manager.pool.reset_prefix_cache()
+        self.kv_events.flush()
 
     # ------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:

@@ -38,6 +38,7 @@ class Update:
     logprobs: Optional[List[Optional[list]]]
     num_cached_tokens: Optional[int] = None   # prompt tokens found in the prefix cache
     prompt_logprobs: Optional[list] = None    # per prompt token (None first), once computed
+    token_ids: Optional[List[List[int]]] = None   # per output index, its new token ids (output_ids)
 
 
 _NUMBERS = {"UINT32": "I", "INT32": "i", "UINT64": "Q", "INT64": "q", "FP32": "f"}
@@ -71,12 +72,17 @@ def read_update(response) -> Update:
     cached = outputs.get("num_cached_tokens")
     logprobs = outputs.get("logprobs")
     prompt_logprobs = outputs.get("prompt_logprobs")
+    ids = outputs.get("output_ids")
+    if ids is not None:   # [outputs, width], padded with -1
+        shape = next(list(o.shape) for o in response.outputs if o.name == "output_ids")
+        width = shape[1] if len(shape) == 2 else len(ids)
+        ids = [[t for t in ids[r * width:(r + 1) * width] if t >= 0] for r in range(len(ids) // width if width else 0)]
     return Update(texts, [None if r in (None, "", "None") else r for r in reasons],
                   outputs.get("num_output_tokens", [0] * len(texts)),
                   prompt_tokens[0] if prompt_tokens else None,
                   None if logprobs is None else [parse_logprobs(e) for e in logprobs],
                   cached[0] if cached else None,
-                  parse_logprobs(prompt_logprobs[0]) if prompt_logprobs else None)
+                  parse_logprobs(prompt_logprobs[0]) if prompt_logprobs else None, ids)
 
 
 def _input(name: str, value) -> "aioclient.InferInput":
@@ -93,6 +99,7 @@ FLAGS = [_input(name, True) for name in ("stream", "exclude_input_in_output", "r
 RETURN_LOGPROBS = _input("return_logprobs", True)
 RETURN_CACHED = _input("return_num_cached_tokens", True)
 RETURN_PROMPT_LOGPROBS = _input("return_prompt_logprobs", True)
+RETURN_OUTPUT_IDS = _input("return_output_ids", True)
 
 
 def _ids_input(ids: List[int]) -> "aioclient.InferInput":
@@ -283,10 +290,10 @@ class Triton:
         return ready
 
     def stream(self, model: str, prompt, params: dict, logprobs: bool, cached_tokens: bool = False,
-               prompt_logprobs: bool = False) -> TritonStream:
+               prompt_logprobs: bool = False, output_ids: bool = False) -> TritonStream:
         """``prompt``: text, or a list of token ids (the model's ``input_ids``);
-        ``cached_tokens``, ``prompt_logprobs``: ask for those outputs (a model
-        that declares them)."""
+        ``cached_tokens``, ``prompt_logprobs``, ``output_ids``: ask for those
+        outputs (a model that declares them)."""
         first = _input("text_input", prompt) if isinstance(prompt, str) else _ids_input(prompt)
         inputs = [first, _input("sampling_parameters", json.dumps(params)), *FLAGS]
         if prompt_logprobs:
@@ -295,6 +302,8 @@ class Triton:
             inputs.append(RETURN_LOGPROBS)
         if cached_tokens:
             inputs.append(RETURN_CACHED)
+        if output_ids:
+            inputs.append(RETURN_OUTPUT_IDS)
         request = {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
 
         async def one_request():

@@ -15,7 +15,7 @@ from pagedbackend.sampling_params import SamplingParams
 
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
          "return_logprobs", "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens",
-         "return_prompt_logprobs")
+         "return_prompt_logprobs", "return_output_ids")
 # Request parameters that Triton itself defines; the rest are sampling parameters.
 TRITON_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout"}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -38,6 +38,7 @@ class Job:
     n: int = 1                                # outputs asked for
     logprobs_requested: bool = False          # sampling parameter logprobs set
     texts: dict = field(default_factory=dict)          # output index -> text so far
+    ids: dict = field(default_factory=dict)            # output index -> token ids so far (if asked for)
     num_tokens: dict = field(default_factory=dict)     # output index -> tokens so far
     reasons: dict = field(default_factory=dict)
     logprobs: dict = field(default_factory=dict)       # output index -> cumulative logprob
@@ -152,6 +153,8 @@ def accumulate(job: Job, out) -> int:
     for o in out.outputs:
         job.texts[o.index] = job.texts.get(o.index, "") + o.text
         job.num_tokens[o.index] = job.num_tokens.get(o.index, 0) + len(o.token_ids)
+        if job.flags["return_output_ids"]:
+            job.ids.setdefault(o.index, []).extend(o.token_ids)
         job.reasons[o.index] = o.finish_reason or job.reasons.get(o.index)
         job.logprobs[o.index] = o.cumulative_logprob
         if job.flags["return_logprobs"]:
@@ -223,4 +226,10 @@ def build_response(job: Job, out, delta: bool):
     if job.flags["return_num_output_tokens"]:
         tensors.append(pb_utils.Tensor("num_output_tokens", np.array(
             [parts[i][1] for i in indices], dtype=np.uint32)))
+    if job.flags["return_output_ids"]:   # one row per output, padded with -1
+        rows = [list(changed[i].token_ids) if i in changed else [] for i in indices] if delta \
+            else [job.ids.get(i, []) for i in indices]
+        width = max((len(r) for r in rows), default=0)
+        tensors.append(pb_utils.Tensor("output_ids", np.array(
+            [r + [-1] * (width - len(r)) for r in rows], dtype=np.int64).reshape(len(rows), width)))
     return pb_utils.InferenceResponse(output_tensors=tensors)
