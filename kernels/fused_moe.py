@@ -1,5 +1,5 @@
-"""Mixture-of-experts feed-forward: the grouped GEMM in Triton-lang, its torch
-twin, and a plain torch reference that loops over the active experts.
+"""Mixture-of-experts feed-forward on GPUs: a grouped GEMM in Triton-lang and
+its torch twin (the reference loop over the active experts is ``moe_ref``).
 
 Every path computes, for tokens ``x`` ``[T, H]`` routed to experts ``ids``
 ``[T, k]`` with weights ``weights`` ``[T, k]`` (float32):
@@ -25,49 +25,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from pagedbackend.kernels import interpret_without_gpu
+from pagedbackend.kernels.moe_ref import ACTIVATIONS, activate, fused_experts_torch  # noqa: F401
 
 interpret_without_gpu()   # before any kernel is defined
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-ACTIVATIONS = ("silu", "swigluoai")
-
-
-def activate(h: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """``[rows, 2I]`` gate/up projections -> ``[rows, I]`` (see the module docstring)."""
-    gate, up = h.chunk(2, dim=-1)
-    if activation == "silu":
-        return F.silu(gate) * up
-    if activation == "swigluoai":
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return gate * torch.sigmoid(gate * alpha) * (up + 1)
-    raise ValueError(f"unknown expert activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
-
-
-def fused_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                        w2: torch.Tensor, b13: Optional[torch.Tensor] = None,
-                        b2: Optional[torch.Tensor] = None, activation: str = "silu",
-                        alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """The reference: each active expert, in ascending order, multiplies the
-    rows routed to it (as Hugging Face's experts do); slots sum into ``out``."""
-    out = torch.zeros_like(x)
-    experts = w13.shape[0]
-    flat = ids.reshape(-1).long()
-    hit = torch.unique(flat[(flat >= 0) & (flat < experts)]).tolist()
-    k = ids.shape[1]
-    for e in hit:
-        pairs = torch.nonzero(flat == e).squeeze(1)
-        tokens = pairs // k
-        h = F.linear(x[tokens], w13[e], None if b13 is None else b13[e])
-        y = F.linear(activate(h, activation, alpha, limit), w2[e], None if b2 is None else b2[e])
-        y = y * weights.reshape(-1)[pairs, None]
-        out.index_add_(0, tokens, y.to(out.dtype))
-    return out
-
 
 @dataclass
 class ExpertAlignment:

@@ -25,6 +25,7 @@ dimension (gate/up rows and down columns, as a dense MLP splits), or with
 routes the same tokens and one reduction sums the partial outputs. The down
 projection's bias is held once (rank 0, or the expert's own rank).
 """
+import threading
 from dataclasses import dataclass
 from typing import List, Optional, Set, Tuple
 
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedbackend.kernels import fused_moe, moe_cpu
+from pagedbackend.kernels import moe_cpu, moe_ref
 from pagedbackend.models.linear import Reduce, _identity, all_reduce_sum, even_split
 
 SCORINGS = ("softmax", "topk_softmax")
@@ -50,16 +51,16 @@ class MoEConfig:
     renormalize: bool = False         # softmax scoring: chosen probabilities rescaled to sum to 1
     router_bias: bool = False
     expert_bias: bool = False         # biases on gate/up and down (gpt-oss)
-    activation: str = "silu"          # fused_moe.ACTIVATIONS
+    activation: str = "silu"          # moe_ref.ACTIVATIONS
     swiglu_alpha: float = 1.702       # swigluoai's sigmoid gain
     swiglu_limit: float = 7.0         # swigluoai's clamp
 
     def __post_init__(self):
         if self.scoring not in SCORINGS:
             raise ValueError(f"unknown MoE scoring {self.scoring!r}; expected one of {', '.join(SCORINGS)}")
-        if self.activation not in fused_moe.ACTIVATIONS:
+        if self.activation not in moe_ref.ACTIVATIONS:
             raise ValueError(f"unsupported expert activation {self.activation!r}; supported: "
-                             f"{', '.join(fused_moe.ACTIVATIONS)}")
+                             f"{', '.join(moe_ref.ACTIVATIONS)}")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be between 1 and the number of "
                              f"experts ({self.num_experts})")
@@ -143,6 +144,8 @@ class FusedMoE(nn.Module):
         if kernel == "packed" and self.kernel != "packed":
             self.w13 = nn.Parameter(moe_cpu.pack_experts(self.w13.data), requires_grad=False)
             self.w2 = nn.Parameter(moe_cpu.pack_experts(self.w2.data), requires_grad=False)
+        if kernel == "triton":
+            _register_grouped()
         self.kernel = kernel
 
     def expert_weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -244,15 +247,32 @@ def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None
 
 # The torch and Triton paths as opaque operators: the torch loop over the
 # experts a step uses depends on the data, which a compiled graph cannot
-# trace; the grouped GEMM's launches stay as they are written.
+# trace; the grouped GEMM's launches stay as they are written. The Triton one
+# is registered on first use (importing triton is not cheap).
 _ops = torch.library.Library("pagedbackend", "FRAGMENT")
-for _name, _impl in (("fused_experts_torch", fused_moe.fused_experts_torch),
-                     ("fused_experts_grouped", fused_moe.fused_experts_grouped)):
-    _ops.define(f"{_name}(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, Tensor? b13, "
-                "Tensor? b2, str activation, float alpha, float limit) -> Tensor")
-    _ops.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"pagedbackend::{_name}")(
+_SCHEMA = ("(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, Tensor? b13, Tensor? b2, "
+           "str activation, float alpha, float limit) -> Tensor")
+
+
+def _register(name: str, impl) -> None:
+    _ops.define(name + _SCHEMA)
+    _ops.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"pagedbackend::{name}")(
         lambda x, ids, weights, w13, w2, b13, b2, activation, alpha, limit: x.new_empty(x.shape))
+
+
+_register("fused_experts_torch", moe_ref.fused_experts_torch)
+_grouped_registered = False
+_grouped_lock = threading.Lock()
+
+
+def _register_grouped() -> None:
+    global _grouped_registered
+    with _grouped_lock:   # tensor-parallel ranks may be threads of one process
+        if not _grouped_registered:
+            from pagedbackend.kernels import fused_moe
+            _register("fused_experts_grouped", fused_moe.fused_experts_grouped)
+            _grouped_registered = True
 
 
 def select_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:
