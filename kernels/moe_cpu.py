@@ -3,7 +3,7 @@
 A step's (token, slot) pairs are grouped by expert in C and each active
 expert multiplies its rows once, through the packed GEMM of
 ``csrc/packed_gemm.c``: a decode step of one sequence reads its top-k experts
-and nothing else. Expert weights are packed once, at load (``pack_experts``).
+and nothing else. Expert weights are packed once, at load (``pack_gate_up``, ``pack_down``).
 The call is a ``torch.library`` operator, so a compiled step keeps it as one
 opaque call. Each call adds the bytes of expert weights it read to
 ``bytes_read`` (a benchmark's count against the active-parameter floor).
@@ -72,21 +72,58 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def pack_experts(weight: torch.Tensor) -> torch.Tensor:
-    """Experts' weights ``[E, N, K]`` as ``[E, ceil(N / cols), K, cols]`` column
-    blocks, zero-padded (``packed_linear.pack`` for each expert)."""
-    cols = load_library().fused_moe_block_cols()
+def _pack(weight: torch.Tensor, cols: int) -> torch.Tensor:
+    """``[E, N, K]`` (N a multiple of ``cols``) as ``[E, N / cols, K, cols]`` column blocks."""
     experts, rows, k = weight.shape
-    blocks = -(-rows // cols)
-    padded = weight.new_zeros(experts, blocks * cols, k)
-    padded[:, :rows] = weight
-    return padded.view(experts, blocks, cols, k).transpose(2, 3).contiguous()
+    return weight.reshape(experts, rows // cols, cols, k).transpose(2, 3).contiguous()
 
 
-def unpack_experts(packed: torch.Tensor, rows: int) -> torch.Tensor:
-    """The ``[E, N, K]`` weights held in ``packed`` (the inverse of ``pack_experts``)."""
+def padded_intermediate(intermediate: int) -> int:
+    """The intermediate size rounded up to whole packed column blocks."""
+    cols = load_library().fused_moe_block_cols()
+    return -(-intermediate // cols) * cols
+
+
+def pack_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I, H]`` (gate rows, then up rows) as column blocks, gate block j
+    followed by up block j, each half zero-padded to ``padded_intermediate(I)`` rows."""
+    cols = load_library().fused_moe_block_cols()
+    experts, rows, hidden = w13.shape
+    inter = rows // 2
+    padded = padded_intermediate(inter)
+    halves = w13.new_zeros(experts, 2, padded, hidden)
+    halves[:, 0, :inter], halves[:, 1, :inter] = w13[:, :inter], w13[:, inter:]
+    interleaved = halves.view(experts, 2, padded // cols, cols, hidden).transpose(1, 2)
+    return _pack(interleaved.reshape(experts, 2 * padded, hidden), cols)
+
+
+def pack_down(w2: torch.Tensor) -> torch.Tensor:
+    """``[E, H, I]`` as column blocks of H, I zero-padded to ``padded_intermediate(I)``."""
+    cols = load_library().fused_moe_block_cols()
+    experts, hidden, inter = w2.shape
+    padded = w2.new_zeros(experts, -(-hidden // cols) * cols, padded_intermediate(inter))
+    padded[:, :hidden, :inter] = w2
+    return _pack(padded, cols)
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
     experts, blocks, k, cols = packed.shape
-    return packed.transpose(2, 3).reshape(experts, blocks * cols, k)[:, :rows]
+    return packed.transpose(2, 3).reshape(experts, blocks * cols, k)
+
+
+def unpack_gate_up(packed: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """The ``[E, 2I, H]`` weights held in ``pack_gate_up(w13)``."""
+    cols = packed.shape[3]
+    flat = _unpack(packed)
+    experts, rows, hidden = flat.shape
+    halves = flat.view(experts, rows // (2 * cols), 2, cols, hidden).transpose(1, 2)
+    halves = halves.reshape(experts, 2, rows // 2, hidden)[:, :, :intermediate]
+    return halves.reshape(experts, 2 * intermediate, hidden)
+
+
+def unpack_down(packed: torch.Tensor, hidden: int, intermediate: int) -> torch.Tensor:
+    """The ``[E, H, I]`` weights held in ``pack_down(w2)``."""
+    return _unpack(packed)[:, :hidden, :intermediate]
 
 
 _ops = torch.library.Library("pagedbackend", "FRAGMENT")
@@ -101,9 +138,10 @@ def _fused_moe_cpu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     outside ``[0, E)``: skipped) weighted by ``weights`` ``[T, k]`` float32."""
     tokens, hidden = x.shape
     experts = w13.shape[0]
+    padded = padded_intermediate(intermediate)
     if (x.dtype != torch.float32 or ids.dtype != torch.int32 or weights.dtype != torch.float32
             or ids.shape != weights.shape or ids.shape[0] != tokens or w13.shape[2] != hidden
-            or w2.shape[2] != intermediate):
+            or w13.shape[1] * w13.shape[3] != 2 * padded or w2.shape[2] != padded):
         raise ValueError(f"fused_moe_cpu: float32 x [T, {w13.shape[2]}], int32 ids and float32 weights "
                          f"[T, k] expected; got x {x.dtype} {tuple(x.shape)}, ids {ids.dtype} "
                          f"{tuple(ids.shape)}, weights {weights.dtype} {tuple(weights.shape)}")
@@ -134,7 +172,8 @@ def fused_moe_cpu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13
                   intermediate: int, activation: str = "silu", alpha: float = 1.702,
                   limit: float = 7.0) -> torch.Tensor:
     """The experts' weighted sum for every token of ``x`` ``[T, H]``: ``w13``
-    and ``w2`` packed by ``pack_experts`` from ``[E, 2I, H]`` (gate rows, then
-    up rows) and ``[E, H, I]``; biases ``[E, 2I]`` and ``[E, H]`` or None."""
+    packed by ``pack_gate_up`` from ``[E, 2I, H]`` (gate rows, then up rows),
+    ``w2`` by ``pack_down`` from ``[E, H, I]``; biases ``[E, 2I]`` and
+    ``[E, H]`` (unpacked) or None."""
     return torch.ops.pagedbackend.fused_moe_cpu(x, ids, weights, w13, w2, b13, b2, intermediate,
                                                 ACTIVATIONS[activation], alpha, limit)

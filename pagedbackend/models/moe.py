@@ -142,8 +142,8 @@ class FusedMoE(nn.Module):
     def use_kernel(self, kernel: str) -> None:
         """Serve through ``kernel`` (``packed``, ``triton`` or ``torch``); packing happens here, once."""
         if kernel == "packed" and self.kernel != "packed":
-            self.w13 = nn.Parameter(moe_cpu.pack_experts(self.w13.data), requires_grad=False)
-            self.w2 = nn.Parameter(moe_cpu.pack_experts(self.w2.data), requires_grad=False)
+            self.w13 = nn.Parameter(moe_cpu.pack_gate_up(self.w13.data), requires_grad=False)
+            self.w2 = nn.Parameter(moe_cpu.pack_down(self.w2.data), requires_grad=False)
         if kernel == "triton":
             _register_grouped()
         self.kernel = kernel
@@ -151,8 +151,8 @@ class FusedMoE(nn.Module):
     def expert_weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` of this rank, unpacked."""
         if self.kernel == "packed":
-            return (moe_cpu.unpack_experts(self.w13, 2 * self.local_inter),
-                    moe_cpu.unpack_experts(self.w2, self.config.hidden_size))
+            return (moe_cpu.unpack_gate_up(self.w13, self.local_inter),
+                    moe_cpu.unpack_down(self.w2, self.config.hidden_size, self.local_inter))
         return self.w13, self.w2
 
     def expert_bytes(self) -> int:

@@ -74,7 +74,7 @@ def test_cpu_kernel_equals_the_reference_loop(tokens, experts, top_k, activation
     x, ids, weights, w13, w2, b13, b2 = expert_case(tokens, 40, 24, experts, top_k, bias=bias, seed=tokens)
     ids[0, -1] = -1   # a skipped slot
     expected = fm.fused_experts_torch(x, ids, weights, w13, w2, b13, b2, activation)
-    got = moe_cpu.fused_moe_cpu(x, ids, weights, moe_cpu.pack_experts(w13), moe_cpu.pack_experts(w2),
+    got = moe_cpu.fused_moe_cpu(x, ids, weights, moe_cpu.pack_gate_up(w13), moe_cpu.pack_down(w2),
                                 b13, b2, 24, activation)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5)
 
@@ -83,7 +83,7 @@ def test_cpu_kernel_equals_the_reference_loop(tokens, experts, top_k, activation
 def test_cpu_kernel_reads_each_active_expert_once_and_no_other():
     x, ids, weights, w13, w2, _, _ = expert_case(6, 64, 32, 16, 2, seed=3)
     ids[:, 0], ids[:, 1] = 3, torch.tensor([7, 7, 3 + 8, 7, 11, 7], dtype=torch.int32)   # experts 3, 7, 11
-    w13p, w2p = moe_cpu.pack_experts(w13), moe_cpu.pack_experts(w2)
+    w13p, w2p = moe_cpu.pack_gate_up(w13), moe_cpu.pack_down(w2)
     per_expert = (w13p[0].numel() + w2p[0].numel()) * 4
     moe_cpu.bytes_read.reset()
     moe_cpu.fused_moe_cpu(x, ids, weights, w13p, w2p, None, None, 32)
@@ -95,12 +95,13 @@ def test_cpu_kernel_reads_each_active_expert_once_and_no_other():
 @needs_c_kernel
 def test_cpu_kernel_with_no_routable_slot_gives_zeros():
     x, ids, weights, w13, w2, _, _ = expert_case(3, 32, 16, 4, 2)
-    out = moe_cpu.fused_moe_cpu(x, torch.full_like(ids, -1), weights, moe_cpu.pack_experts(w13),
-                                moe_cpu.pack_experts(w2), None, None, 16)
+    out = moe_cpu.fused_moe_cpu(x, torch.full_like(ids, -1), weights, moe_cpu.pack_gate_up(w13),
+                                moe_cpu.pack_down(w2), None, None, 16)
     assert torch.equal(out, torch.zeros_like(x))
 
 
 @needs_c_kernel
 def test_packing_round_trips():
-    w = torch.randn(3, 37, 20)   # 37 rows: a padded last block
-    assert torch.equal(moe_cpu.unpack_experts(moe_cpu.pack_experts(w), 37), w)
+    w13, w2 = torch.randn(3, 2 * 37, 20), torch.randn(3, 20, 37)   # I = 37: a padded last block
+    assert torch.equal(moe_cpu.unpack_gate_up(moe_cpu.pack_gate_up(w13), 37), w13)
+    assert torch.equal(moe_cpu.unpack_down(moe_cpu.pack_down(w2), 20, 37), w2)
