@@ -106,15 +106,22 @@ def _paged_attention_fake(q, k, v, layer, scale):
 
 class PagedAttention(nn.Module):
     """Writes the new tokens' K/V into their slots, then runs causal attention
-    of the queries against everything cached for their sequence."""
+    of the queries against everything cached for their sequence.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer: int):
+    ``sliding_window``: the layer's window (a query at position p sees keys at
+    q with p - q < window), None for full attention. Held for the attention
+    paths; sequences are served up to the narrowest window
+    (``ModelArgs.served_positions``), where both attend alike."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer: int,
+                 sliding_window: Optional[int] = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer = layer
+        self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[T, heads, d]``, ``k``/``v`` ``[T, kv_heads, d]`` -> ``[T, heads, d]``."""
