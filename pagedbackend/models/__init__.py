@@ -15,6 +15,8 @@ FAMILIES = {
     "llama": "llama:LlamaForCausalLM",
     "mistral": "llama:LlamaForCausalLM",
     "qwen2": "llama:LlamaForCausalLM",
+    "qwen3_moe": "qwen3_moe:Qwen3MoeForCausalLM",
+    "mixtral": "mixtral:MixtralForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 

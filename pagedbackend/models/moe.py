@@ -79,10 +79,6 @@ def route(logits: torch.Tensor, config: MoEConfig) -> Tuple[torch.Tensor, torch.
     return weights, ids.to(torch.int32)
 
 
-def _param(*shape: int, dtype: Optional[torch.dtype]) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
 class FusedMoE(nn.Module):
     """Router plus experts of one decoder layer, one tensor-parallel rank's share."""
 
@@ -101,16 +97,20 @@ class FusedMoE(nn.Module):
             self.inter_start, self.local_inter = even_split(inter, tp_rank, tp_size,
                                                             "the experts' intermediate size")
         self.reduce = reduce or (_identity if tp_size == 1 else all_reduce_sum)
-        # Router in float32: the logits and the top-k are computed in float32.
-        self.router_weight = _param(experts, hidden, dtype=torch.float32)
-        self.router_bias = _param(experts, dtype=torch.float32) if config.router_bias else None
-        self.w13 = _param(self.local_experts, 2 * self.local_inter, hidden, dtype=dtype)
-        self.w2 = _param(self.local_experts, hidden, self.local_inter, dtype=dtype)
-        self.b13 = self.b2 = None
-        if config.expert_bias:
-            self.b13 = _param(self.local_experts, 2 * self.local_inter, dtype=dtype)
-            if self.expert_parallel or tp_rank == 0:   # added once, after the reduction's sum
-                self.b2 = _param(self.local_experts, hidden, dtype=dtype)
+        # Weights are buffers, filled through load_router / load_expert /
+        # load_stacked: a decoder's generic loader never sees them. The router
+        # is float32: logits and top-k are computed in float32.
+        self.register_buffer("router_weight", torch.empty(experts, hidden, dtype=torch.float32))
+        self.register_buffer("router_bias", torch.empty(experts, dtype=torch.float32) if config.router_bias
+                             else None)
+        self.register_buffer("w13", torch.empty(self.local_experts, 2 * self.local_inter, hidden, dtype=dtype))
+        self.register_buffer("w2", torch.empty(self.local_experts, hidden, self.local_inter, dtype=dtype))
+        bias = config.expert_bias
+        self.register_buffer("b13", torch.empty(self.local_experts, 2 * self.local_inter, dtype=dtype)
+                             if bias else None)
+        # The down bias is added once, after the reduction's sum: rank 0's, or the expert's own rank's.
+        self.register_buffer("b2", torch.empty(self.local_experts, hidden, dtype=dtype)
+                             if bias and (self.expert_parallel or tp_rank == 0) else None)
         self.kernel = "torch"
         self._loaded: Set[Tuple[str, int]] = set()
 
@@ -142,8 +142,8 @@ class FusedMoE(nn.Module):
     def use_kernel(self, kernel: str) -> None:
         """Serve through ``kernel`` (``packed``, ``triton`` or ``torch``); packing happens here, once."""
         if kernel == "packed" and self.kernel != "packed":
-            self.w13 = nn.Parameter(moe_cpu.pack_gate_up(self.w13.data), requires_grad=False)
-            self.w2 = nn.Parameter(moe_cpu.pack_down(self.w2.data), requires_grad=False)
+            self.w13 = moe_cpu.pack_gate_up(self.w13)
+            self.w2 = moe_cpu.pack_down(self.w2)
         if kernel == "triton":
             _register_grouped()
         self.kernel = kernel
