@@ -138,3 +138,21 @@ def parameter_counts(cfg: dict) -> Dict[str, int]:
     return {"total": embed * (1 if cfg.get("tie_word_embeddings") else 2) + layers * (attention + total_mlp),
             "active": head + layers * (attention + active_mlp),
             "expert_bytes_fp32": (3 * hidden * cfg.get("moe_intermediate_size", 0)) * 4}
+
+
+# Tiny random checkpoints of each family for tests (hidden 256, 4 layers, SmolLM2's vocabulary).
+TINY_MOE = {
+    # Top-3 of 8 with norm_topk_prob; layer 1 dense (mlp_only_layers), q/k norms.
+    "qwen3_moe": dict(model_type="qwen3_moe", moe_intermediate_size=64, num_experts=8, num_experts_per_tok=3,
+                      norm_topk_prob=True, head_dim=64, decoder_sparse_step=1, mlp_only_layers=[1],
+                      tie_word_embeddings=False),
+    # Top-2 of 4, untied.
+    "mixtral": dict(model_type="mixtral", intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                    tie_word_embeddings=False),
+}
+
+
+def build_tiny_moe(path, family: str, seed: int = 0, **overrides) -> pathlib.Path:
+    """A tiny random checkpoint of ``family`` (``TINY_MOE``), saved by transformers itself."""
+    from loadtest.tiny_model import build_tiny_llama
+    return build_tiny_llama(path, seed=seed, **{**TINY_MOE[family], **overrides})
