@@ -2,8 +2,8 @@
 fp32) on tiny random checkpoints saved by transformers: batched, through each
 expert kernel, with prefix-cache hits, under preemption by recompute and by
 swap, on two tensor-parallel ranks (experts split by their intermediate
-features or whole), compiled; beam search, n-gram speculation and sampling
-run on them; quantisation is refused by name."""
+features or whole), compiled; beam search, n-gram speculation, sampling and
+structured outputs run on them; quantisation is refused by name."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -115,19 +115,22 @@ def test_compiled_step_equals_hugging_face(qwen3_moe):
         assert greedy(llm, prompts) == expected
 
 
-def test_beam_search_ngram_speculation_and_sampling_run_on_experts(family):
+def test_beam_search_ngram_speculation_sampling_and_structured_outputs_run_on_experts(family):
     name, folder, hf, prompts, expected = family
     prompt = prompts[1]
     with LLM(str(folder), num_kv_blocks=64, block_size=8, **EAGER) as llm:
         beams = llm.generate([prompt], SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0.0,
                                                       max_tokens=8, ignore_eos=True))[0].outputs
         sampled = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6))[0].outputs
+        chosen = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={
+            "choice": ["red", "green", "blue"]}))[0].outputs[0]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), num_beams=2, num_return_sequences=2, do_sample=False,
                           max_new_tokens=8, min_new_tokens=8, early_stopping=False, length_penalty=1.0,
                           pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     assert [o.token_ids for o in beams] == [r[len(prompt):].tolist() for r in ref]
     assert len(sampled) == 3 and all(len(o.token_ids) >= 1 for o in sampled)
+    assert chosen.text in ("red", "green", "blue")
     spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
     with LLM(str(folder), num_kv_blocks=64, speculative_config=spec, **EAGER) as llm:
         assert greedy(llm, prompts) == expected
