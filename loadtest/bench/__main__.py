@@ -29,6 +29,7 @@ BENCHMARKS = {
     "quant_kernels": "weight-only int8 / int4 and bf16 matmuls vs fp32 on SmolLM2's linear shapes",
     "quant_quality": "quantization none / int8 / int4: perplexity, greedy agreement, offline tokens/s",
     "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
+    "moe": "mixture of experts: decode and prefill tok/s beside HF, a dense model and vLLM; expert bytes read",
 }
 NEEDS_CUDA = {"gpu"}
 # Each installs a client of its own from PyPI on first use: run them by name only.
