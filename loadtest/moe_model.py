@@ -149,10 +149,53 @@ TINY_MOE = {
     # Top-2 of 4, untied.
     "mixtral": dict(model_type="mixtral", intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
                     tie_word_embeddings=False),
+    # Top-4 of 8, alternating 128-position windows and full layers, yarn RoPE as published.
+    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=64, num_local_experts=8, num_experts_per_tok=4,
+                    head_dim=64, sliding_window=128, max_position_embeddings=4096, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096,
+                                     "rope_theta": 150000.0}),
 }
 
 
 def build_tiny_moe(path, family: str, seed: int = 0, **overrides) -> pathlib.Path:
-    """A tiny random checkpoint of ``family`` (``TINY_MOE``), saved by transformers itself."""
+    """A tiny random checkpoint of ``family`` (``TINY_MOE``), saved by transformers
+    itself. gpt-oss gets sinks of a unit scale (they take a real share of each
+    softmax) and gate/up weights three times wider (some activations reach the clamp)."""
     from loadtest.tiny_model import build_tiny_llama
-    return build_tiny_llama(path, seed=seed, **{**TINY_MOE[family], **overrides})
+    path = build_tiny_llama(path, seed=seed, **{**TINY_MOE[family], **overrides})
+    if family == "gpt_oss":
+        _edit_tensors(path, lambda name, t: (torch.randn(t.shape, generator=torch.Generator().manual_seed(
+            seed)) + 0.5 if name.endswith("sinks") else 3 * t if name.endswith("gate_up_proj") else t))
+    return path
+
+
+def _edit_tensors(path: pathlib.Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+    file = path / "model.safetensors"
+    tensors = {name: edit(name, t) for name, t in load_file(str(file)).items()}
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def write_mxfp4_copy(source: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
+    """``source`` (a gpt-oss checkpoint) with its experts' projections in MXFP4,
+    as gpt-oss publishes them: ``..._blocks`` and ``..._scales`` in the linear
+    orientation and a ``quantization_config`` saying ``mxfp4``."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedbackend.models import mxfp4
+    target = pathlib.Path(target)
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    tensors = {}
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4.quantize(
+                tensor.transpose(1, 2).contiguous())
+        else:
+            tensors[name] = tensor
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
