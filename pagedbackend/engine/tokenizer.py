@@ -17,7 +17,9 @@ def load_tokenizer(model_path: pathlib.Path):
 def eos_token_ids(model_path: pathlib.Path, tokenizer) -> Set[int]:
     """EOS ids named by config.json, the tokenizer and generation_config.json."""
     hf_config = json.loads((model_path / "config.json").read_text())
-    values = [hf_config.get("eos_token_id"), tokenizer.eos_token_id]
+    # A multimodal checkpoint (Gemma 3, Mistral 3) names them in its text decoder's config.
+    text_config = hf_config.get("text_config") or {}
+    values = [hf_config.get("eos_token_id"), text_config.get("eos_token_id"), tokenizer.eos_token_id]
     generation_config = model_path / "generation_config.json"
     if generation_config.is_file():
         values.append(json.loads(generation_config.read_text()).get("eos_token_id"))

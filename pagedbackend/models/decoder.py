@@ -151,15 +151,26 @@ class CausalLM(nn.Module):
         # Tensors still to come per parameter: merged ones take one per shard.
         pending = {name: len(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "rank_slices", [0]))
                    for name in params}
+        head = None   # an LM head in a checkpoint whose config ties it to the embedding
         for hf_name, hf_tensor in tensors:
             for name, tensor in self.checkpoint_tensors(hf_name, hf_tensor):
-                if _IGNORED_RE.search(name) or (name == "lm_head.weight" and self.args.tie_word_embeddings):
+                if _IGNORED_RE.search(name):
+                    continue
+                if name == "lm_head.weight" and self.lm_head is None:
+                    head = tensor
                     continue
                 name = self._load_one(hf_name, name, tensor, params)
                 pending[name] -= 1
         unset = sorted(name for name, count in pending.items() if count > 0)
         if unset:
             raise ValueError(f"checkpoint lacks tensors for {len(unset)} parameter(s), e.g. {unset[:3]}")
+        embedding = self.embed_tokens.weight
+        if head is not None and not torch.equal(head.to(embedding), embedding):
+            # As transformers does: a head the checkpoint holds apart is not tied.
+            self.lm_head = nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, dtype=embedding.dtype,
+                                     device=embedding.device)
+            self.lm_head.weight.requires_grad_(False)
+            self.lm_head.weight.copy_(head)
         for part, count in sorted(self.skipped.items()):
             logger.info("pagedbackend: %d checkpoint tensors of the %s are not loaded: only the text "
                         "decoder is served", count, part)

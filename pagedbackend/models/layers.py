@@ -45,7 +45,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh, "gelu": F.gelu}
 
 
 class GatedMLP(nn.Module):

@@ -19,13 +19,15 @@ from pagedbackend.models.rotary import rope_parameters
 
 def llama_layer_windows(cfg: dict) -> List[Optional[int]]:
     """Per layer, the sliding window Hugging Face applies (None: full
-    attention): Mistral's ``sliding_window`` on every layer, Qwen2's on the
-    ``sliding_attention`` layers when ``use_sliding_window``; Llama has none."""
+    attention): Mistral's ``sliding_window`` on every layer, Qwen2's (and
+    Qwen3's) on the ``sliding_attention`` layers when ``use_sliding_window``;
+    Llama has none."""
     model_type, layers = cfg.get("model_type"), cfg["num_hidden_layers"]
     window = cfg.get("sliding_window")
-    if model_type == "llama" or not window or (model_type == "qwen2" and not cfg.get("use_sliding_window")):
+    qwen = model_type in ("qwen2", "qwen3")
+    if model_type == "llama" or not window or (qwen and not cfg.get("use_sliding_window")):
         return [None] * layers
-    if model_type == "qwen2":
+    if qwen:
         first = cfg.get("max_window_layers", layers)
         default = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         return windows_of(layer_types_of(cfg, default), window)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 class UnsupportedModelError(ValueError):
@@ -39,17 +40,38 @@ class ModelArgs:
     mlp_bias: bool = False
     attention_scale: Optional[float] = None   # the softmax scale; None: head_dim ** -0.5
 
+    def __post_init__(self):
+        for params in self.ropes:
+            if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+                raise refuse("rope_parameters.rope_type", params["rope_type"],
+                             f"supported RoPE types: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
     @property
     def softmax_scale(self) -> float:
         return self.head_dim ** -0.5 if self.attention_scale is None else float(self.attention_scale)
 
     @property
     def served_positions(self) -> int:
-        """Positions a sequence may reach: the checkpoint's limit, capped at the
-        narrowest sliding window (full causal attention equals sliding-window
-        attention on sequences no longer than the window)."""
-        windows = [w for w in self.layer_windows if w is not None]
-        return min([self.max_position_embeddings, *windows])
+        """Positions a sequence may reach: the checkpoint's limit (extended by
+        its RoPE scaling, ``rope_positions``), capped at the narrowest sliding
+        window (full causal attention equals sliding-window attention on
+        sequences no longer than the window)."""
+        limit = max([self.max_position_embeddings,
+                     *(rope_positions(params, self.max_position_embeddings) for params in self.ropes)])
+        return min([limit, *(w for w in self.layer_windows if w is not None)])
+
+
+def rope_positions(params: dict, max_position_embeddings: int) -> int:
+    """The context a RoPE setting reaches, as vLLM derives it: YaRN's
+    ``original_max_position_embeddings * factor`` and dynamic NTK's
+    ``max_position_embeddings * factor``; for other types the checkpoint's
+    ``max_position_embeddings`` already says it."""
+    factor = params.get("factor") or 1.0
+    if params.get("rope_type") == "yarn":
+        return int(params.get("original_max_position_embeddings", max_position_embeddings) * factor)
+    if params.get("rope_type") == "dynamic":
+        return int(max_position_embeddings * factor)
+    return max_position_embeddings
 
 
 def required(cfg: dict, key: str):
@@ -58,16 +80,19 @@ def required(cfg: dict, key: str):
     return cfg[key]
 
 
-def common_fields(cfg: dict, tie_word_embeddings: bool, rms_norm_eps: float = 1e-6) -> Dict[str, object]:
+def common_fields(cfg: dict, tie_word_embeddings: bool, rms_norm_eps: float = 1e-6,
+                  head_dim: Optional[int] = None) -> Dict[str, object]:
     """The fields every decoder reads, with the family's defaults for the
-    ones its Hugging Face config class defaults."""
+    ones its Hugging Face config class defaults (``head_dim``: None derives
+    it from the hidden size)."""
     heads = required(cfg, "num_attention_heads")
     hidden = required(cfg, "hidden_size")
+    head_dim = cfg.get("head_dim") or head_dim or hidden // heads
     return dict(vocab_size=required(cfg, "vocab_size"), hidden_size=hidden,
                 intermediate_size=required(cfg, "intermediate_size"),
                 num_layers=required(cfg, "num_hidden_layers"), num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=cfg.get("head_dim") or hidden // heads,
+                head_dim=head_dim,
                 rms_norm_eps=cfg.get("rms_norm_eps", rms_norm_eps),
                 max_position_embeddings=cfg.get("max_position_embeddings", 2048),
                 tie_word_embeddings=cfg.get("tie_word_embeddings", tie_word_embeddings))

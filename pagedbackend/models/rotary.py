@@ -32,9 +32,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from pagedbackend.models.model_args import refuse
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+from pagedbackend.models.model_args import SUPPORTED_ROPE_TYPES, refuse
 
 
 def rope_parameters(cfg: dict, layer_type: Optional[str] = None,
