@@ -53,12 +53,10 @@ class ModelArgs:
     @property
     def served_positions(self) -> int:
         """Positions a sequence may reach: the checkpoint's limit (extended by
-        its RoPE scaling, ``rope_positions``), capped at the narrowest sliding
-        window (full causal attention equals sliding-window attention on
-        sequences no longer than the window)."""
-        limit = max([self.max_position_embeddings,
-                     *(rope_positions(params, self.max_position_embeddings) for params in self.ropes)])
-        return min([limit, *(w for w in self.layer_windows if w is not None)])
+        its RoPE scaling, ``rope_positions``); sliding-window layers attend to
+        their window at any length."""
+        return max([self.max_position_embeddings,
+                    *(rope_positions(params, self.max_position_embeddings) for params in self.ropes)])
 
 
 def rope_positions(params: dict, max_position_embeddings: int) -> int:

@@ -13,6 +13,7 @@ import pathlib
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -65,6 +66,10 @@ class ModelRunner:
                                                               tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
         self.num_heads = self.model.layers[0].self_attn.num_heads
+        # Layers by sliding window: each window's layers get a plan of their own.
+        windows = self.model.layer_windows
+        self.group_windows = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        self.layer_group = [self.group_windows.index(w) for w in windows]
         self._allocate_kv_cache(args)
         room = min((self.num_kv_blocks - 1) * self.block_size, self.max_model_len)
         calibration = quant.Calibration(self.model_path, room, self._calibration_prefill)
@@ -87,7 +92,8 @@ class ModelRunner:
         writes only KV blocks that no sequence holds yet (1 onwards)."""
         blocks = list(range(1, 1 + -(-len(ids) // self.block_size)))
         batch = self.prepare([SeqEntry(ids, 0, blocks, need_logits=False)]).to(self.device)
-        with torch.inference_mode(), step_context(self.kv_caches, batch.meta, self.attention_ops):
+        with torch.inference_mode(), step_context(self.kv_caches, batch.metas, self.attention_ops,
+                                                  self.layer_group):
             return self.model(batch.input_ids, batch.positions)
 
     def _compile_and_warm_up(self, background: bool = False) -> None:
@@ -205,8 +211,8 @@ class ModelRunner:
             self.plan(batch)
         batch = batch.to(self.device)
         forward, logits_of = step or self.step_functions()
-        with torch.inference_mode(), step_context(kv_caches or self.kv_caches, batch.meta,
-                                                  self.attention_ops):
+        with torch.inference_mode(), step_context(kv_caches or self.kv_caches, batch.metas,
+                                                  self.attention_ops, self.layer_group):
             hidden = forward(batch.input_ids, batch.positions)
             if not compute_logits:
                 return None
@@ -234,12 +240,15 @@ class ModelRunner:
                                 self.num_kv_blocks)
 
     def plan(self, batch: StepBatch) -> None:
-        """Lay out the step for the attention kernels, once for every layer."""
-        meta = batch.meta
-        meta.plan = self.attention_ops.plan(
-            meta.cu_seqlens_q, meta.seq_lens, block_tables=meta.block_tables,
-            slot_mapping=meta.slot_mapping, block_size=self.block_size, num_heads=self.num_heads,
-            num_kv_heads=self.model.num_kv_heads, device=self.device)
+        """Lay out the step for the attention kernels, once for the layers of
+        each sliding window (every layer, when they all attend alike)."""
+        if len(self.group_windows) > 1 and not batch.groups:
+            batch.groups = [batch.meta] + [replace(batch.meta) for _ in self.group_windows[1:]]
+        for meta, window in zip(batch.metas, self.group_windows):
+            meta.plan = self.attention_ops.plan(
+                meta.cu_seqlens_q, meta.seq_lens, block_tables=meta.block_tables,
+                slot_mapping=meta.slot_mapping, block_size=self.block_size, num_heads=self.num_heads,
+                num_kv_heads=self.model.num_kv_heads, device=self.device, window=window)
 
     # ---- block moves ----------------------------------------------------
 
