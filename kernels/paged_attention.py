@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from pagedbackend.kernels import interpret_without_gpu
+from pagedbackend.kernels.attention_sinks import softmax_with_sinks
 
 interpret_without_gpu()   # before any kernel is defined
 import triton  # noqa: E402
@@ -106,7 +107,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if window:   # every gathered key is in the first query's window, so it was written
             hidden |= k_pos <= q_pos - window
         scores.masked_fill_(hidden.unsqueeze(0), float("-inf"))
-        probs = _softmax(scores, None if sinks is None else sinks.float()[:, None, None])
+        probs = softmax_with_sinks(scores, None if sinks is None else sinks.float()[:, None, None])
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
 
@@ -311,15 +312,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _softmax(scores: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
-    """Softmax over the last dimension, ``sinks`` (broadcast to ``scores[..., :1]``)
-    one more logit whose weight is dropped."""
-    if sinks is None:
-        return torch.softmax(scores, dim=-1)
-    both = torch.cat((scores, sinks.expand(*scores.shape[:-1], 1)), dim=-1)
-    return torch.softmax(both, dim=-1)[..., :-1]
-
-
 def _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan: RefPlan, scale, out,
                   window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> None:
     """All single-token queries at once: gather their blocks into a padded
@@ -341,5 +333,5 @@ def _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan: RefPlan, sc
         pad |= torch.arange(k.shape[1], device=q.device).unsqueeze(0) < (lens - window).unsqueeze(1)
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     v.masked_fill_(pad[:, :, None, None], 0.0)  # padding may hold anything, even NaN
-    probs = _softmax(scores, None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1))
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1))
     out[rows] = torch.einsum("nkgl,nlkd->nkgd", probs, v).reshape(n, -1, head_dim).to(out.dtype)

@@ -25,13 +25,16 @@ def llama_layer_windows(cfg: dict) -> List[Optional[int]]:
     model_type, layers = cfg.get("model_type"), cfg["num_hidden_layers"]
     window = cfg.get("sliding_window")
     qwen = model_type in ("qwen2", "qwen3")
-    if model_type == "llama" or not window or (qwen and not cfg.get("use_sliding_window")):
+    if model_type == "llama" or window is None or (qwen and not cfg.get("use_sliding_window")):
         return [None] * layers
     if qwen:
-        first = cfg.get("max_window_layers", layers)
+        first = cfg.get("max_window_layers", 28)   # Qwen2Config's default
         default = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         return windows_of(layer_types_of(cfg, default), window)
-    return [window] * layers
+    return windows_of(["sliding_attention"] * layers, window)
+
+
+sliding_windows = llama_layer_windows   # main's name for it
 
 
 def plain_rope(cfg: dict) -> dict:
