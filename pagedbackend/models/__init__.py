@@ -26,6 +26,7 @@ FAMILIES = {
     "granite": "granite:GraniteForCausalLM",
     "qwen3_moe": "qwen3_moe:Qwen3MoeForCausalLM",
     "mixtral": "mixtral:MixtralForCausalLM",
+    "gpt_oss": "gpt_oss:GptOssForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 

@@ -17,7 +17,7 @@ the chosen logits and a clamped SwiGLU.
   (``mxfp4.dequantize_checkpoint``; what that costs in memory: docs/moe.md).
 - Its RMSNorm multiplies the weight in float32 before casting back.
 """
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from pagedbackend.models.model_args import common_fields, layer_types_of, window
 from pagedbackend.models.moe import MoEConfig
 from pagedbackend.models.moe_decoder import MoEArgs, MoECausalLM
 from pagedbackend.models.mxfp4 import dequantize_checkpoint
-from pagedbackend.models.rotary import CosSin, rope_parameters
+from pagedbackend.models.rotary import rope_parameters
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -48,11 +48,9 @@ class GptOssAttention(Attention):
                  dtype: torch.dtype):
         super().__init__(args, layer, tp_rank, tp_size, reduce, dtype)
         self.first_head = self.qkv_proj.rank_slices[0][0] // args.head_dim
+        # float32 whatever the model's dtype: every attention path takes them so.
         self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32), requires_grad=False)
         self.attn.sinks = self.sinks
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ropes: List[CosSin]) -> torch.Tensor:
-        return super().forward(x, positions, ropes)
 
 
 class GptOssForCausalLM(MoECausalLM):
