@@ -6,7 +6,8 @@ parameters, 0.19 B active per token: top-8 of 64 experts, 12 layers, hidden
 - our engine (experts through ``kernels/csrc/fused_moe.c``);
 - our engine on a dense model of the same active size (one MLP as wide as
   the eight chosen experts, the same attention, embedding and depth);
-- Hugging Face's eager forward (``generate``, its expert loop) on the same folder;
+- Hugging Face's forward in PyTorch's eager mode (``generate``) on the same
+  folder, with its default experts (``grouped_mm``) and its expert loop (``eager``);
 - vLLM's CPU build on the same folder, where ``--vllm-python`` /
   ``BENCH_VLLM_PYTHON`` names its Python (skipped with a message otherwise).
 
@@ -81,14 +82,26 @@ class Ours:
 
 
 class HuggingFace:
-    """transformers' eager forward through ``generate`` (static batch, equal prompt lengths)."""
+    """transformers' forward in PyTorch's eager mode through ``generate``
+    (static batch, equal prompt lengths), its experts as ``experts`` says:
+    ``default`` for its own choice (``grouped_mm`` where torch has it),
+    ``eager`` for its loop over the active experts. One loaded model serves
+    every variant (transformers dispatches per call)."""
 
-    def __init__(self, name: str, folder: pathlib.Path):
+    def __init__(self, model, experts: str):
+        self.model = model
+        if experts != "default":
+            model.set_experts_implementation(experts)
+        self.experts = model.config._experts_implementation
+        self.name = f"Hugging Face (MoE, experts_implementation={self.experts})"
+
+    @staticmethod
+    def load(folder: pathlib.Path):
         from transformers import AutoModelForCausalLM
-        self.name = name
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     def run(self, prompts, tokens: int) -> float:
+        self.model.set_experts_implementation(self.experts)
         ids = torch.tensor(prompts)
         start = time.perf_counter()
         with torch.inference_mode():
@@ -178,6 +191,8 @@ def main(argv=None):
     ap.add_argument("--prefill-tokens", type=int, default=512, help="the prefill prompt's length")
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds (medians are reported)")
     ap.add_argument("--skip-hf", action="store_true", help="leave Hugging Face's forward out")
+    ap.add_argument("--hf-experts", default="default,eager",
+                    help="transformers' experts_implementation values to run (default: its own choice)")
     env = os.environ.get
     ap.add_argument("--vllm-python", default=env("BENCH_VLLM_PYTHON"), help="Python of vLLM's venv")
     ap.add_argument("--vllm-env", default=env("BENCH_VLLM_ENV"), help="shell file of exports for vLLM")
@@ -202,7 +217,8 @@ def main(argv=None):
     systems = [Ours("ours (MoE)", moe_dir, max(streams)), Ours("ours (dense, same active size)", dense_dir,
                                                                  max(streams))]
     if not args.skip_hf:
-        systems.append(HuggingFace("Hugging Face eager (MoE)", moe_dir))
+        model = HuggingFace.load(moe_dir)
+        systems += [HuggingFace(model, experts) for experts in args.hf_experts.split(",")]
     results = run_in_process(systems, stream_prompts, prefill, args.decode_tokens, args.rounds)
     kernel = systems[0].llm.engine.runner.moe_kernel
     for system in systems:

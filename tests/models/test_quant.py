@@ -214,7 +214,7 @@ def test_smoothing_keeps_the_float_model(shape, tiny_model_dir, tiny_untied_mode
     assert len(calibration) == count
     batch = fp32.prepare([SeqEntry(calibration, 0, list(range(1, 14)), need_logits=False)])
     from pagedbackend.models.attention import step_context
-    with torch.inference_mode(), step_context(fp32.kv_caches, batch.meta, fp32.attention_ops):
+    with torch.inference_mode(), step_context(fp32.kv_caches, batch.metas, fp32.attention_ops, fp32.layer_group):
         maxima = smooth.input_maxima(fp32.model, lambda: fp32.model(batch.input_ids, batch.positions))
     assert len(maxima) == 4 * len(fp32.model.layers) + 1 and all((m > 0).all() for m in maxima.values())
     before = {name: p.clone() for name, p in fp32.model.named_parameters()}
