@@ -6,12 +6,36 @@ its calibration text once at load (``quant.smooth``).
 """
 import json
 import pathlib
+import threading
 from typing import Set
 
 
 def load_tokenizer(model_path: pathlib.Path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+
+
+class TokenizerLoad:
+    """A tokenizer loading in a thread, so that it (most of it importing
+    transformers) loads beside the weights; ``result()`` waits for it and
+    returns it, or raises the load's error."""
+
+    def __init__(self, model_path: pathlib.Path):
+        self._value, self._error = None, None
+
+        def run():
+            try:
+                self._value = load_tokenizer(model_path)
+            except BaseException as exc:   # raised again in result()
+                self._error = exc
+        self._thread = threading.Thread(target=run, name="pagedbackend-load", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def eos_token_ids(model_path: pathlib.Path, tokenizer) -> Set[int]:
