@@ -55,7 +55,9 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     pairs = flat.numel()
     device = flat.device
     key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    # scatter_add, not bincount: bincount on CUDA reads its input's maximum back to the host.
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
+        0, key, torch.ones_like(key))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(key, stable=True)
