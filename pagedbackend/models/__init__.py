@@ -4,7 +4,8 @@ A registry maps every served Hugging Face ``model_type`` to the class that
 serves it, one module per family sharing ``decoder.py`` and ``layers.py``.
 The classes (and torch with them) load on first use, so checking a model
 folder stays cheap. A family's ``parse_config`` refuses, by field name, what
-it does not serve (``UnsupportedModelError``).
+it does not serve (``UnsupportedModelError``), and reads each layer's sliding
+window, which its attention honours at any context length.
 """
 import importlib
 

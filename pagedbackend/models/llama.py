@@ -17,24 +17,22 @@ from pagedbackend.models.model_args import (ModelArgs, check_activation, common_
 from pagedbackend.models.rotary import rope_parameters
 
 
-def llama_layer_windows(cfg: dict) -> List[Optional[int]]:
+def sliding_windows(cfg: dict) -> List[Optional[int]]:
     """Per layer, the sliding window Hugging Face applies (None: full
     attention): Mistral's ``sliding_window`` on every layer, Qwen2's (and
-    Qwen3's) on the ``sliding_attention`` layers when ``use_sliding_window``;
-    Llama has none."""
+    Qwen3's) only with ``use_sliding_window``, on the layers ``layer_types``
+    names ``sliding_attention`` (by default those from ``max_window_layers``
+    on); Llama has none."""
     model_type, layers = cfg.get("model_type"), cfg["num_hidden_layers"]
     window = cfg.get("sliding_window")
     qwen = model_type in ("qwen2", "qwen3")
     if model_type == "llama" or window is None or (qwen and not cfg.get("use_sliding_window")):
         return [None] * layers
     if qwen:
-        first = cfg.get("max_window_layers", 28)   # Qwen2Config's default
+        first = cfg.get("max_window_layers", 28)
         default = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         return windows_of(layer_types_of(cfg, default), window)
     return windows_of(["sliding_attention"] * layers, window)
-
-
-sliding_windows = llama_layer_windows   # main's name for it
 
 
 def plain_rope(cfg: dict) -> dict:
@@ -62,7 +60,7 @@ class LlamaForCausalLM(CausalLM):
         # biases always; Mistral none.
         llama = model_type == "llama"
         return ModelArgs(**fields, ropes=[plain_rope(cfg)], layer_ropes=[0] * fields["num_layers"],
-                         layer_windows=llama_layer_windows(cfg),
+                         layer_windows=sliding_windows(cfg),
                          attention_bias=cfg.get("attention_bias", False) if llama else model_type == "qwen2",
                          output_bias=llama and cfg.get("attention_bias", False),
                          mlp_bias=llama and cfg.get("mlp_bias", False))

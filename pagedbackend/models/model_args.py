@@ -52,8 +52,8 @@ class ModelArgs:
 
     @property
     def served_positions(self) -> int:
-        """Positions a sequence may reach: the checkpoint's limit (extended by
-        its RoPE scaling, ``rope_positions``); sliding-window layers attend to
+        """Positions a sequence may reach: the checkpoint's limit, extended by
+        its RoPE scaling (``rope_positions``); sliding-window layers attend to
         their window at any length."""
         return max([self.max_position_embeddings,
                     *(rope_positions(params, self.max_position_embeddings) for params in self.ropes)])

@@ -8,7 +8,7 @@ from torch import nn
 from pagedbackend.models.decoder import CausalLM
 from pagedbackend.models.layers import RMSNorm, llama_layer
 from pagedbackend.models.linear import Reduce
-from pagedbackend.models.llama import llama_layer_windows, plain_rope
+from pagedbackend.models.llama import plain_rope, sliding_windows
 from pagedbackend.models.model_args import ModelArgs, check_activation, common_fields
 
 
@@ -19,7 +19,7 @@ class Qwen3ForCausalLM(CausalLM):
         fields = common_fields(cfg, tie_word_embeddings=False, head_dim=128)
         bias = cfg.get("attention_bias", False)   # on q, k, v and o alike
         return ModelArgs(**fields, ropes=[plain_rope(cfg)], layer_ropes=[0] * fields["num_layers"],
-                         layer_windows=llama_layer_windows(cfg), attention_bias=bias, output_bias=bias)
+                         layer_windows=sliding_windows(cfg), attention_bias=bias, output_bias=bias)
 
     def build_layer(self, layer: int, tp_rank: int, tp_size: int, reduce: Optional[Reduce],
                     dtype: torch.dtype) -> nn.Module:

@@ -15,12 +15,14 @@ from pagedbackend.worker.model_runner import ModelRunner
 from runner_reference import greedy_hf, greedy_paged, random_prompts
 
 VOCAB = 49152
-# Prompt lengths per case (default: around block boundaries of 16). Dynamic NTK
+# Prompt lengths per case (default: around block boundaries of 16; with 16 new
+# tokens the longer ones end past three sliding windows of 16). Dynamic NTK
 # prompts stay within max_position_embeddings (32) and generation crosses it;
 # LongRoPE prompts pass original_max_position_embeddings (32), so HF takes the
 # long factors, as the engine does serving 128 positions.
 RUNNER_LENGTHS = {"llama-dynamic": [1, 7, 17, 30], "phi3-longrope": [33, 40, 57]}
-PREFIX = {"phi3-longrope": 36}   # engine prompts: a shared prefix, then tails of 3-8 tokens
+# Engine prompts: a shared prefix, then tails of 3-8 tokens and 10 new ones (past three windows).
+PREFIX = {"llama-dynamic": 20}
 NEW_TOKENS = 10
 
 
@@ -58,7 +60,7 @@ def test_runner_generates_what_transformers_generates(family):
 
 def engine_prompts(case):
     g = torch.Generator().manual_seed(7)
-    prefix = torch.randint(3, VOCAB, (PREFIX.get(case, 20),), generator=g).tolist()
+    prefix = torch.randint(3, VOCAB, (PREFIX.get(case, 36),), generator=g).tolist()
     return [prefix + torch.randint(3, VOCAB, (3 + i,), generator=g).tolist() for i in range(6)]
 
 
@@ -68,7 +70,7 @@ def test_engine_batch_with_prefix_cache_preemption_and_n_generates_what_transfor
     expected = [hf_greedy_until_eos(hf, p, NEW_TOKENS) for p in prompts]
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     two = SamplingParams(n=2, temperature=0.0, max_tokens=NEW_TOKENS)   # forks share the prompt's blocks
-    # 7 sequences of up to ~50 positions need ~40 blocks of 8: 14 force preemption. Swap
+    # 7 sequences of up to ~54 positions need ~45 blocks of 8: 14 force preemption. Swap
     # preemption takes the 6 host blocks first, then falls back to recompute: both occur.
     llm = LLM(model=str(folder), compile=False, block_size=8, num_kv_blocks=14, preemption_mode="swap",
               swap_space_blocks=6)
@@ -102,8 +104,8 @@ def test_longrope_serving_at_most_the_original_length_uses_the_short_factors(tin
 
 
 @pytest.mark.parametrize("case, windows", [
-    ("gemma3_text", [WINDOW, None, WINDOW, None]), ("gemma3", [WINDOW, None]), ("qwen3", [None, None]),
-    ("smollm3", [None] * 4)])
+    ("gemma3_text", [WINDOW, None, WINDOW, None]), ("gemma3", [WINDOW, None]), ("qwen3", [None, WINDOW]),
+    ("smollm3", [None, WINDOW, None, WINDOW]), ("phi3", [WINDOW, WINDOW]), ("granite", [None, None])])
 def test_each_layer_says_its_sliding_window(tiny_family, case, windows):
     runner = make_runner(tiny_family(case), num_kv_blocks=4)
     assert runner.model.layer_windows == windows

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from loadtest.tiny_families import CASES
+from loadtest.tiny_families import CASES, WINDOW
 from pagedbackend import LLM
 from pagedbackend.models import FAMILIES, SUPPORTED_MODEL_TYPES, model_args, model_class
 from pagedbackend.models.decoder import CausalLM
@@ -42,7 +42,7 @@ def test_gemma3_reads_an_old_style_config_per_layer_type():
     cfg.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
                sliding_window_pattern=2)
     args = model_args(cfg)
-    assert args.layer_windows == [128, None, 128, None]
+    assert args.layer_windows == [WINDOW, None, WINDOW, None]
     assert [args.ropes[i] for i in args.layer_ropes[:2]] == [
         {"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}]
 
