@@ -43,7 +43,7 @@ __all__ = ["AttentionOps", "BACKENDS", "get_attention_ops", *_LAZY]
 class AttentionOps(NamedTuple):
     """One backend's kernels: ``write_kv(k, v, k_cache, v_cache, slots)``,
     ``attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-    scale=, plan=, window=)`` and ``plan(cu_seqlens_q, seq_lens, *,
+    scale=, plan=, window=, sinks=)`` and ``plan(cu_seqlens_q, seq_lens, *,
     block_tables, slot_mapping, block_size, num_heads, num_kv_heads, device,
     window)``, which lays out a step once, from host copies of its metadata,
     for every layer of one sliding window (None: full attention).
@@ -63,15 +63,16 @@ class AttentionOps(NamedTuple):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                plan, window: Optional[int] = None) -> torch.Tensor:
+                plan, window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One layer's attention: store the step's K/V, then attend over the
-        cache (its last ``window`` positions per query, when set)."""
+        cache (its last ``window`` positions per query, when set; ``sinks``:
+        a logit per head in each softmax, with no value, when given)."""
         if self.fused is not None:
             return self.fused(q, k, v, k_cache, v_cache, slot_mapping, block_tables, cu_seqlens_q,
-                              seq_lens, scale, plan, window)
+                              seq_lens, scale, plan, window, sinks)
         self.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return self.attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                              scale=scale, plan=plan, window=window)
+                              scale=scale, plan=plan, window=window, sinks=sinks)
 
 
 def __getattr__(name: str):

@@ -39,6 +39,9 @@ CAPABILITY_ISA = {"avx2": "x86-64-v3", "default": "x86-64-v2"}
 # apply to compiling only: linked with -ffast-math, gcc would add
 # crtfastmath.o, which flushes subnormals to zero in the whole process.
 EXTRA_FLAGS = {"paged_decode": ["-ffast-math"]}
+# Other files of csrc/ that a kernel's source includes: part of its build key,
+# so a change to one rebuilds the kernels that include it.
+INCLUDES = {"fused_moe": ["packed_gemm.c"]}
 LINK = ["-shared", "-fopenmp"]
 LIBS = ["-lm"]
 
@@ -88,7 +91,8 @@ def build(name: str, cc: str, source: Optional[pathlib.Path] = None) -> pathlib.
     source = CSRC / f"{name}.c" if source is None else pathlib.Path(source)
     flags = FLAGS + isa_flags() + EXTRA_FLAGS.get(name, [])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(),
+    included = [(source.parent / f).read_bytes() for f in INCLUDES.get(name, [])]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *included, version.encode(),
                                      " ".join(flags + LINK + LIBS).encode(), _cpu_flags().encode()]))
     target = cache_root() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     return _build_into(target, cc, source, lambda built: [

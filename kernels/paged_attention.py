@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from pagedbackend.kernels import interpret_without_gpu
+from pagedbackend.kernels.attention_sinks import softmax_with_sinks
 
 interpret_without_gpu()   # before any kernel is defined
 import triton  # noqa: E402
@@ -73,9 +74,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         seq_lens: torch.Tensor, scale: Optional[float] = None,
                         out: Optional[torch.Tensor] = None,
-                        plan: Optional[RefPlan] = None, window: Optional[int] = None) -> torch.Tensor:
+                        plan: Optional[RefPlan] = None, window: Optional[int] = None,
+                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Torch reference twin: gathers each sequence's K/V (from the first
-    position any of its queries sees) and runs softmax in fp32."""
+    position any of its queries sees) and runs softmax in fp32; ``sinks``
+    (``[num_heads]``) join each head's softmax as one more logit with no value."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -85,7 +88,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if plan is None:
         plan = plan_paged_attention_ref(cu_seqlens_q, seq_lens, device=q.device)
     if plan.decode_seqs is not None:
-        _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan, scale, out, window)
+        _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan, scale, out, window, sinks)
     for s, q_start, q_len, kv_len in plan.others:
         q_end = q_start + q_len
         first = max(0, kv_len - q_len - window + 1) if window else 0   # the first query's window
@@ -104,7 +107,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if window:   # every gathered key is in the first query's window, so it was written
             hidden |= k_pos <= q_pos - window
         scores.masked_fill_(hidden.unsqueeze(0), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = softmax_with_sinks(scores, None if sinks is None else sinks.float()[:, None, None])
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
 
@@ -117,7 +120,7 @@ _MAX_ROWS = 64
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr,
+    block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr, sinks_ptr,
     sm_scale_log2, head_dim, block_size, group, window,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -125,7 +128,7 @@ def _paged_attention_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bts,
     BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIM: tl.constexpr, LOWP_DOT: tl.constexpr,
+    DIM: tl.constexpr, LOWP_DOT: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # Program = (query tile of one sequence, kv head). Its M rows are BLOCK_Q
     # query tokens x GROUP_PAD query heads sharing the kv head, row m being
@@ -158,8 +161,14 @@ def _paged_attention_kernel(
     if LOWP_DOT:
         q = q.to(q_ptr.dtype.element_ty)
 
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        # The head's sink is one more logit with no value: the online softmax
+        # starts from it (its running max, a sum of one, nothing accumulated).
+        m_i = tl.load(sinks_ptr + head, mask=g < group, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM], dtype=tl.float32)
 
     # Keys beyond the tile's last query position are masked for every row: stop
@@ -261,7 +270,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     seq_lens: torch.Tensor, scale: Optional[float] = None,
                     out: Optional[torch.Tensor] = None,
-                    plan: Optional[TritonPlan] = None, window: Optional[int] = None) -> torch.Tensor:
+                    plan: Optional[TritonPlan] = None, window: Optional[int] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton-lang twin of :func:`paged_attention_ref`.
 
     Grid: (query tiles over all sequences, kv heads). A tile is up to BLOCK_Q
@@ -291,17 +301,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, cu_seqlens_q, seq_lens, plan.tile_seq, plan.tile_q_start,
+        sinks if sinks is not None else seq_lens,
         scale * _LOG2E, head_dim, block_size, group, window or _NO_WINDOW,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         BLOCK_Q=plan.block_q, GROUP_PAD=triton.next_power_of_2(group), BLOCK_N=block_n,
         DIM=max(16, triton.next_power_of_2(head_dim)), LOWP_DOT=_half_precision_dot(q),
+        HAS_SINKS=sinks is not None,
     )
     return out
 
 
 def _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan: RefPlan, scale, out,
-                  window: Optional[int] = None) -> None:
+                  window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> None:
     """All single-token queries at once: gather their blocks into a padded
     ``[seqs, max_len]`` view and mask the padding (one query sees every key,
     or its last ``window``)."""
@@ -321,5 +333,5 @@ def _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan: RefPlan, sc
         pad |= torch.arange(k.shape[1], device=q.device).unsqueeze(0) < (lens - window).unsqueeze(1)
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     v.masked_fill_(pad[:, :, None, None], 0.0)  # padding may hold anything, even NaN
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1))
     out[rows] = torch.einsum("nkgl,nlkd->nkgd", probs, v).reshape(n, -1, head_dim).to(out.dtype)

@@ -26,6 +26,11 @@ entries of positions that left the window are never read (a KV group may
 have given their blocks back), and fresh prefills longer than the window get
 a banded mask.
 
+Attention sinks (gpt-oss: one learned logit per head in every softmax, with
+no value) reach the C decode kernel as one more term of its softmax, the
+gather path as a last score column, and chunks through SDPA's CPU flash
+kernel, whose log-sum-exp rescales its output by ``sigmoid(lse - sink)``.
+
 The KV write is one call of the C ``paged_write`` (float32 on CPU), else one
 ``index_copy_`` per cache. A step of decodes only gets a function of its own
 (``decode_step``) that checks once what its layers share, so each layer makes
@@ -40,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedbackend.kernels import native
+from pagedbackend.kernels.attention_sinks import sdpa_with_sinks, softmax_with_sinks
 
 # Decodes through csrc/paged_decode.c where it builds (tests turn it off to
 # check the gather path).
@@ -211,14 +217,16 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                    scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
                    plan: Optional[SdpaPlan] = None, key: Optional[torch.Tensor] = None,
-                   value: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
+                   value: Optional[torch.Tensor] = None, window: Optional[int] = None,
+                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of ``q`` over the paged cache (see the module docstring).
 
     ``key``/``value``: the step's new K/V, already in the cache; when given,
     fresh prefills read them instead of gathering from the cache. ``plan``
     comes from :func:`plan_sdpa_attention` (computed here when absent, which
     needs host copies of the metadata and a block size from the cache), for
-    the same sliding ``window``."""
+    the same sliding ``window``. ``sinks``: float32 ``[num_heads]``, one
+    logit per head that joins each softmax with no value (gpt-oss), or None."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -232,11 +240,11 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                          f"the layer attends with window {window or None}")
     gqa = num_heads != num_kv_heads
     if plan.decode_all and out is None:
-        return _decodes(q, k_cache, v_cache, plan, scale)
+        return _decodes(q, k_cache, v_cache, plan, scale, sinks)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.decode_rows is not None:
-        out[plan.decode_rows] = _decodes(q[plan.decode_rows], k_cache, v_cache, plan, scale)
+        out[plan.decode_rows] = _decodes(q[plan.decode_rows], k_cache, v_cache, plan, scale, sinks)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     for c in plan.chunks:
@@ -245,6 +253,9 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             k, v = key[rows], value[rows]
         else:
             k, v = k_flat.index_select(0, c.index), v_flat.index_select(0, c.index)
+        if sinks is not None:
+            out[rows] = sdpa_with_sinks(q[rows], k, v, c.mask, scale, sinks)
+            continue
         # 4-D (a batch of one): on CPU that takes SDPA's flash kernel; 3-D
         # inputs take its unfused math path, slower (BENCHMARKS.md, "profile_step").
         o = F.scaled_dot_product_attention(
@@ -257,17 +268,18 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 plan: SdpaPlan, window: Optional[int] = None) -> torch.Tensor:
+                 plan: SdpaPlan, window: Optional[int] = None,
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Store the step's K/V, then attend (fresh prefills on the new K/V as they are)."""
     write_kv_sdpa(k, v, k_cache, v_cache, slot_mapping, plan)
     return sdpa_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale=scale,
-                          plan=plan, key=k, value=v, window=window)
+                          plan=plan, key=k, value=v, window=window, sinks=sinks)
 
 
 # ctypes signatures of the functions of csrc/paged_decode.c (each returns int)
 _SIGNATURES = {
     "paged_decode": [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5
-                    + [ctypes.c_float, ctypes.c_int, ctypes.c_int],
+                    + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int],
     "paged_write": [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 3,
 }
 
@@ -296,10 +308,12 @@ def native_write():
 
 
 def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: SdpaPlan,
-             scale: float) -> torch.Tensor:
+             scale: float, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Single-token queries ``[n, heads, dim]`` against their keys, in fp32
     whatever the cache dtype (as the reference twin)."""
     n, num_heads, head_dim = q.shape
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     if (USE_NATIVE_DECODE and plan.decode_tables is not None
             and plan.decode_max_block < k_cache.shape[0] and q.dtype == torch.float32
             and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
@@ -309,7 +323,8 @@ def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
         failed = native_decode()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                  plan.decode_tables.data_ptr(), plan.decode_tables.shape[1],
                                  plan.decode_lens.data_ptr(), n, num_heads, k_cache.shape[2],
-                                 head_dim, k_cache.shape[1], scale, plan.window or 0, torch.get_num_threads())
+                                 head_dim, k_cache.shape[1], scale, plan.window or 0,
+                                 None if sinks is None else sinks.data_ptr(), torch.get_num_threads())
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
@@ -325,13 +340,15 @@ def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
         scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
     else:
         scores = torch.baddbmm(plan.decode_bias, q, k.transpose(1, 2), alpha=scale)
-    out = torch.bmm(torch.softmax(scores, dim=-1), v)
+    if sinks is not None:   # rows are (sequence, KV head), columns that head's query group
+        sinks = sinks.view(1, k_cache.shape[2], -1, 1).expand(n, -1, -1, -1).reshape(rows, -1, 1)
+    out = torch.bmm(softmax_with_sinks(scores, sinks), v)
     return out.view(n, num_heads, head_dim).to(dtype)
 
 
 def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
     """For a step of decodes only, float32 on CPU with the C kernels: a
-    function ``(q, k, v, layer, scale, window) -> out`` that stores a layer's K/V and
+    function ``(q, k, v, layer, scale, window, sinks) -> out`` that stores a layer's K/V and
     attends with two C calls. What is the same for every layer (the plan,
     the caches' dtype, shape and layout) is checked here, once per step, not
     by each layer; a layer whose tensors do not fit gets None back and takes
@@ -358,8 +375,11 @@ def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
     threads = torch.get_num_threads()
     window = plan.window or 0
 
-    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-             scale: float, layer_window: int = 0) -> Optional[torch.Tensor]:
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+             layer_window: int = 0, sinks: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        if sinks is not None and not (sinks.dtype == torch.float32 and sinks.is_contiguous()
+                                      and sinks.shape == q.shape[1:2]):
+            return None
         if not (layer_window == window and q.dtype == torch.float32 and k.dtype == torch.float32
                 and v.dtype == torch.float32
                 and k.shape == kv_shape and v.shape == kv_shape and q.dim() == 3
@@ -372,7 +392,8 @@ def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
             return None
         out = torch.empty_like(q)
         if decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables_ptr,
-                  max_blocks, lens_ptr, n, q.shape[1], kv_heads, head_dim, block_size, scale, window, threads):
+                  max_blocks, lens_ptr, n, q.shape[1], kv_heads, head_dim, block_size, scale, window,
+                  None if sinks is None else sinks.data_ptr(), threads):
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
 

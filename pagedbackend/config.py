@@ -175,6 +175,17 @@ class EngineConfig:
     # kernel) or "auto" (packed where it can run, else torch with one log
     # line). See BENCHMARKS.md, "cpu_kernels" and "quant_kernels".
     linear_backend: str = "auto"
+    # Kernel of the experts of a mixture-of-experts model (docs/moe.md):
+    # "packed" (kernels/csrc/fused_moe.c: the step's tokens grouped by expert,
+    # each active expert's packed weights read once; CPU, float32, needs gcc),
+    # "triton" (the Triton-lang grouped GEMM; CUDA), "torch" (a loop over the
+    # active experts) or "auto" (triton on CUDA, else packed where it runs,
+    # else torch).
+    moe_backend: str = "auto"
+    # vLLM's name: under tensor parallelism, each rank holds whole experts
+    # (num_experts / tensor_parallel_size of them) instead of every expert's
+    # slice of the intermediate dimension.
+    enable_expert_parallel: bool = False
     # Packed and w8a8 layers call their C++ torch operators (a compiled step
     # calls them without entering Python; BENCHMARKS.md, "native_ops_ab") where
     # they build; False keeps the operators whose Python kernels call the C
@@ -227,6 +238,7 @@ class EngineConfig:
         choice("device", ("auto", "cpu", "cuda"))
         choice("quantization", QUANTIZATION_MODES)
         choice("linear_backend", ("auto", "torch", "packed"))
+        choice("moe_backend", ("auto", "packed", "triton", "torch"))
         if self.linear_backend == "packed" and self.quantization in ("int4", "w8a8"):
             raise ValueError("linear_backend=packed serves float32 and int8 weights; it cannot be "
                              f"combined with quantization={self.quantization}")
@@ -248,7 +260,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
-        for name in ("native_ops", "cpp_wrapper"):
+        for name in ("native_ops", "cpp_wrapper", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.int8_bf16 is not None and not isinstance(self.int8_bf16, bool):

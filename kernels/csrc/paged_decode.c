@@ -7,7 +7,9 @@
  * out [n, heads, dim]. Query head j reads KV head j / (heads / kv_heads).
  * window > 0: a sliding window, the query sees its last `window` keys only
  * (the table entries of earlier positions are never read: their blocks may
- * have gone back to the pool); 0: every key.
+ * have gone back to the pool); 0: every key. sinks (gpt-oss's attention
+ * sinks, or NULL): a logit per query head that joins its softmax with no
+ * value row, taking a share of the weight.
  *
  * One work item is a sequence (or, with few sequences, one KV head of one)
  * with its query heads: their scores against all its keys, an exact softmax
@@ -31,7 +33,7 @@
  * gives loops of known length over whole vectors. */
 static inline __attribute__((always_inline)) void item(const float *q, const float *k_cache, const float *v_cache, float *out,
                  const int *table, int end, int first, int group, int kv_heads, int dim, int block_size,
-                 float scale, int h0, int h1, float *scores) {
+                 float scale, int h0, int h1, const float *sinks, float *scores) {
     int rows = (h1 - h0) * group;   /* query heads of this item */
     int len = end - first;          /* keys it sees: positions first..end-1 */
     table += first / block_size;    /* positions from the block that holds `first` on */
@@ -53,7 +55,9 @@ static inline __attribute__((always_inline)) void item(const float *q, const flo
         float *s = scores + (size_t)r * len;
         float top = s[0];
         for (int t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
-        float total = 0.f;
+        if (sinks && sinks[r] > top) top = sinks[r];
+        /* A sink is one more logit in the softmax, with no value row. */
+        float total = sinks ? expf(sinks[r] - top) : 0.f;
 #pragma omp simd reduction(+:total)
         for (int t = 0; t < len; t++) {
             s[t] = expf(s[t] - top);
@@ -76,10 +80,12 @@ static inline __attribute__((always_inline)) void item(const float *q, const flo
     }
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated. */
+/* Returns 0, or -1 when scratch memory could not be allocated. sinks: one
+ * logit per query head (attention sinks), or NULL. */
 int paged_decode(const float *q, const float *k_cache, const float *v_cache, float *out,
                  const int *tables, int max_blocks, const int *lens, int n, int heads,
-                 int kv_heads, int dim, int block_size, float scale, int window, int threads) {
+                 int kv_heads, int dim, int block_size, float scale, int window, const float *sinks,
+                 int threads) {
     int group = heads / kv_heads, longest = 0, failed = 0;
     for (int s = 0; s < n; s++) longest = lens[s] > longest ? lens[s] : longest;
     if (window > 0 && longest > window) longest = window;
@@ -101,7 +107,8 @@ int paged_decode(const float *q, const float *k_cache, const float *v_cache, flo
                 size_t row = (size_t)s * heads + (size_t)h0 * group;
                 int first = window > 0 && lens[s] > window ? lens[s] - window : 0;
 #define ITEM(d) item(q + row * (d), k_cache, v_cache, out + row * (d), tables + (size_t)s * max_blocks, \
-                     lens[s], first, group, kv_heads, d, block_size, scale, h0, h0 + per_item, scores)
+                     lens[s], first, group, kv_heads, d, block_size, scale, h0, h0 + per_item, \
+                     sinks ? sinks + (size_t)h0 * group : NULL, scores)
                 switch (dim) {   /* the usual head sizes, specialised */
                 case 64: ITEM(64); break;
                 case 128: ITEM(128); break;

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "quant_quality": "quantization none / int8 / int4: perplexity, greedy agreement, offline tokens/s",
     "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
     "fleet": "replicas behind Dynamo's KV router vs round-robin and random on multi-turn chat; the hop's cost",
+    "moe": "mixture of experts: decode and prefill tok/s beside HF, a dense model and vLLM; expert bytes read",
     "models": "per model family: decode-batch step time, ours against Hugging Face's forward",
 }
 NEEDS_CUDA = {"gpu"}

@@ -25,6 +25,9 @@ FAMILIES = {
     "ministral3": "mistral3:Ministral3ForCausalLM",
     "smollm3": "smollm3:SmolLM3ForCausalLM",
     "granite": "granite:GraniteForCausalLM",
+    "qwen3_moe": "qwen3_moe:Qwen3MoeForCausalLM",
+    "mixtral": "mixtral:MixtralForCausalLM",
+    "gpt_oss": "gpt_oss:GptOssForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 

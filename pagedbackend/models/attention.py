@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: store the step's K/V, then attend.
 
 Each layer calls one custom op, ``pagedbackend::paged_attention(q, k, v,
-layer, scale, window)``, registered with ``torch.library`` so that ``torch.compile``
+layer, scale, window, sinks)``, registered with ``torch.library`` so that ``torch.compile``
 keeps the whole forward in one graph and treats the op as opaque. The op finds
 the layer's KV cache, the step's metadata and the attention kernels in the
 step context (``step_context``) that the model runner opens around each
@@ -97,14 +97,16 @@ def current_step() -> StepContext:
 _ops = torch.library.Library("pagedbackend", "FRAGMENT")
 # ``window`` has no default: inductor's C++ wrapper passes the arguments a
 # call spells out, and the dispatcher then misses a defaulted one.
-_ops.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int window) -> Tensor")
+_ops.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int window, "
+            "Tensor? sinks) -> Tensor")
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    scale: float, window: int) -> torch.Tensor:
+                    scale: float, window: int, sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """Write ``k``/``v`` ``[T, kv_heads, d]`` into layer ``layer``'s cache
     slots, then attend with ``q`` ``[T, heads, d]`` over each query's last
-    ``window`` positions (0: all of them); returns ``[T, heads, d]``
+    ``window`` positions (0: all of them), ``sinks`` (float32 ``[heads]`` or
+    None) one more logit per head in each softmax; returns ``[T, heads, d]``
     (contiguous). The cache write is a side effect on the step context's
     cache, which is not an argument (see the module docstring)."""
     step = current_step()
@@ -114,12 +116,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         group = step.layer_group[layer]
         meta, fast = step.metas[group], step.fasts[group]
     if fast is not None:
-        out = fast(q, k, v, layer, scale, window)
+        out = fast(q, k, v, layer, scale, window, sinks)
         if out is not None:
             return out
     k_cache, v_cache = step.kv_caches[layer]
     out = step.ops.forward(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                           meta.cu_seqlens_q, meta.seq_lens, scale, meta.plan, window or None)
+                           meta.cu_seqlens_q, meta.seq_lens, scale, meta.plan, window or None, sinks)
     return out.contiguous()
 
 
@@ -127,7 +129,7 @@ _ops.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pagedbackend::paged_attention")
-def _paged_attention_fake(q, k, v, layer, scale, window):
+def _paged_attention_fake(q, k, v, layer, scale, window, sinks):
     return q.new_empty(q.shape)
 
 
@@ -136,10 +138,12 @@ class PagedAttention(nn.Module):
     of the queries against everything cached for their sequence, or with a
     ``sliding_window`` of N against its last N positions: a query at
     position p sees keys q with ``p - N < q <= p``, as Hugging Face's
-    sliding-window mask."""
+    sliding-window mask. ``sinks`` (gpt-oss's attention sinks): float32
+    ``[num_heads]``, a learned logit per head that joins every softmax with
+    no value row, so it takes a share of the weight (None: no sinks)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer: int,
-                 sliding_window: Optional[int] = None):
+                 sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
@@ -151,11 +155,12 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.layer = layer
         self.sliding_window = sliding_window
+        self.sinks = sinks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[T, heads, d]``, ``k``/``v`` ``[T, kv_heads, d]`` -> ``[T, heads, d]``."""
         return torch.ops.pagedbackend.paged_attention(q, k, v, self.layer, self.scale,
-                                                      self.sliding_window or 0)
+                                                      self.sliding_window or 0, self.sinks)
 
 
 def layer_windows_of(model: nn.Module) -> List[Optional[int]]:

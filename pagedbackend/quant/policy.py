@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import nn
 
-from pagedbackend.models import default_model, packed_linear
+from pagedbackend.models import default_model, moe, packed_linear
 from pagedbackend.quant import int4, smooth
 from pagedbackend.quant.int8 import INT8_KERNEL_MAX_ROWS, Int8Linear, PackedInt8Linear
 from pagedbackend.quant.w8a8 import W8A8Linear
@@ -48,6 +48,9 @@ def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
     matmul that ``config`` asks for and this machine runs; ``calibration``:
     the prefill that w8a8's smoothing measures on (none: no smoothing)."""
     mode = config.quantization   # one of config.QUANTIZATION_MODES (EngineConfig checks it)
+    if mode != "none" and moe.experts_of(model):
+        raise ValueError(f"quantization={mode} does not cover the expert weights of a mixture-of-experts "
+                         "model (most of its weights); serve it with quantization=none")
     if mode == "w8a8":
         _require_cpu(mode, device)
         packed_linear.native_ops().configure(config.native_ops, config.int8_bf16)

@@ -24,6 +24,7 @@ from pagedbackend.kernels import get_attention_ops
 from pagedbackend.models import ModelArgs, model_args, model_class
 from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
+from pagedbackend.models import moe
 from pagedbackend.models.linear import Reduce
 from pagedbackend import quant
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
@@ -54,6 +55,8 @@ class ModelRunner:
         self.model_path = resolve_model_path(config.model)
         hf_config = json.loads((self.model_path / "config.json").read_text())
         args = model_args(hf_config)
+        if hasattr(args, "expert_parallel"):   # a mixture of experts: how its ranks split them
+            args.expert_parallel = config.enable_expert_parallel
         self.vocab_size = args.vocab_size
         self.max_model_len = _max_model_len(config.max_model_len, args.served_positions)
 
@@ -72,6 +75,8 @@ class ModelRunner:
         calibration = quant.Calibration(self.model_path, room, self._calibration_prefill)
         self.linear_plan = quant.apply(self.model, config, self.device, self.dtype, calibration)
         self.linear_backend = self.linear_plan.backend   # what serves the float32 or int8 linear layers
+        # What serves the experts of a mixture of experts (None: the model has none).
+        self.moe_kernel = moe.use_kernel(self.model, config.moe_backend, self.device, self.dtype)
         self.model.eval()
         self.compiled: Optional[CompiledStep] = None
         self.graphs: Optional[DecodeGraphs] = None

@@ -113,7 +113,14 @@ def _plan_kv_blocks(config: EngineConfig, path, world: int) -> Optional[int]:
     for rank in range(world):
         kv_heads_of_rank(args.num_kv_heads, rank, world)
         query_heads_of_rank(args.num_heads, args.num_kv_heads, rank, world)
-    even_split(args.intermediate_size, 0, world, "intermediate_size")
+    moe = getattr(args, "moe", None)
+    if moe is None or not all(args.sparse_layers):   # dense MLPs split their intermediate features
+        even_split(args.intermediate_size, 0, world, "intermediate_size")
+    if moe is not None:   # experts split whole (expert parallelism) or by their intermediate features
+        if config.enable_expert_parallel:
+            even_split(moe.num_experts, 0, world, "num_experts (enable_expert_parallel)")
+        else:
+            even_split(moe.intermediate_size, 0, world, "the experts' intermediate size")
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     # Rank 0 holds the largest KV share (kv_heads_of_rank), so the budget bounds every rank.

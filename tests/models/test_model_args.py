@@ -60,7 +60,7 @@ def test_gemma3_reads_an_old_style_config_per_layer_type():
     ("mistral3", dict(text_config={"model_type": "llama"}), "text_config.model_type='llama'"),
     ("gemma3", dict(text_config={"model_type": "gemma2"}), "text_config.model_type='gemma2'"),
     ("qwen3", dict(vocab_size=None), "config.json lacks vocab_size"),
-    ("qwen3", dict(model_type="qwen3_moe"), "unsupported model_type 'qwen3_moe'"),
+    ("qwen3", dict(model_type="deepseek_v3"), "unsupported model_type 'deepseek_v3'"),
 ])
 def test_an_unserved_field_is_refused_by_name(case, changes, named):
     with pytest.raises(UnsupportedModelError, match=named.replace("(", r"\(").replace(".", r"\.")):
