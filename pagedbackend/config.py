@@ -116,6 +116,16 @@ class EngineConfig:
     # (tokenising takes ~2 s per million characters on one CPU core). None: 16
     # characters per token of max_model_len, more than any prompt that fits.
     max_prompt_chars: Optional[int] = None
+    # Structured outputs (docs/structured_outputs.md): the longest one xgrammar
+    # call of a request may take (accepting a token, filling the next token
+    # mask; measured: under 20 ms for ordinary schemas, regexes and grammars),
+    # and all of a request's mask work. Past either the request ends alone with
+    # an error naming its grammar; the work runs off the engine step.
+    structured_mask_token_s: float = 0.25
+    structured_mask_total_s: float = 10.0
+    # Bytes of compiled grammars kept for reuse (least recently used dropped);
+    # xgrammar's own compile cache holds at most a quarter of this besides.
+    structured_cache_bytes: int = 128 * 1024 * 1024
     # Reuse KV blocks of shared prompt prefixes across requests.
     enable_prefix_caching: bool = True
     # "fcfs": requests are scheduled in arrival order and the newest is
@@ -229,6 +239,11 @@ class EngineConfig:
                              f"got {self.long_prefill_token_threshold}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        for name in ("structured_mask_token_s", "structured_mask_total_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.structured_cache_bytes < 0:
+            raise ValueError(f"structured_cache_bytes must be >= 0, got {self.structured_cache_bytes}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         for name in ("native_ops", "cpp_wrapper"):

@@ -15,7 +15,11 @@ from typing import Any, Dict, List, Optional, Union
 
 from .config import coerce
 from .errors import InvalidRequestError
-from .structured_outputs import StructuredOutputsParams, from_guided_fields
+from .structured_outputs import (MAX_SCHEMA_DEPTH, MAX_TAG_DEPTH, StructuredOutputsParams, from_guided_fields,
+                                 text_depth)
+
+# Nesting of the sampling_parameters JSON: a structural tag inside structured_outputs.
+MAX_PARAMETERS_DEPTH = MAX_TAG_DEPTH + 2
 
 _EPS = 1e-5
 # The most top log-probabilities one token may ask for (vLLM's default limit).
@@ -252,6 +256,10 @@ class SamplingParams:
 
     @classmethod
     def from_json(cls, text: str) -> "SamplingParams":
+        if text_depth(text) > MAX_PARAMETERS_DEPTH:   # before the recursive decoder sees it
+            raise InvalidRequestError(f"sampling_parameters nests deeper than {MAX_PARAMETERS_DEPTH} levels "
+                                      "(a schema goes in structured_outputs.json, at most "
+                                      f"{MAX_SCHEMA_DEPTH} levels deep)")
         try:
             params = json.loads(text) if text.strip() else {}
         except (json.JSONDecodeError, RecursionError) as exc:

@@ -1,6 +1,6 @@
 """From a request to engine state: tokenise the prompt, check it against the
 model and the KV pool, and build its sequence group (bad-word ids, beam
-state, a structured-output grammar handed to the compiler). Nothing here
+state, a structured-output grammar queued for the compile thread). Nothing here
 changes engine state, so any thread may build a group."""
 import logging
 import time
@@ -84,7 +84,7 @@ class InputProcessor:
         group.bad_words_ids = self._bad_words_ids(params)
         if params.use_beam_search:
             group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)
-        if params.structured_outputs is not None:   # refused here if the library cannot parse it
+        if params.structured_outputs is not None:   # parsed and compiled on the compile thread
             group.grammar = self.grammars.submit(params.structured_outputs)
         return group
 

@@ -81,4 +81,5 @@ def merge_delta(merged: Dict[str, RequestOutput], delta: RequestOutput) -> Reque
         cur.finish_reason, cur.stop_reason, cur.num_tokens = out.finish_reason, out.stop_reason, out.num_tokens
     acc.outputs = [by_index[i] for i in sorted(by_index)]
     acc.finished, acc.error, acc.metrics = delta.finished, delta.error, delta.metrics
+    acc.refused = delta.refused
     return acc

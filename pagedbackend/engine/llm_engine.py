@@ -24,6 +24,7 @@ from ..core.scheduler import Scheduler, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
 from ..models.default_model import resolve_model_path
 from ..sample import Sampler
+from ..sample.grammar_worker import GrammarBudget, GrammarWorkers
 from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
@@ -34,6 +35,7 @@ from .step_sampler import StepSampler, isolated
 from .tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger("pagedbackend")
+GRAMMAR_WAIT_S = 0.02   # a step that would sample nothing waits this long for a grammar's mask
 
 
 class _Background:
@@ -81,7 +83,9 @@ class LLMEngine:
         self.groups: Dict[str, SequenceGroup] = {}
         # Constrained requests whose grammar still compiles, held back from the scheduler.
         self.compiling: List[SequenceGroup] = []
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                        config.structured_cache_bytes)
+        self.grammar_workers = GrammarWorkers(self.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
                                      self.max_prompt_chars, self.scheduler, self.grammars)
         self.sampler = Sampler(config.seed)
@@ -137,32 +141,33 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group
         self.stats.prompt_tokens += len(group.prompt_token_ids)
-        if group.grammar is not None:
+        if group.grammar is not None:   # queued once parsed and compiled (_take_compiled)
             self.stats.structured_requests += 1
-            if not group.grammar.done():
-                self.compiling.append(group)
-                return
-            group.metrics.grammar_compile_time = group.grammar.seconds
-            group.seqs[0].constraint = group.grammar.matcher()
+            self.compiling.append(group)
+            return
         self.scheduler.add(group)
 
     def _take_compiled(self) -> List[RequestOutput]:
-        """Hand the requests whose grammar has compiled to the scheduler; end
-        those whose compile failed. With nothing else to run, wait a little
-        for the first compile rather than spin."""
-        if self.compiling and not self.scheduler.has_unfinished:
+        """Hand the requests whose grammar has compiled to the scheduler, each
+        sequence with its grammar state (its first mask filled on a worker);
+        end those whose grammar was refused. With nothing else to run, wait a
+        little for the first compile rather than spin."""
+        if self.compiling and not self.scheduler.has_unfinished and not self.compiling[0].grammar.done():
             self.compiling[0].grammar.wait(0.05)
         outputs, waiting = [], []
         for group in self.compiling:
-            if not group.grammar.done():
+            grammar = group.grammar
+            if not grammar.done():
                 waiting.append(group)
                 continue
-            group.metrics.grammar_compile_time = group.grammar.seconds
-            try:
-                group.seqs[0].constraint = group.grammar.matcher()
-            except Exception as exc:
-                outputs.append(self._end_with_error(group, str(exc), ran=False))
+            if grammar.error() is not None:
+                outputs.append(self._end_with_error(group, str(grammar.error()), ran=False))
                 continue
+            group.metrics.grammar_compile_time = grammar.seconds
+            budget = GrammarBudget(grammar.label, self.config.structured_mask_token_s,
+                                   self.config.structured_mask_total_s)
+            group.seqs[0].constraint = self.grammar_workers.start(grammar.matcher, budget,
+                                                                  self.grammars.stop_token_ids)
             self.scheduler.add(group)
         self.compiling = waiting
         return outputs
@@ -177,6 +182,8 @@ class LLMEngine:
         self.scheduler.remove(group)
         self._release(group.seqs)
         for seq in group.seqs:
+            if seq.constraint is not None:   # queued grammar work is dropped
+                seq.constraint.close()
             seq.finish_reason = "abort"
         group.finished_seqs += group.seqs
         group.seqs = []
@@ -225,6 +232,7 @@ class LLMEngine:
             propose_start = time.perf_counter()
             self.speculator.propose(sched.scheduled)
             self.stats.propose_seconds += time.perf_counter() - propose_start
+        self._grammar_work(sched.scheduled)
         forward_start = time.perf_counter()
         logits = self.runner.execute_model(sched.scheduled)
         self.last_forward_seconds = time.perf_counter() - forward_start
@@ -255,6 +263,20 @@ class LLMEngine:
         self.stats.sample_seconds += self.last_sample_seconds
         return [o for o in outputs if o is not None]
 
+    @staticmethod
+    def _grammar_work(scheduled) -> None:
+        """Masks of speculative positions are filled beside the forward pass.
+        When every entry to sample waits for its grammar's mask, wait a little
+        for one rather than run a step that samples nothing."""
+        waiting = 0
+        for item in scheduled:
+            state = item.seq.constraint
+            if state is not None and item.need_logits:
+                state.prepare_drafts(item.draft_token_ids)
+                waiting += not state.ready()
+        if waiting and waiting == len(scheduled):
+            next(i.seq.constraint for i in scheduled if not i.seq.constraint.ready()).wait(GRAMMAR_WAIT_S)
+
     def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> RequestOutput:
         """End a request that cannot go on: one whose handling raised (``ran``:
         it counts as failed and its latencies count) or one refused before it
@@ -268,7 +290,10 @@ class LLMEngine:
         self.groups.pop(group.request_id, None)
         self.scheduler.remove(group)   # wherever it stands; frees what it holds
         self._release(group.seqs)
-        return self.outputs.error_output(group, message)
+        for seq in group.seqs:
+            if seq.constraint is not None:
+                seq.constraint.close()
+        return self.outputs.error_output(group, message, refused=not ran)
 
     def _release(self, seqs: Seq[Sequence]) -> None:
         """Forget what speculation kept for sequences that are gone."""

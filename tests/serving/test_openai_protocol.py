@@ -171,6 +171,27 @@ def test_a_body_that_is_not_a_json_object_is_a_400(raw, words):
     assert all(word in refused.value.message for word in words)
 
 
+DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 600 + '{"type": "string"}' + "}}" * 600
+
+
+@pytest.mark.parametrize("raw", [
+    ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+     '"json_schema": {"name": "deep", "schema": ' + DEEP_SCHEMA + "}}}").encode(),
+    b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+    b'{"prompt": "[[[[' + b"[" * 5000 + b'", "x": ' + b"{" * 5000,
+])
+def test_an_over_deep_body_is_a_400_before_it_is_decoded(raw):
+    with pytest.raises(OpenAIError) as refused:
+        parse_request(ChatCompletionRequest, raw)
+
+    assert refused.value.status == 400 and "deeper than" in refused.value.message
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    request = parse_request(CompletionRequest, body(prompt="[" * 5000 + "{" * 5000))
+    assert request.prompts() == ["[" * 5000 + "{" * 5000]
+
+
 def test_prompts_are_strings_or_token_id_lists_one_or_many():
     assert parse_request(CompletionRequest, body(prompt=[1, 2, 3])).prompts() == [[1, 2, 3]]
     assert parse_request(CompletionRequest, body(prompt=[[1, 2], [3]])).prompts() == [[1, 2], [3]]

@@ -10,7 +10,12 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pagedbackend.structured_outputs import MAX_SCHEMA_DEPTH, text_depth
+
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's chat limit
+# Nesting of a request body (objects and arrays), checked before it is decoded:
+# a JSON schema (at most MAX_SCHEMA_DEPTH levels) and the request around it.
+MAX_BODY_DEPTH = MAX_SCHEMA_DEPTH + 32
 
 
 class OpenAIError(Exception):
@@ -211,8 +216,15 @@ def parse_request(cls, body: bytes):
     """The request body as ``cls`` (a request class, or a function of the
     decoded body that names one), or an OpenAIError naming the bad field."""
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = body.decode("utf-8") if isinstance(body, bytes) else body
+    except UnicodeDecodeError as exc:
+        raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+    if text_depth(text) > MAX_BODY_DEPTH:   # before the recursive decoder sees it
+        raise OpenAIError(400, f"the request body nests objects and arrays deeper than {MAX_BODY_DEPTH} levels "
+                               f"(a JSON schema may nest at most {MAX_SCHEMA_DEPTH})")
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
