@@ -28,8 +28,8 @@ from pagedbackend.serving.constants import SHUTTING_DOWN
 from pagedbackend.serving.triton.health import EngineFailurePolicy
 from pagedbackend.serving.triton.io import (FINAL, Job, accumulate, build_response, read_flags,
                                             read_prompt_or_ids, read_sampling_params, send_error)
-from pagedbackend.serving.triton.lifecycle import (log_to_stderr, on_sigterm, use_utf8_locale, watch_listener,
-                                                   watch_server)
+from pagedbackend.serving.triton.lifecycle import (end_stub, log_to_stderr, on_sigterm, use_utf8_locale,
+                                                   watch_listener, watch_server)
 from pagedbackend.serving.triton.metrics import Metrics
 from pagedbackend.serving.triton.settings import ModelSettings
 
@@ -228,4 +228,7 @@ class TritonPythonModel:
             time.sleep(0.02)
 
     def finalize(self):
+        """Drain, then end the stub here (``lifecycle.end_stub``): tritonserver
+        already has the stub's answer to finalize and waits only for it to exit."""
         self._drain()
+        end_stub()
