@@ -11,6 +11,7 @@ import torch
 
 from ..core.scheduler import ScheduledSeq, StepUpdate
 from ..core.sequence import GroupStatus, Sequence, SequenceGroup
+from ..sample.sampler import LOGPROB_FLOOR
 from .beam import beam_step
 from .detokenizer import decode_new_text, find_stop_string
 from .outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
@@ -126,7 +127,7 @@ class OutputProcessor:
         count = min(len(prompt) - have, logits.shape[0] - first)
         if first < 0 or count <= 0:
             return
-        logprobs = torch.log_softmax(logits[first:first + count].float(), dim=-1)
+        logprobs = torch.log_softmax(logits[first:first + count].float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
         targets = torch.tensor(prompt[have:have + count], device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])
         ranks = (logprobs > chosen).sum(dim=1) + 1
