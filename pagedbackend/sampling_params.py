@@ -39,6 +39,8 @@ UNSUPPORTED = {
     "logprob_token_ids": "log-probabilities of chosen token ids are not supported",
     "extra_args": "extra_args are not supported",
 }
+# Taken as sent, never coerced from text (the checks in _validate apply).
+VERBATIM = ("cache_salt",)
 ACCEPTED_AT_DEFAULT = {"detokenize": True, "spaces_between_special_tokens": True,
                        "output_kind": None, "lora_name": None}
 
@@ -247,7 +249,9 @@ class SamplingParams:
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}")
         hints = typing.get_type_hints(cls)
-        kwargs = {name: coerce(f"sampling parameter {name}", hints[name], value, InvalidRequestError)
+        # A salt is taken as given: coercion would read "" (and "none") as no salt at all.
+        kwargs = {name: value if name in VERBATIM else
+                  coerce(f"sampling parameter {name}", hints[name], value, InvalidRequestError)
                   for name, value in params.items()}
         try:
             return cls(**kwargs)

@@ -145,9 +145,14 @@ def test_completions_default_to_16_tokens_as_openai_does():
     (ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}, "messages", ["role"]),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs", ["needs logprobs"]),
+    (CompletionRequest, {"prompt": "x", "cache_salt": ""}, "cache_salt", ["cache_salt", "at least 1"]),
+    (CompletionRequest, {"prompt": "x", "cache_salt": 7}, "cache_salt", ["cache_salt", "string"]),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "priority": True}, "priority",
+     ["priority", "integer"]),
+    (CompletionRequest, {"prompt": "x", "priority": 1.5}, "priority", ["priority", "integer"]),
 ], ids=["temperature", "top_p", "max_tokens-type", "unknown-field", "no-prompt", "too-many-logprobs",
         "max_tokens-0-without-echo", "stream_options-without-stream", "no-messages", "bad-role",
-        "top_logprobs-alone"])
+        "top_logprobs-alone", "empty-cache_salt", "cache_salt-not-text", "priority-bool", "priority-float"])
 def test_a_bad_request_is_a_400_naming_the_field(cls, fields, param, words):
     with pytest.raises(OpenAIError) as refused:
         parse_request(cls, body(**fields))

@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from pagedbackend.structured_outputs import MAX_SCHEMA_DEPTH, text_depth
 
@@ -80,8 +80,9 @@ class _GenerationRequest(_Strict):
     early_stopping: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
-    cache_salt: Optional[str] = None   # vLLM's: prefix-cache blocks shared only with the same salt
-    priority: Optional[int] = None     # vLLM's: lower first under scheduling_policy=priority
+    # vLLM's: prefix-cache blocks shared only with the same salt (a non-empty string)
+    cache_salt: Optional[str] = Field(None, min_length=1)
+    priority: Optional[StrictInt] = None   # vLLM's: lower first under scheduling_policy=priority; not a bool
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs
     # object and its older guided_* fields (structured.py)
     response_format: Optional[Dict[str, Any]] = None
@@ -325,6 +326,15 @@ def parse_logprobs(element) -> Optional[list]:
     return value
 
 
+LOGPROB_FLOOR = -9999.0   # vLLM's value for a token ruled out (-inf): answers are standard JSON
+
+
+def finite(logprob: float) -> float:
+    """A log-probability as a JSON answer may carry it: -inf (or NaN, which a
+    model other than ours might send) as ``LOGPROB_FLOOR``."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def _position(entries: dict, top: int) -> Tuple[Tuple[str, float], List[Tuple[str, float]]]:
     """The sampled token and the ``top`` most likely ones at one position.
 
@@ -334,7 +344,7 @@ def _position(entries: dict, top: int) -> Tuple[Tuple[str, float], List[Tuple[st
     vLLM (and so vllm_backend) writes it."""
     if not entries:
         raise ValueError("a logprobs position has no tokens")
-    items = [(str(e["decoded_token"]), float(e["logprob"]), e.get("rank")) for e in entries.values()]
+    items = [(str(e["decoded_token"]), finite(float(e["logprob"])), e.get("rank")) for e in entries.values()]
     below = [item for item in items if item[2] is not None and item[2] > top]
     sampled = below[0] if len(items) > top and len(below) == 1 else items[0]
     by_rank = sorted(items, key=lambda item: (item[2] if item[2] is not None else float("inf"), -item[1]))
