@@ -118,23 +118,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None,
-                    cumulative_logprob: bool = False) -> SequenceGroup:
+                    arrival_time: Optional[float] = None, cumulative_logprob: bool = False,
+                    priority: Optional[int] = None) -> SequenceGroup:
         """Validate and queue a request; raises InvalidRequestError if it can never be served.
-        ``cumulative_logprob``: compute it even when the parameters do not need it."""
+        ``cumulative_logprob``: compute it even when the parameters do not need it;
+        ``priority``: vLLM's argument (replaces ``params.priority``)."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        group = self.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
+        group = self.make_group(request_id, prompt, params, arrival_time, cumulative_logprob, priority)
         self.add_group(group)
         return group
 
     def make_group(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                   arrival_time: Optional[float] = None,
-                   cumulative_logprob: bool = False) -> SequenceGroup:
+                   arrival_time: Optional[float] = None, cumulative_logprob: bool = False,
+                   priority: Optional[int] = None) -> SequenceGroup:
         """Check a request against the model and the pool and build its group
         (``InputProcessor.make_group``). Touches no engine state, so any
         thread may call it."""
-        return self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
+        return self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob, priority)
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:
