@@ -110,6 +110,12 @@ class EngineConfig:
     # every step for the requests that arrive meanwhile. 256 prompt tokens of
     # the default model take a few hundred ms on 2 CPU cores.
     long_prefill_token_threshold: int = 256
+    # Time per output token to keep while sequences decode or requests wait
+    # (core/prefill_share.py): prompt chunks shrink below the threshold above
+    # so that a step takes about this long, from measured step costs; 0: off
+    # (fixed chunks). 0.1 s is about twice a decode step of the default model
+    # on 2 CPU cores (BENCHMARKS.md, "prefill share").
+    tpot_target_s: float = 0.1
     # Longest sequence (prompt + output); None means the model's context length.
     max_model_len: Optional[int] = None
     # Longest text prompt in characters, refused before it is tokenised
@@ -234,6 +240,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.tpot_target_s >= 0:
+            raise ValueError(f"tpot_target_s must be >= 0 seconds (0: off), got {self.tpot_target_s!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), "
                              f"got {self.long_prefill_token_threshold}")

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence as Seq, Tuple
 import torch
 
 from ..config import EngineConfig
+from ..core.prefill_share import PrefillShare
 from ..core.scheduler import Scheduler, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
 from ..models.default_model import resolve_model_path
@@ -78,6 +79,8 @@ class LLMEngine:
         model_key = f"{model_path}|{config.dtype}|{config.quantization}".encode()
         self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config)
         self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key)
+        self.prefill_share = (PrefillShare(config.tpot_target_s, config.long_prefill_token_threshold
+                                           or config.max_num_batched_tokens) if config.tpot_target_s else None)
         self.speculator = make_speculator(config, runner, compile_in_background)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
@@ -214,6 +217,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.scheduler.num_lookahead = self.speculator.lookahead(
                 sum(len(g.seqs) for g in self.scheduler.running))
+        if self.prefill_share is not None:
+            self.scheduler.prefill_chunk = self.prefill_share.chunk_for(self.scheduler)
         sched = self.scheduler.schedule()
         self.last_schedule_seconds = time.perf_counter() - start
         outputs += [self._end_with_error(group, msg, ran=False) for group, msg in sched.rejected]
@@ -259,6 +264,8 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.last_step_tokens = sched.num_batched_tokens
         self.last_step_seconds = time.perf_counter() - start
+        if self.prefill_share is not None:
+            self.prefill_share.observe(sched.num_batched_tokens, self.last_step_seconds)
         self.stats.step_seconds += self.last_step_seconds
         self.stats.forward_seconds += self.last_forward_seconds
         self.stats.sample_seconds += self.last_sample_seconds
