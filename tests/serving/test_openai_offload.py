@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from pagedbackend.serving.openai.offload import INLINE_CHARS, run_sized
+from pagedbackend.serving.openai.offload import INLINE_CHARS, LARGE_CHARS, run_sized
 from pagedbackend.serving.openai.triton_client import PROMPT_TOKENS_IN_FLIGHT, ClientGone, Generation, prompt_size
 
 
@@ -73,17 +73,18 @@ def test_no_prompt_starts_after_a_cancel():
     assert log["started"] == [0]
 
 
-def test_large_work_runs_off_the_loop_and_small_work_in_place():
+def test_large_work_runs_off_the_loop_very_large_work_apart_and_small_work_in_place():
     threads = {}
 
     async def main():
         threads["small"] = await run_sized(10, threading.get_ident)
-        threads["large"] = await run_sized(INLINE_CHARS + 1, threading.get_ident)
+        threads["medium"] = await run_sized(INLINE_CHARS + 1, threading.get_ident)
+        threads["large"] = await run_sized(LARGE_CHARS + 1, threading.get_ident)
         threads["loop"] = threading.get_ident()
         with pytest.raises(ValueError, match="refused"):
             await run_sized(INLINE_CHARS + 1, _refuse)
     asyncio.run(main())
-    assert threads["small"] == threads["loop"] != threads["large"]
+    assert threads["small"] == threads["loop"] and len({threads["loop"], threads["medium"], threads["large"]}) == 3
 
 
 def _refuse():
