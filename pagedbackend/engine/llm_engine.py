@@ -13,7 +13,6 @@ after it. The engine owns the tokenizer; the runner sees token ids only.
 """
 import dataclasses
 import logging
-import threading
 import time
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
@@ -33,31 +32,9 @@ from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .speculative import make_speculator
 from .step_sampler import StepSampler, isolated
-from .tokenizer import eos_token_ids, load_tokenizer
+from .tokenizer import eos_token_ids, TokenizerLoad
 
 logger = logging.getLogger("pagedbackend")
-GRAMMAR_WAIT_S = 0.02   # a step that would sample nothing waits this long for a grammar's mask
-
-
-class _Background:
-    """``work(*args)`` in a thread; ``result()`` waits and returns it, or raises its error."""
-
-    def __init__(self, work, *args):
-        self._value, self._error = None, None
-
-        def run():
-            try:
-                self._value = work(*args)
-            except BaseException as exc:   # raised again in result()
-                self._error = exc
-        self._thread = threading.Thread(target=run, name="pagedbackend-load", daemon=True)
-        self._thread.start()
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 class LLMEngine:
@@ -67,7 +44,7 @@ class LLMEngine:
         model_path = resolve_model_path(config.model)
         self.config = config = dataclasses.replace(config, model=str(model_path))
         # The tokenizer (most of it importing transformers) loads beside the weights.
-        tokenizer = _Background(load_tokenizer, model_path)
+        tokenizer = TokenizerLoad(model_path)
         if runner is None:
             from ..worker import make_executor
             runner = make_executor(config, compile_in_background)
@@ -168,10 +145,9 @@ class LLMEngine:
                 outputs.append(self._end_with_error(group, str(grammar.error()), ran=False))
                 continue
             group.metrics.grammar_compile_time = grammar.seconds
-            budget = GrammarBudget(grammar.label, self.config.structured_mask_token_s,
-                                   self.config.structured_mask_total_s)
-            group.seqs[0].constraint = self.grammar_workers.start(grammar.matcher, budget,
-                                                                  self.grammars.stop_token_ids)
+            cfg = self.config
+            budget = GrammarBudget(grammar.label, cfg.structured_mask_token_s, cfg.structured_mask_total_s)
+            group.seqs[0].constraint = self.grammar_workers.start(grammar.matcher, budget, self.grammars.stop_token_ids)
             self.scheduler.add(group)
         self.compiling = waiting
         return outputs
@@ -238,7 +214,7 @@ class LLMEngine:
             propose_start = time.perf_counter()
             self.speculator.propose(sched.scheduled)
             self.stats.propose_seconds += time.perf_counter() - propose_start
-        self._grammar_work(sched.scheduled)
+        self.step_sampler.prepare_grammars(sched.scheduled)
         forward_start = time.perf_counter()
         logits = self.runner.execute_model(sched.scheduled)
         self.last_forward_seconds = time.perf_counter() - forward_start
@@ -271,20 +247,6 @@ class LLMEngine:
         self.stats.sample_seconds += self.last_sample_seconds
         return [o for o in outputs if o is not None]
 
-    @staticmethod
-    def _grammar_work(scheduled) -> None:
-        """Masks of speculative positions are filled beside the forward pass.
-        When every entry to sample waits for its grammar's mask, wait a little
-        for one rather than run a step that samples nothing."""
-        waiting = 0
-        for item in scheduled:
-            state = item.seq.constraint
-            if state is not None and item.need_logits:
-                state.prepare_drafts(item.draft_token_ids)
-                waiting += not state.ready()
-        if waiting and waiting == len(scheduled):
-            next(i.seq.constraint for i in scheduled if not i.seq.constraint.ready()).wait(GRAMMAR_WAIT_S)
-
     def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> RequestOutput:
         """End a request that cannot go on: one whose handling raised (``ran``:
         it counts as failed and its latencies count) or one refused before it
@@ -312,7 +274,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         bm, sch, st = self.block_manager, self.scheduler, self.stats
         st.num_running = len(sch.running)
-        st.num_waiting = len(sch.waiting)
+        st.num_waiting = len(sch.waiting) + len(self.compiling)   # compiling: held before the scheduler
         st.num_swapped = len(sch.swapped)
         st.num_used_blocks = bm.num_used_blocks
         st.num_total_blocks = bm.num_total_blocks
@@ -331,7 +293,6 @@ class LLMEngine:
         st.compiled_step = getattr(self.runner, "compiled", None) is not None
         st.structured_mask_seconds = self.sampler.mask_seconds
         st.grammar_compiles = self.grammars.compiles
-        st.num_waiting += len(self.compiling)
         if self.speculator is not None:
             self.speculator.stats.copy_to(st)
         governor = getattr(self.runner, "wait_governor", None)
