@@ -119,7 +119,7 @@ class EngineConfig:
     # (core/prefill_share.py): prompt chunks shrink below the threshold above
     # so that a step takes about this long, from measured step costs; 0: off
     # (fixed chunks). 0.1 s is about twice a decode step of the default model
-    # on 2 CPU cores (BENCHMARKS.md, "prefill share").
+    # on 2 CPU cores.
     tpot_target_s: float = 0.1
     # Longest sequence (prompt + output); None means the model's context length.
     max_model_len: Optional[int] = None

@@ -16,7 +16,7 @@ every prompt advances).
 
 The trade-off: a long prompt's time to first token grows while others
 decode (its chunks shrink), by about the ratio of the full chunk's step time
-to the target (BENCHMARKS.md, "prefill share"); the streams beside it keep
+to the target; the streams beside it keep
 their pace instead of slowing to one token per full-chunk step.
 """
 from typing import Optional
