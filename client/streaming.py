@@ -294,7 +294,7 @@ def http_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAUL
                 line = raw.decode("utf-8").strip()
                 if not line.startswith("data:"):
                     continue
-                event = json.loads(line[len("data:"):])
+                event = standard_json(line[len("data:"):])
                 if "error" in event:
                     raise ServerError(event["error"])
                 arrays = {k: v if isinstance(v, list) else [v] for k, v in event.items() if k in OUTPUTS}
@@ -303,6 +303,14 @@ def http_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAUL
         raise ServerError(_http_error(exc)) from None
     if not decoder.done:
         raise ServerError("the event stream ended before every output finished")
+
+
+def standard_json(text: str):
+    """``text`` decoded as standard JSON: NaN and the infinities, which other
+    parsers refuse, are refused here too (ServerError)."""
+    def refuse(constant):
+        raise ServerError(f"the server sent {constant}, which is not standard JSON: {text[:200]!r}")
+    return json.loads(text, parse_constant=refuse)
 
 
 def sse_events(url: str, body: dict, timeout: float) -> Iterator[dict]:
@@ -318,7 +326,7 @@ def sse_events(url: str, body: dict, timeout: float) -> Iterator[dict]:
             data = line[len("data:"):].strip()
             if data == "[DONE]":
                 return
-            event = json.loads(data)
+            event = standard_json(data)
             if "error" in event:
                 error = event["error"]
                 raise ServerError(error.get("message", str(error)) if isinstance(error, dict) else str(error))

@@ -117,12 +117,30 @@ class EngineConfig:
     # every step for the requests that arrive meanwhile. 256 prompt tokens of
     # the default model take a few hundred ms on 2 CPU cores.
     long_prefill_token_threshold: int = 256
+    # Time per output token to keep while sequences decode or requests wait
+    # (core/prefill_share.py): prompt chunks shrink below the threshold above
+    # so that a step takes about this long, from measured step costs; 0: off
+    # (fixed chunks). 0.1 s is about twice a decode step of the default model
+    # on 2 CPU cores.
+    tpot_target_s: float = 0.1
     # Longest sequence (prompt + output); None means the model's context length.
     max_model_len: Optional[int] = None
     # Longest text prompt in characters, refused before it is tokenised
     # (tokenising takes ~2 s per million characters on one CPU core). None: 16
     # characters per token of max_model_len, more than any prompt that fits.
     max_prompt_chars: Optional[int] = None
+    # Structured outputs (docs/structured_outputs.md): the longest one xgrammar
+    # call of a request may take (accepting a token, filling the next token
+    # mask; measured: under 20 ms for ordinary schemas, regexes and grammars).
+    # Past it the request ends alone with an error naming its grammar; the
+    # work runs off the engine step.
+    structured_mask_token_s: float = 0.25
+    # All of a structured-outputs request's mask work, in seconds; past it the
+    # request ends alone with an error naming its grammar.
+    structured_mask_total_s: float = 10.0
+    # Bytes of compiled grammars kept for reuse (least recently used dropped);
+    # xgrammar's own compile cache holds at most a quarter of this besides.
+    structured_cache_bytes: int = 128 * 1024 * 1024
     # Reuse KV blocks of shared prompt prefixes across requests.
     enable_prefix_caching: bool = True
     # "fcfs": requests are scheduled in arrival order and the newest is
@@ -253,11 +271,18 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.tpot_target_s >= 0:
+            raise ValueError(f"tpot_target_s must be >= 0 seconds (0: off), got {self.tpot_target_s!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), "
                              f"got {self.long_prefill_token_threshold}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        for name in ("structured_mask_token_s", "structured_mask_total_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.structured_cache_bytes < 0:
+            raise ValueError(f"structured_cache_bytes must be >= 0, got {self.structured_cache_bytes}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         for name in ("native_ops", "cpp_wrapper", "enable_expert_parallel"):

@@ -15,7 +15,11 @@ from typing import Any, Dict, List, Optional, Union
 
 from .config import coerce
 from .errors import InvalidRequestError
-from .structured_outputs import StructuredOutputsParams, from_guided_fields
+from .structured_outputs import (MAX_SCHEMA_DEPTH, MAX_TAG_DEPTH, StructuredOutputsParams, from_guided_fields,
+                                 text_depth)
+
+# Nesting of the sampling_parameters JSON: a structural tag inside structured_outputs.
+MAX_PARAMETERS_DEPTH = MAX_TAG_DEPTH + 2
 
 _EPS = 1e-5
 # The most top log-probabilities one token may ask for (vLLM's default limit).
@@ -35,6 +39,8 @@ UNSUPPORTED = {
     "logprob_token_ids": "log-probabilities of chosen token ids are not supported",
     "extra_args": "extra_args are not supported",
 }
+# Taken as sent, never coerced from text (the checks in _validate apply).
+VERBATIM = ("cache_salt",)
 ACCEPTED_AT_DEFAULT = {"detokenize": True, "spaces_between_special_tokens": True,
                        "output_kind": None, "lora_name": None}
 
@@ -243,7 +249,9 @@ class SamplingParams:
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}")
         hints = typing.get_type_hints(cls)
-        kwargs = {name: coerce(f"sampling parameter {name}", hints[name], value, InvalidRequestError)
+        # A salt is taken as given: coercion would read "" (and "none") as no salt at all.
+        kwargs = {name: value if name in VERBATIM else
+                  coerce(f"sampling parameter {name}", hints[name], value, InvalidRequestError)
                   for name, value in params.items()}
         try:
             return cls(**kwargs)
@@ -252,6 +260,10 @@ class SamplingParams:
 
     @classmethod
     def from_json(cls, text: str) -> "SamplingParams":
+        if text_depth(text) > MAX_PARAMETERS_DEPTH:   # before the recursive decoder sees it
+            raise InvalidRequestError(f"sampling_parameters nests deeper than {MAX_PARAMETERS_DEPTH} levels "
+                                      "(a schema goes in structured_outputs.json, at most "
+                                      f"{MAX_SCHEMA_DEPTH} levels deep)")
         try:
             params = json.loads(text) if text.strip() else {}
         except (json.JSONDecodeError, RecursionError) as exc:

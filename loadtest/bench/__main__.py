@@ -17,7 +17,8 @@ BENCHMARKS = {
     "broadcast": "tensor parallelism: per-step cost of the step message on two CPU ranks",
     "openai_api": "time to first token added by the OpenAI-compatible API over direct gRPC",
     "contention": "serving tok/s, TTFT and TPOT idle and beside 1 and 2 busy processes, ours and vLLM's",
-    "fairness": "canary TTFT beside an 8k-token prompt, an n=64 request and preempted groups",
+    "fairness": "canary latency beside an 8k-token prompt, n=64, preempted groups, grammar bombs, deep "
+                "schemas, large /tokenize calls, a 64-prompt request; stub memory over 1,000 schemas",
     "structured": "JSON-schema constrained decoding against free decoding at 32 requests; grammar compile times",
     "specdecode": "speculative decoding (ngram, self_int4) against none: TPOT and tok/s, copying and chat, with peers",
     "priority": "high-priority TTFT under a full KV pool, scheduling_policy fcfs against priority",

@@ -82,6 +82,9 @@ class Scheduler:
         # Speculative slots per decoding sequence for the next steps (set by
         # the engine, which decides how many tokens to propose).
         self.num_lookahead = 0
+        # Prompt tokens one sequence computes in the next step, when sized by
+        # time (set by the engine: prefill_share.py); None: the configured chunk.
+        self.prefill_chunk: Optional[int] = None
 
     @property
     def block_manager(self) -> BlockManager:
@@ -209,7 +212,7 @@ class Scheduler:
         seqs = group.seqs if prefilling else self._decode_seqs(group, crowded)
         if not seqs or len(seqs) > room.seqs or room.tokens < (1 if prefilling else len(seqs)):
             return
-        cap = self.config.long_prefill_token_threshold or room.tokens
+        cap = self.prefill_chunk or self.config.long_prefill_token_threshold or room.tokens
         tokens, plan = room.tokens, []
         for seq in seqs:
             chunk = min(seq.num_uncomputed_tokens, tokens, cap)

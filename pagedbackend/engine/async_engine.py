@@ -130,15 +130,16 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ API
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    cumulative_logprob: bool = False) -> RequestStream:
+                    cumulative_logprob: bool = False, priority: Optional[int] = None) -> RequestStream:
         """Queue a request; its stream yields output deltas. ``cumulative_logprob``:
-        compute it even when the parameters do not need it (``LLMEngine.make_group``)."""
+        compute it even when the parameters do not need it (``LLMEngine.make_group``);
+        ``priority``: vLLM's argument (replaces ``params.priority``)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine has failed: {self.error!r}")
         if self._stopping:
             raise EngineDeadError("the engine is shut down")
         group = self.engine.make_group(request_id, prompt, params,  # validates, may raise
-                                       cumulative_logprob=cumulative_logprob)
+                                       cumulative_logprob=cumulative_logprob, priority=priority)
         stream = RequestStream(request_id)
         with self._lock:
             if request_id in self._streams:

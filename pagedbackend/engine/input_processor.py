@@ -1,6 +1,6 @@
 """From a request to engine state: tokenise the prompt, check it against the
 model and the KV pool, and build its sequence group (bad-word ids, beam
-state, a structured-output grammar handed to the compiler). Nothing here
+state, a structured-output grammar queued for the compile thread). Nothing here
 changes engine state, so any thread may build a group."""
 import logging
 import time
@@ -54,13 +54,16 @@ class InputProcessor:
         self.grammars = grammars
 
     def make_group(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                   arrival_time: Optional[float] = None,
-                   cumulative_logprob: bool = False) -> SequenceGroup:
+                   arrival_time: Optional[float] = None, cumulative_logprob: bool = False,
+                   priority: Optional[int] = None) -> SequenceGroup:
         """Check a request against the model and the pool and build its group.
         Outputs carry ``cumulative_logprob`` when the parameters need it
         (logprobs, best_of > n, beam search) or ``cumulative_logprob`` is
-        true; otherwise None."""
+        true; otherwise None. ``priority`` (vLLM's argument) replaces the
+        parameters' own under ``scheduling_policy=priority``."""
         params = params or SamplingParams()
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         params.check_token_ids(self.vocab_size)
         text, token_ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None and len(token_ids) > params.truncate_prompt_tokens:
@@ -81,10 +84,12 @@ class InputProcessor:
                               time.time() if arrival_time is None else arrival_time, max_tokens)
         self.scheduler.check_admissible(group)
         group.wants_logprob |= cumulative_logprob
+        if priority is not None:
+            group.priority = priority
         group.bad_words_ids = self._bad_words_ids(params)
         if params.use_beam_search:
             group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)
-        if params.structured_outputs is not None:   # refused here if the library cannot parse it
+        if params.structured_outputs is not None:   # parsed and compiled on the compile thread
             group.grammar = self.grammars.submit(params.structured_outputs)
         return group
 

@@ -33,19 +33,23 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
-                 use_tqdm: bool = False) -> List[RequestOutput]:
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> List[RequestOutput]:
         """Generate for every prompt (strings or token id lists); outputs come back
-        in prompt order with whole texts and token lists."""
+        in prompt order with whole texts and token lists. ``priority``: one per
+        prompt, as vLLM's (lower first under ``scheduling_policy=priority``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         order = []
-        for prompt, params in zip(prompts, sampling_params):
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params,
+                                    priority=None if priority is None else priority[i])
             order.append(request_id)
         merged: Dict[str, RequestOutput] = {}
         bar = None
@@ -83,4 +87,5 @@ def merge_delta(merged: Dict[str, RequestOutput], delta: RequestOutput) -> Reque
         cur.finish_reason, cur.stop_reason, cur.num_tokens = out.finish_reason, out.stop_reason, out.num_tokens
     acc.outputs = [by_index[i] for i in sorted(by_index)]
     acc.finished, acc.error, acc.metrics = delta.finished, delta.error, delta.metrics
+    acc.refused = delta.refused
     return acc

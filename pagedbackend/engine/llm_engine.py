@@ -19,10 +19,12 @@ from typing import Dict, List, Optional, Sequence as Seq, Tuple
 import torch
 
 from ..config import EngineConfig
+from ..core.prefill_share import PrefillShare
 from ..core.scheduler import Scheduler, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
 from ..models.default_model import resolve_model_path
 from ..sample import Sampler
+from ..sample.grammar_worker import GrammarBudget, GrammarWorkers
 from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
@@ -30,6 +32,7 @@ from .kv_publisher import KVEventRelay
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .speculative import make_speculator
+from .stats import engine_stats
 from .step_sampler import StepSampler, isolated
 from .tokenizer import eos_token_ids, TokenizerLoad
 
@@ -57,12 +60,16 @@ class LLMEngine:
         self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key)
         self.kv_events = KVEventRelay(config.kv_events_config, config.enable_prefix_caching,
                                       self.block_manager.pool)
+        self.prefill_share = (PrefillShare(config.tpot_target_s, config.long_prefill_token_threshold
+                                           or config.max_num_batched_tokens) if config.tpot_target_s else None)
         self.speculator = make_speculator(config, runner, compile_in_background)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
         # Constrained requests whose grammar still compiles, held back from the scheduler.
         self.compiling: List[SequenceGroup] = []
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                        config.structured_cache_bytes)
+        self.grammar_workers = GrammarWorkers(self.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
                                      self.max_prompt_chars, self.scheduler, self.grammars)
         self.sampler = Sampler(config.seed)
@@ -95,55 +102,56 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None,
-                    cumulative_logprob: bool = False) -> SequenceGroup:
+                    arrival_time: Optional[float] = None, cumulative_logprob: bool = False,
+                    priority: Optional[int] = None) -> SequenceGroup:
         """Validate and queue a request; raises InvalidRequestError if it can never be served.
-        ``cumulative_logprob``: compute it even when the parameters do not need it."""
+        ``cumulative_logprob``: compute it even when the parameters do not need it;
+        ``priority``: vLLM's argument (replaces ``params.priority``)."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        group = self.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
+        group = self.make_group(request_id, prompt, params, arrival_time, cumulative_logprob, priority)
         self.add_group(group)
         return group
 
     def make_group(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                   arrival_time: Optional[float] = None,
-                   cumulative_logprob: bool = False) -> SequenceGroup:
+                   arrival_time: Optional[float] = None, cumulative_logprob: bool = False,
+                   priority: Optional[int] = None) -> SequenceGroup:
         """Check a request against the model and the pool and build its group
         (``InputProcessor.make_group``). Touches no engine state, so any
         thread may call it."""
-        return self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
+        return self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob, priority)
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:
             raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group
         self.stats.prompt_tokens += len(group.prompt_token_ids)
-        if group.grammar is not None:
+        if group.grammar is not None:   # queued once parsed and compiled (_take_compiled)
             self.stats.structured_requests += 1
-            if not group.grammar.done():
-                self.compiling.append(group)
-                return
-            group.metrics.grammar_compile_time = group.grammar.seconds
-            group.seqs[0].constraint = group.grammar.matcher()
+            self.compiling.append(group)
+            return
         self.scheduler.add(group)
 
     def _take_compiled(self) -> List[RequestOutput]:
-        """Hand the requests whose grammar has compiled to the scheduler; end
-        those whose compile failed. With nothing else to run, wait a little
-        for the first compile rather than spin."""
-        if self.compiling and not self.scheduler.has_unfinished:
+        """Hand the requests whose grammar has compiled to the scheduler, each
+        sequence with its grammar state (its first mask filled on a worker);
+        end those whose grammar was refused. With nothing else to run, wait a
+        little for the first compile rather than spin."""
+        if self.compiling and not self.scheduler.has_unfinished and not self.compiling[0].grammar.done():
             self.compiling[0].grammar.wait(0.05)
         outputs, waiting = [], []
         for group in self.compiling:
-            if not group.grammar.done():
+            grammar = group.grammar
+            if not grammar.done():
                 waiting.append(group)
                 continue
-            group.metrics.grammar_compile_time = group.grammar.seconds
-            try:
-                group.seqs[0].constraint = group.grammar.matcher()
-            except Exception as exc:
-                outputs.append(self._end_with_error(group, str(exc), ran=False))
+            if grammar.error() is not None:
+                outputs.append(self._end_with_error(group, str(grammar.error()), ran=False))
                 continue
+            group.metrics.grammar_compile_time = grammar.seconds
+            cfg = self.config
+            budget = GrammarBudget(grammar.label, cfg.structured_mask_token_s, cfg.structured_mask_total_s)
+            group.seqs[0].constraint = self.grammar_workers.start(grammar.matcher, budget, self.grammars.stop_token_ids)
             self.scheduler.add(group)
         self.compiling = waiting
         return outputs
@@ -158,6 +166,8 @@ class LLMEngine:
         self.scheduler.remove(group)
         self._release(group.seqs)
         for seq in group.seqs:
+            if seq.constraint is not None:   # queued grammar work is dropped
+                seq.constraint.close()
             seq.finish_reason = "abort"
         group.finished_seqs += group.seqs
         group.seqs = []
@@ -187,6 +197,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.scheduler.num_lookahead = self.speculator.lookahead(
                 sum(len(g.seqs) for g in self.scheduler.running))
+        if self.prefill_share is not None:
+            self.scheduler.prefill_chunk = self.prefill_share.chunk_for(self.scheduler)
         sched = self.scheduler.schedule()
         self.last_schedule_seconds = time.perf_counter() - start
         outputs += [self._end_with_error(group, msg, ran=False) for group, msg in sched.rejected]
@@ -207,6 +219,7 @@ class LLMEngine:
             propose_start = time.perf_counter()
             self.speculator.propose(sched.scheduled)
             self.stats.propose_seconds += time.perf_counter() - propose_start
+        self.step_sampler.prepare_grammars(sched.scheduled)
         forward_start = time.perf_counter()
         logits = self.runner.execute_model(sched.scheduled)
         self.last_forward_seconds = time.perf_counter() - forward_start
@@ -232,6 +245,8 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.last_step_tokens = sched.num_batched_tokens
         self.last_step_seconds = time.perf_counter() - start
+        if self.prefill_share is not None:
+            self.prefill_share.observe(sched.num_batched_tokens, self.last_step_seconds)
         self.stats.step_seconds += self.last_step_seconds
         self.stats.forward_seconds += self.last_forward_seconds
         self.stats.sample_seconds += self.last_sample_seconds
@@ -251,7 +266,10 @@ class LLMEngine:
         self.groups.pop(group.request_id, None)
         self.scheduler.remove(group)   # wherever it stands; frees what it holds
         self._release(group.seqs)
-        return self.outputs.error_output(group, message)
+        for seq in group.seqs:
+            if seq.constraint is not None:
+                seq.constraint.close()
+        return self.outputs.error_output(group, message, refused=not ran)
 
     def _release(self, seqs: Seq[Sequence]) -> None:
         """Forget what speculation kept for sequences that are gone."""
@@ -266,30 +284,5 @@ class LLMEngine:
 
     # ------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
-        bm, sch, st = self.block_manager, self.scheduler, self.stats
-        st.num_running = len(sch.running)
-        st.num_waiting = len(sch.waiting)
-        st.num_swapped = len(sch.swapped)
-        st.num_used_blocks = bm.num_used_blocks
-        st.num_total_blocks = bm.num_total_blocks
-        st.kv_usage = bm.usage
-        st.num_swap_blocks = bm.num_swap_blocks
-        st.num_free_swap_blocks = bm.num_free_swap_blocks
-        st.num_shared_blocks = bm.num_shared_blocks
-        st.num_cached_free_blocks = bm.num_cached_free_blocks
-        st.stored_positions = bm.stored_positions()
-        st.allocated_slots = bm.num_used_blocks * bm.block_size
-        st.num_swap_preemptions = sch.num_swap_preemptions
-        st.num_recompute_preemptions = sch.num_recompute_preemptions
-        st.num_preemptions = sch.num_swap_preemptions + sch.num_recompute_preemptions
-        st.prefix_cache_queries = bm.prefix_queries
-        st.prefix_cache_hits = bm.prefix_hits
-        st.compiled_step = getattr(self.runner, "compiled", None) is not None
-        st.structured_mask_seconds = self.sampler.mask_seconds
-        st.grammar_compiles = self.grammars.compiles
-        st.num_waiting += len(self.compiling)
-        if self.speculator is not None:
-            self.speculator.stats.copy_to(st)
-        governor = getattr(self.runner, "wait_governor", None)
-        st.cpu_contended = governor is not None and governor.contended
-        return EngineStats(**st.__dict__)
+        """A snapshot of the counters and of the pool, queues and step (``engine_stats``)."""
+        return engine_stats(self)

@@ -11,6 +11,7 @@ import torch
 
 from ..core.scheduler import ScheduledSeq, StepUpdate
 from ..core.sequence import GroupStatus, Sequence, SequenceGroup
+from ..sample.sampler import LOGPROB_FLOOR
 from .beam import beam_step
 from .detokenizer import decode_new_text, find_stop_string
 from .outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
@@ -42,11 +43,12 @@ class OutputProcessor:
             group.forked = True
         for s, sample in zip(new_seqs, samples):
             s.append_token(sample.token_id, sample.logprob, self._logprobs(sample))
-            if s.constraint is not None and not s.constraint.accept_token(sample.token_id):
-                raise RuntimeError(f"token {sample.token_id} was sampled outside the structured-output "
-                                   "grammar's mask")
             self.stats.generation_tokens += 1
             self._check_stop(group, s, sample.token_id)
+            if s.constraint is not None and s.finished:
+                s.constraint.close()
+            elif s.constraint is not None:   # accepted, and the next mask filled, on a grammar worker
+                s.constraint.advance(sample.token_id)
             if s.finished:
                 update.freed.append(s)
                 group.seqs.remove(s)
@@ -90,7 +92,7 @@ class OutputProcessor:
         """Detokenise ``seq``'s new token and set its finish reason if it stops."""
         params = group.params
         new_text = decode_new_text(self.tokenizer, seq, params.skip_special_tokens)
-        if seq.constraint is not None and seq.constraint.is_terminated():   # the grammar took its end
+        if seq.constraint is not None and seq.constraint.ends_with(token_id):   # the grammar took its end
             seq.finish_reason = "stop"
             return
         if seq.num_output_tokens >= params.min_tokens:
@@ -125,7 +127,7 @@ class OutputProcessor:
         count = min(len(prompt) - have, logits.shape[0] - first)
         if first < 0 or count <= 0:
             return
-        logprobs = torch.log_softmax(logits[first:first + count].float(), dim=-1)
+        logprobs = torch.log_softmax(logits[first:first + count].float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
         targets = torch.tensor(prompt[have:have + count], device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])
         ranks = (logprobs > chosen).sum(dim=1) + 1
@@ -162,11 +164,12 @@ class OutputProcessor:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
                              finished, dataclasses.replace(group.metrics), prompt_logprobs=prompt_logprobs)
 
-    def error_output(self, group: SequenceGroup, message: str) -> RequestOutput:
-        """The final output of a request that ends with an error (finish reason ``abort``)."""
+    def error_output(self, group: SequenceGroup, message: str, refused: bool = False) -> RequestOutput:
+        """The final output of a request that ends with an error (finish reason
+        ``abort``); ``refused``: it never ran (``RequestOutput.refused``)."""
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
                              [CompletionOutput(0, "", [], finish_reason="abort")], True,
-                             dataclasses.replace(group.metrics), error=message)
+                             dataclasses.replace(group.metrics), error=message, refused=refused)
 
     def _delta(self, group: SequenceGroup, seq: Sequence, index: Optional[int] = None) -> CompletionOutput:
         """New tokens and text since the last delta. Text that might still turn

@@ -112,6 +112,11 @@ class Speculator:
         self._next[item.seq.seq_id] = max(1, min(self.config.num_speculative_tokens, accepted + 1))
         return accepted
 
+    def withdraw(self, item: ScheduledSeq) -> None:
+        """An entry that was not sampled in its step (its grammar's mask was
+        not ready): none of its drafts stand, and nothing is counted."""
+        self.proposer.accepted(item, 0)
+
     def copy_blocks(self, pairs) -> None:
         self.proposer.copy_blocks(pairs)
 

@@ -1,4 +1,5 @@
-"""From a step's logits to tokens applied to their sequences: prompt
+"""From a step's logits to tokens applied to their sequences: grammar masks
+of constrained entries readied before the forward pass, prompt
 log-probabilities taken from prefill chunks, one sample row per candidate (or
 per position of a speculative entry, verified by ``speculative.py``), the
 batch sampled at once, and the tokens handed to the output processor.
@@ -16,10 +17,10 @@ import torch
 from ..core.scheduler import ScheduledSeq, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
 from ..sample import SampleRow, Sampler
-from ..sample.structured import draft_masks
 from .output_processor import OutputProcessor
 
 logger = logging.getLogger("pagedbackend")
+GRAMMAR_WAIT_S = 0.02   # a step that would sample nothing waits this long for a grammar's mask
 
 
 def isolated(group: SequenceGroup, failed: Dict, what: str, work, update: Optional[StepUpdate] = None) -> bool:
@@ -44,6 +45,20 @@ class StepSampler:
     def __init__(self, sampler: Sampler, outputs: OutputProcessor, eos_token_ids: Set[int], speculator=None):
         self.sampler, self.outputs = sampler, outputs
         self.eos_token_ids, self.speculator = eos_token_ids, speculator
+
+    @staticmethod
+    def prepare_grammars(scheduled: Seq[ScheduledSeq]) -> None:
+        """Before the forward pass: masks of speculative positions are filled
+        beside it. When every entry to sample waits for its grammar's mask,
+        wait a little for one rather than run a step that samples nothing."""
+        waiting = 0
+        for item in scheduled:
+            state = item.seq.constraint
+            if state is not None and item.need_logits:
+                state.prepare_drafts(item.draft_token_ids)
+                waiting += not state.ready()
+        if waiting and waiting == len(scheduled):
+            next(i.seq.constraint for i in scheduled if not i.seq.constraint.ready()).wait(GRAMMAR_WAIT_S)
 
     def take_prompt_logprobs(self, logits: torch.Tensor, scheduled: Seq[ScheduledSeq],
                              failed: Dict) -> torch.Tensor:
@@ -73,10 +88,13 @@ class StepSampler:
         row = 0
         for item in completing:
             group, seq = item.group, item.seq
+            if seq.constraint is not None and not self._grammar_ready(item, update, failed):
+                row += 1 + item.num_draft_tokens
+                continue
             if group.is_beam_search:
                 beams[group].append((seq, row))
             elif item.num_lookahead:
-                owners.append((group, seq, self._speculative_rows(group, seq, item, row, logits.shape[-1]), item))
+                owners.append((group, seq, self._speculative_rows(group, seq, item, row), item))
             else:
                 copies = group.params.best_of if not group.forked else 1
                 owners.append((group, seq, [self._sample_row(group, seq, row, seq.index + i)
@@ -102,6 +120,21 @@ class StepSampler:
                     touched[group.request_id] = group
         return [g for g in touched.values() if g.request_id not in failed]
 
+    def _grammar_ready(self, item: ScheduledSeq, update: StepUpdate, failed: Dict) -> bool:
+        """Whether a constrained entry's mask is ready. A grammar over its mask
+        budget (or whose work failed) fails its request alone; one still at
+        work is not sampled in this step, and its positions are computed again
+        in the next (``grammar_worker.py``)."""
+        state = item.seq.constraint
+        if not isolated(item.group, failed, "advancing its grammar", state.check):
+            return False
+        if state.ready():
+            return True
+        update.uncomputed[item.seq.seq_id] = 1 + item.num_draft_tokens
+        if item.num_lookahead and self.speculator is not None:
+            self.speculator.withdraw(item)
+        return False
+
     def _apply_verified(self, group: SequenceGroup, seq: Sequence, samples, update: StepUpdate) -> None:
         """A speculative entry's kept tokens; a stop inside the run ends it there."""
         for sample in samples:
@@ -110,12 +143,12 @@ class StepSampler:
                 return
 
     def _speculative_rows(self, group: SequenceGroup, seq: Sequence, item: ScheduledSeq,
-                          row: int, vocab_size: int) -> List[SampleRow]:
+                          row: int) -> List[SampleRow]:
         """One sample row per position of a speculative entry, each sampled as
         a plain decode step would sample that position (``speculative.py``).
         Under a grammar, drafts the grammar refuses are not verified."""
         drafts = item.draft_token_ids
-        masks = draft_masks(seq.constraint, drafts, vocab_size) if seq.constraint is not None else None
+        masks = seq.constraint.draft_masks(drafts) if seq.constraint is not None else None
         positions = len(masks) if masks is not None else len(drafts) + 1
         return [self._sample_row(group, seq, row + j, seq.index, drafts[:j],
                                  masks[j] if masks is not None else None) for j in range(positions)]

@@ -10,7 +10,8 @@ min-p, then draw with the exponential race (argmax of p / E, E ~ Exp(1)), which
 equals a categorical draw. Log-probabilities are taken from the processed
 logits, before temperature, and only for rows that ask for them
 (``SampleRow.logprob``, or top log-probabilities in the request): each costs a
-log-softmax over the whole vocabulary. A row with a seed draws its noise from a generator
+log-softmax over the whole vocabulary. Tokens ruled out (-inf) get
+``LOGPROB_FLOOR``, as vLLM writes them. A row with a seed draws its noise from a generator
 keyed by (seed, output index, position), so its result does not depend on the
 batch it lands in, nor on preemption.
 """
@@ -22,6 +23,16 @@ import torch
 
 from ..sampling_params import SamplingParams
 from .structured import mask_logits
+
+# Log-probabilities are written no lower than this (vLLM's floor): a token the
+# grammar, allowed_token_ids or a bias of -inf rules out would otherwise be
+# -inf, which no JSON answer can carry.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """``value`` with -inf (and NaN) raised to ``LOGPROB_FLOOR``."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 @dataclass
@@ -175,7 +186,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
     if asked:
         # The processed logits' log-probabilities, for the asking rows only
         # (log_softmax is the fastest normaliser on CPU).
-        logprobs = torch.log_softmax(logits[row_idx[asked]], dim=-1)
+        logprobs = torch.log_softmax(logits[row_idx[asked]], dim=-1).clamp_(min=LOGPROB_FLOOR)
         chosen = logprobs.gather(1, token_ids[asked].unsqueeze(1)).squeeze(1).tolist()
         for j, i in enumerate(asked):
             samples[i].logprob = chosen[j]

@@ -1,5 +1,6 @@
 """Sampling parameters: every field checked at construction, with errors that
 name the parameter and what it accepts; vLLM's names and JSON forms accepted."""
+import json
 import math
 
 import pytest
@@ -92,7 +93,7 @@ def test_json_forms_of_vllm_parameters_are_accepted():
 def test_sampling_parameters_json_that_is_not_json_names_the_input():
     with pytest.raises(InvalidRequestError, match="sampling_parameters is not valid JSON"):
         SamplingParams.from_json("{max_tokens: 3")
-    with pytest.raises(InvalidRequestError, match="sampling_parameters is not valid JSON"):
+    with pytest.raises(InvalidRequestError, match="sampling_parameters nests deeper than"):
         SamplingParams.from_json("[" * 100_000)
 
 
@@ -122,3 +123,20 @@ def test_beam_search_takes_every_early_stopping_value_of_hugging_face():
         params = SamplingParams.from_dict({"use_beam_search": True, "best_of": 2, "temperature": 0,
                                            "early_stopping": value})
         assert params.early_stopping == expected
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"cache_salt": ""}, "cache_salt must be a non-empty string"),
+    ({"cache_salt": 5}, "cache_salt must be a non-empty string"),
+    ({"priority": True}, "priority: expected int, got True"),
+    ({"priority": 1.5}, "priority must be an integer"),
+])
+def test_a_salt_must_be_non_empty_text_and_a_priority_an_integer_as_sent_to_triton(fields, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        SamplingParams.from_json(json.dumps(fields))
+
+
+def test_a_salt_is_taken_as_sent_never_read_as_no_salt():
+    assert SamplingParams.from_dict({"cache_salt": "none"}).cache_salt == "none"
+    assert SamplingParams.from_dict({"cache_salt": " a "}).cache_salt == " a "
+    assert SamplingParams.from_dict({"priority": "-3"}).priority == -3

@@ -2,9 +2,10 @@
 output of a JSON-schema constraint parses and validates against its schema,
 regex outputs fullmatch, choice outputs are members; greedy and sampled, n = 1
 and 3, and again with preemption forced by a small pool (recompute and swap),
-where greedy outputs must not change. Bad constraints are refused before
-queuing, naming the parameter; a grammar that is still compiling holds back
-only its own request."""
+where greedy outputs must not change. Malformed constraints are refused
+before queuing, those the library cannot parse end as refusals, both naming
+the parameter; a grammar that is still compiling holds back only its own
+request."""
 import json
 import re
 import threading
@@ -148,10 +149,6 @@ def test_preempted_requests_keep_their_grammar_and_greedy_outputs(unpreempted, m
 
 
 @pytest.mark.parametrize("constraint, words", [
-    ({"json": {"type": "objectx"}}, ["structured_outputs.json", "objectx"]),
-    ({"regex": "a(b"}, ["structured_outputs.regex", "parenthesis"]),
-    ({"grammar": 'root ::= "a" |'}, ["structured_outputs.grammar", "EBNF"]),
-    ({"structural_tag": '{"type": "structural_tag"}'}, ["structured_outputs.structural_tag", "format"]),
     ({"json": {"type": "object"}, "regex": "a"}, ["only one constraint", "json and regex"]),
     ({}, ["one of json, regex, choice"]),
     ({"choice": []}, ["choice must be a non-empty list"]),
@@ -160,11 +157,23 @@ def test_preempted_requests_keep_their_grammar_and_greedy_outputs(unpreempted, m
     ({"regex": "a", "whitespace_pattern": " "}, ["whitespace_pattern"]),
     ({"regex": "a", "colour": 1}, ["unknown field", "colour"]),
 ])
-def test_a_bad_constraint_is_refused_before_queuing_naming_it(llm, constraint, words):
+def test_a_malformed_constraint_is_refused_before_queuing_naming_it(llm, constraint, words):
     with pytest.raises(InvalidRequestError) as refused:
         llm.engine.add_request("bad", "Hello", SamplingParams(structured_outputs=constraint))
     assert all(word in str(refused.value) for word in words), str(refused.value)
     assert "bad" not in llm.engine.groups and not llm.engine.compiling
+    assert not llm.engine.check_idle()
+
+
+@pytest.mark.parametrize("constraint, words", [
+    ({"json": {"type": "objectx"}}, ["structured_outputs.json", "objectx"]),
+    ({"regex": "a(b"}, ["structured_outputs.regex", "parenthesis"]),
+    ({"grammar": 'root ::= "a" |'}, ["structured_outputs.grammar", "EBNF"]),
+    ({"structural_tag": '{"type": "structural_tag"}'}, ["structured_outputs.structural_tag", "format"]),
+])
+def test_a_constraint_the_library_refuses_ends_as_refused_naming_it(llm, constraint, words):
+    out = llm.generate(["Hello"], SamplingParams(structured_outputs=constraint))[0]   # parsed off the intake thread
+    assert out.error and out.refused and all(word in out.error for word in words), out.error
     assert not llm.engine.check_idle()
 
 

@@ -145,9 +145,14 @@ def test_completions_default_to_16_tokens_as_openai_does():
     (ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}, "messages", ["role"]),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs", ["needs logprobs"]),
+    (CompletionRequest, {"prompt": "x", "cache_salt": ""}, "cache_salt", ["cache_salt", "at least 1"]),
+    (CompletionRequest, {"prompt": "x", "cache_salt": 7}, "cache_salt", ["cache_salt", "string"]),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "priority": True}, "priority",
+     ["priority", "integer"]),
+    (CompletionRequest, {"prompt": "x", "priority": 1.5}, "priority", ["priority", "integer"]),
 ], ids=["temperature", "top_p", "max_tokens-type", "unknown-field", "no-prompt", "too-many-logprobs",
         "max_tokens-0-without-echo", "stream_options-without-stream", "no-messages", "bad-role",
-        "top_logprobs-alone"])
+        "top_logprobs-alone", "empty-cache_salt", "cache_salt-not-text", "priority-bool", "priority-float"])
 def test_a_bad_request_is_a_400_naming_the_field(cls, fields, param, words):
     with pytest.raises(OpenAIError) as refused:
         parse_request(cls, body(**fields))
@@ -169,6 +174,27 @@ def test_a_body_that_is_not_a_json_object_is_a_400(raw, words):
 
     assert refused.value.status == 400
     assert all(word in refused.value.message for word in words)
+
+
+DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 600 + '{"type": "string"}' + "}}" * 600
+
+
+@pytest.mark.parametrize("raw", [
+    ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+     '"json_schema": {"name": "deep", "schema": ' + DEEP_SCHEMA + "}}}").encode(),
+    b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+    b'{"prompt": "[[[[' + b"[" * 5000 + b'", "x": ' + b"{" * 5000,
+])
+def test_an_over_deep_body_is_a_400_before_it_is_decoded(raw):
+    with pytest.raises(OpenAIError) as refused:
+        parse_request(ChatCompletionRequest, raw)
+
+    assert refused.value.status == 400 and "deeper than" in refused.value.message
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    request = parse_request(CompletionRequest, body(prompt="[" * 5000 + "{" * 5000))
+    assert request.prompts() == ["[" * 5000 + "{" * 5000]
 
 
 def test_prompts_are_strings_or_token_id_lists_one_or_many():

@@ -8,6 +8,7 @@ import os
 import pathlib
 import signal
 import subprocess
+import threading
 import time
 
 import httpx
@@ -254,6 +255,70 @@ def test_tokenize_counts_a_prompt_with_the_models_tokenizer_and_detokenize_inver
     assert reply["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
     back = httpx.post(f"{api.url}/detokenize", json={"tokens": ids}, timeout=60).json()
     assert back == {"prompt": tokenizer.decode(ids)}
+
+
+def finish_order(calls) -> list:
+    """Run each (name, function) in a thread of its own, in the order given
+    (a moment apart); returns the names in the order they finished."""
+    done, lock, threads = [], threading.Lock(), []
+
+    def run(name, call):
+        call()
+        with lock:
+            done.append(name)
+    for name, call in calls:
+        threads.append(threading.Thread(target=run, args=(name, call)))
+        threads[-1].start()
+        time.sleep(0.2)
+    for thread in threads:
+        thread.join(timeout=300)
+    return done
+
+
+def test_large_tokenize_calls_do_not_hold_up_a_small_request(api):
+    """Each tokenises on a worker thread: a small request sent after four
+    large ones is answered before any of them (on the event loop, it waited
+    for them one after another)."""
+    big = "The quick brown fox jumps over the lazy dog. " * 13000   # 585 KB, a few seconds each
+
+    def tokenize(text):
+        reply = httpx.post(f"{api.url}/tokenize", json={"prompt": text}, timeout=300)
+        assert reply.status_code == 200 and reply.json()["count"] > 0
+    order = finish_order([*((f"big{i}", lambda: tokenize(big)) for i in range(4)),
+                          ("small", lambda: tokenize("Hello"))])
+    assert order[0] == "small", order
+
+
+def test_a_request_of_many_prompts_enters_the_model_a_few_prompts_at_a_time(triton, client, tokenizer):
+    """As one tenant: its long prompts are in the model one at a time (all 64
+    used to be queued at once, ahead of any later request), and a request
+    sent after it is answered while it runs."""
+    prompts = [" ".join(f"word{i}_{j}" for j in range(80)) for i in range(64)]   # ~400 tokens each
+    assert all(300 < len(tokenizer.encode(p)) < 500 for p in prompts)
+    in_model, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            in_model.append(metric(triton, "num_requests_running") + metric(triton, "num_requests_waiting"))
+            time.sleep(0.05)
+
+    def many():
+        out = client.completions.create(model="paged_llm", prompt=prompts, max_tokens=1, temperature=0)
+        assert len(out.choices) == 64
+        done.set()
+
+    def canary():
+        out = client.completions.create(model="paged_llm", prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 8
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert finish_order([("many", many), ("canary", canary)]) == ["canary", "many"]
+    finally:
+        done.set()
+        watcher.join()
+    assert max(in_model) <= 2 and len(in_model) > 10, in_model   # one prompt, and the canary at times
 
 
 def test_tokenize_runs_messages_through_the_chat_template(api, tokenizer):

@@ -63,6 +63,10 @@ def test_conflicting_or_unknown_formats_are_a_400_naming_the_field(fields, param
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice", ["'nope'"]),
     ([WEATHER], "sometimes", "tool_choice", ["tool_choice must be"]),
     (None, "required", "tool_choice", ["tool_choice needs tools"]),
+    ([{"type": "function", "function": {"name": "a</tool_call>b"}}], "required", "tools",
+     ["'a</tool_call>b'", "letters, digits, underscores or hyphens"]),
+    ([{"type": "function", "function": {"name": "x" * 65}}], None, "tools", ["1 to 64"]),
+    ([{"type": "function", "function": {"name": "get weather"}}], None, "tools", ["'get weather'"]),
 ])
 def test_bad_tools_are_a_400_naming_the_field(tools, choice, param, words):
     with pytest.raises(OpenAIError) as refused:
@@ -81,6 +85,38 @@ def test_tool_choice_decides_the_structural_tag(choice, kind, names, first_only)
     assert [json.loads(t["begin"].split("\n", 1)[1] + "0}")["name"] for t in tag["tags"]] == names
     assert tag["tags"][-1]["content"]["json_schema"] == ADD["function"]["parameters"]
     assert Tools([WEATHER, ADD], choice, False).structural_tag()["format"]["stop_after_first"] is True
+
+
+def test_names_openai_allows_are_accepted():
+    tools = [{"type": "function", "function": {"name": name}} for name in ("get_weather", "a-b_9", "x" * 64)]
+    assert list(Tools.of(chat(tools=tools, tool_choice="auto")).functions) == ["get_weather", "a-b_9", "x" * 64]
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+@pytest.mark.parametrize("message, words", [
+    ({"role": "assistant", "tool_calls": "oops"}, ["messages[1].tool_calls must be a list", "str"]),
+    ({"role": "assistant", "tool_calls": [1, 2]}, ["messages[1].tool_calls[0] must be an object"]),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]}, ["function.name"]),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": {"a": 1}}}]},
+     ["function.arguments must be a string"]),
+    ({"role": "assistant", "tool_calls": [{**CALL, "type": "retrieval"}]}, ["type must be function"]),
+    ({"role": "user", "content": "x", "tool_calls": [CALL]}, ["only an assistant message has tool calls"]),
+])
+def test_malformed_assistant_tool_calls_are_a_400_naming_their_place(message, words):
+    messages = [{"role": "user", "content": "Weather?"}, message]
+    with pytest.raises(OpenAIError) as refused:
+        messages_with_tools([m.for_template(i) for i, m in enumerate(chat(messages=messages).messages)], None, True)
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert all(w in refused.value.message for w in words), refused.value.message
+
+
+def test_well_formed_tool_calls_reach_the_conversation():
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]}]
+    out = messages_with_tools([m.for_template(i) for i, m in enumerate(chat(messages=messages).messages)],
+                              None, False)
+    assert '"name": "get_weather"' in out[1]["content"] and '"city": "Paris"' in out[1]["content"]
 
 
 def test_tools_are_described_in_a_system_message_when_the_template_cannot():

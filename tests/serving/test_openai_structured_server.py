@@ -3,9 +3,12 @@
 (real weights: a random model wanders in JSON's optional whitespace):
 response_format JSON that validates, tool_calls whose arguments validate
 against the tool's schema, streamed and not, tool results accepted back in the
-conversation, and a bad schema refused with a 400 naming it."""
+conversation, and a bad schema refused with a 400 naming it. Log-probabilities
+of the tokens a constraint rules out come back as vLLM's -9999.0 on every
+path (the module's responses are parsed as standard JSON, tests/serving/conftest.py)."""
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -13,6 +16,7 @@ import pytest
 from pagedbackend.serving.harness import TritonServer
 from pagedbackend.serving.repository import make_model_repository
 from pagedbackend.serving.openai.harness import OpenAIServer
+from strict_json import strict_loads
 
 pytestmark = pytest.mark.slow
 
@@ -179,3 +183,57 @@ def _metrics(triton) -> dict:
         previous = values
         time.sleep(0.2)
     return previous
+
+
+FLOOR = -9999.0
+YES_NO = {"structured_outputs": {"choice": ["yes", "no"]}}
+
+
+def _floors(values) -> int:
+    return sum(1 for v in values if v == FLOOR)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_constrained_logprobs_are_finite_on_every_openai_path(client, stream):
+    """Top log-probabilities beyond the two tokens a choice allows: chat and
+    completions, n 3, best_of 3, a named tool."""
+    chat = dict(messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=4, temperature=0.7,
+                seed=1, logprobs=True, top_logprobs=5, stream=stream)
+    completion = dict(prompt="Is the sky blue? Answer:", max_tokens=4, temperature=0.7, seed=1, logprobs=5,
+                      stream=stream)
+    runs = [client.chat.completions.create(model="paged_llm", extra_body=YES_NO, n=3, **chat),
+            client.chat.completions.create(model="paged_llm", tools=TOOLS, max_completion_tokens=60,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           **{**chat, "max_tokens": None}),
+            client.completions.create(model="paged_llm", extra_body=YES_NO, n=3, **completion)]
+    if not stream:   # best_of > n decides at the end: no stream
+        runs.append(client.completions.create(model="paged_llm", extra_body=YES_NO, best_of=3, **completion))
+    values = []
+    for run in runs:
+        for answer in (run if stream else [run]):
+            for choice in answer.choices:
+                if choice.logprobs is None:
+                    continue
+                if hasattr(choice.logprobs, "content"):   # chat
+                    values += [t.logprob for p in choice.logprobs.content or [] for t in p.top_logprobs]
+                else:
+                    values += [v for top in choice.logprobs.top_logprobs or [] for v in top.values()]
+    assert _floors(values) > 0 and all(FLOOR <= v <= 0 for v in values)
+
+
+def test_constrained_logprobs_are_finite_in_tritons_logprobs_output(servers):
+    triton, _ = servers
+    body = {"text_input": "Is the sky blue? Answer:", "stream": True, "return_logprobs": True,
+            "return_cumulative_logprob": True,
+            "sampling_parameters": json.dumps({"max_tokens": 4, "logprobs": 5, "n": 2, "temperature": 0.7,
+                                               "seed": 1, **YES_NO})}
+    values = []
+    with httpx.stream("POST", f"{triton.http_url}/v2/models/paged_llm/generate_stream", json=body,
+                      timeout=120) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data:"):
+                event = strict_loads(line[len("data:"):])
+                assert "error" not in event, event
+                for element in event["logprobs"] if isinstance(event["logprobs"], list) else [event["logprobs"]]:
+                    values += [e["logprob"] for step in strict_loads(element) or [] for e in step.values()]
+    assert _floors(values) > 0

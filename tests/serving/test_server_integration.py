@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from strict_json import strict_loads
 from client import ServerError, acollect, generate, grpc_stream, grpc_stream_async, http_stream
 from pagedbackend.serving.harness import TritonServer
 from pagedbackend.serving.repository import make_model_repository
@@ -246,7 +247,7 @@ def test_prompt_logprobs_come_back_as_json_equal_to_the_offline_engine(server, o
     params = {"max_tokens": 2, "temperature": 0.0, "prompt_logprobs": 2}
     body = {"text_input": PROMPTS[0], "return_prompt_logprobs": True, "parameters": params}
     request = urllib.request.Request(f"{server.http_url}/v2/models/paged_llm/generate", json.dumps(body).encode())
-    got = json.loads(json.loads(urllib.request.urlopen(request, timeout=60).read())["prompt_logprobs"])
+    got = strict_loads(strict_loads(urllib.request.urlopen(request, timeout=60).read())["prompt_logprobs"])
     expected = offline.generate(PROMPTS[0], SamplingParams(**params))[0].prompt_logprobs
     assert got[0] is None and len(got) == len(expected) > 2
     for mine, theirs in zip(got[1:], expected[1:]):

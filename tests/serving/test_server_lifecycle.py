@@ -25,8 +25,9 @@ pytestmark = pytest.mark.slow
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SETTINGS = dict(num_kv_blocks=128, max_num_seqs=16, device="cpu", compile=False)
 LONG = {"max_tokens": 450, "ignore_eos": True}
+# The stub's own crashes reach the log through faulthandler ("Fatal Python error: ...").
 CRASH_MARKS = ("Signal (11)", "Signal (6)", "Signal (7)", "Segmentation fault", "terminate called",
-               "core dumped", "Exit timeout expired")
+               "core dumped", "Exit timeout expired", "Fatal Python error")
 
 
 def alive(pid: int) -> bool:
@@ -149,6 +150,28 @@ def test_sigterm_to_the_launcher_with_streams_in_flight_ends_them_and_exits_clea
     assert "drained; 4 open request(s) ended" in log
     assert not [mark for mark in CRASH_MARKS if mark in log], log[-3000:]
     assert len(group) >= 3 and not [pid for pid in group if alive(pid)]  # server, stub, watcher
+
+
+@pytest.mark.timeout(600)
+def test_three_sigterm_stops_in_a_row_exit_0_without_a_crash(tmp_path, tiny_repo):
+    """Every stop used to segfault the stub in tritonserver's metric teardown
+    (the kernel log said so; faulthandler now writes it into the server's)."""
+    for round_ in range(3):
+        launcher = Launcher(tiny_repo, tmp_path / f"serve{round_}.log")
+        try:
+            launcher.wait_ready()
+            result = generate("Hello", {"max_tokens": 4}, url=launcher.grpc_url)   # fills the histograms
+            assert result.num_output_tokens == [4]
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{launcher.ports[2]}/metrics", timeout=10).read()
+            assert b"pagedbackend:e2e_request_latency_seconds_count" in metrics
+            launcher.process.send_signal(signal.SIGTERM)
+            code = launcher.process.wait(timeout=60)
+        finally:
+            if launcher.process.poll() is None:
+                launcher.kill_everything()
+        log = launcher.text()
+        assert code == 0 and "stopped: tritonserver exited with status 0" in log, log[-3000:]
+        assert not [mark for mark in CRASH_MARKS if mark in log], log[-3000:]
 
 
 @pytest.mark.timeout(400)

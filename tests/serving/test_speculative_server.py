@@ -1,17 +1,21 @@
 """Speculative decoding served by a real tritonserver: ``speculative_config``
 as JSON text in config.pbtxt, streamed greedy text equal to the offline
 engine's plain decoding, and the acceptance counters on ``/metrics`` under
-vLLM's names (with one counter per draft position) and ours."""
+vLLM's names (with one counter per draft position) and ours; under a
+constraint, log-probabilities of ruled-out tokens come back finite (vLLM's
+-9999.0) in Triton's logprobs output."""
 import json
 import re
 import time
 
+import httpx
 import pytest
 
 from client import generate
 from pagedbackend import LLM, SamplingParams
 from pagedbackend.serving.harness import TritonServer
 from pagedbackend.serving.repository import make_model_repository
+from strict_json import strict_loads
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +48,31 @@ def test_served_speculation_streams_plain_greedy_text_and_counts_acceptance(tmp_
             previous, values = values, counters(server.metrics())
             time.sleep(0.3)
         text = server.metrics()
+        logprobs = constrained_logprobs(server)
     assert streamed.texts == [expected]
+    assert any(v == -9999.0 for v in logprobs) and all(-9999.0 <= v <= 0 for v in logprobs)
     drafts, accepted = values["vllm:spec_decode_num_draft_tokens_total"], values["vllm:spec_decode_num_accepted_tokens_total"]
     assert 0 < accepted <= drafts and values["vllm:spec_decode_num_drafts_total"] > 0
     per_position = [values.get(f'vllm:spec_decode_num_accepted_tokens_per_pos{{position="{i}"}}', 0) for i in range(4)]
     assert sum(per_position) == accepted and per_position[0] >= per_position[-1], text
     assert values["pagedbackend:spec_decode_num_accepted_tokens_total"] == accepted
+
+
+def constrained_logprobs(server) -> list:
+    """The top log-probabilities of a streamed request whose regex allows
+    only the sentence (a few tokens at each position), verified from n-gram
+    drafts, read as standard JSON."""
+    sentence = TEXT.replace(".", "\\.")
+    params = {"max_tokens": 24, "temperature": 0.0, "logprobs": 20,
+              "structured_outputs": {"regex": f"({sentence} ?)+"}}
+    body = {"text_input": PROMPT, "stream": True, "return_logprobs": True,
+            "sampling_parameters": json.dumps(params)}
+    values = []
+    with httpx.stream("POST", f"{server.http_url}/v2/models/paged_llm/generate_stream", json=body,
+                      timeout=120) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data:"):
+                event = strict_loads(line[len("data:"):])
+                assert "error" not in event, event
+                values += [e["logprob"] for step in strict_loads(event["logprobs"]) or [] for e in step.values()]
+    return values

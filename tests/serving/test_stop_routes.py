@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from strict_json import strict_loads
 from client import http_stream
 from loadtest.tiny_model import build_tiny_llama
 from pagedbackend.serving.constants import EXIT_TIMEOUT_S
@@ -154,7 +155,7 @@ def test_every_stop_route_ends_open_streams_with_an_error_and_exits_cleanly(long
     assert 0 < triton["tokens"] < STREAM_TOKENS
     events = openai["events"]
     assert openai["result"] == "ended", (openai, log[-3000:])
-    payloads = [json.loads(e) for e in events if e != "[DONE]"]
+    payloads = [strict_loads(e) for e in events if e != "[DONE]"]
     assert "error" in payloads[-1] and "shutting down" in payloads[-1]["error"]["message"], events[-3:]
     assert all(c["finish_reason"] is None for p in payloads[:-1] for c in p.get("choices", [])), events[-3:]
     assert streams_s < STOP_LIMIT_S and not left, (streams_s, left, log[-3000:])

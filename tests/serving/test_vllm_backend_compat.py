@@ -20,6 +20,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from strict_json import strict_loads
 from pagedbackend.serving.harness import TritonServer, is_model_ready, is_ready
 from pagedbackend.serving.repository import make_model_repository
 
@@ -156,7 +157,7 @@ def test_additional_outputs_in_every_combination(server, reference, stream, excl
             entries = [[] for _ in range(n)]
             for r in responses:
                 for i, value in enumerate(r["logprobs"]):
-                    decoded = json.loads(text(value))
+                    decoded = strict_loads(text(value))
                     if "logprobs" not in params:
                         assert decoded is None, where
                     else:
@@ -182,17 +183,17 @@ def test_additional_outputs_in_every_combination(server, reference, stream, excl
 def test_logprobs_sum_to_the_cumulative_logprob_and_come_over_the_http_generate_endpoint(server):
     params = MODES["greedy-logprobs"]
     [whole] = infer(server, params, stream=False, exclude=True, flags=FLAGS)
-    steps = json.loads(text(whole["logprobs"][0]))
+    steps = strict_loads(text(whole["logprobs"][0]))
     body = json.dumps({"text_input": PROMPT, "stream": False, "exclude_input_in_output": True,
                        "return_logprobs": True, "sampling_parameters": json.dumps(params)}).encode()
     request = urllib.request.Request(f"{server.http_url}/v2/models/paged_llm/generate", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as reply:
-        over_http = json.loads(reply.read())
+        over_http = strict_loads(reply.read())
 
     sampled = [next(iter(step.values()))["logprob"] for step in steps]
     assert sum(sampled) == pytest.approx(whole["cumulative_logprob"][0], abs=1e-3)
-    assert json.loads(over_http["logprobs"]) == steps
+    assert strict_loads(over_http["logprobs"]) == steps
     assert over_http["text_output"] == text(whole["text_output"][0])
 
 

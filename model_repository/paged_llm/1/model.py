@@ -23,12 +23,13 @@ import triton_python_backend_utils as pb_utils
 
 from pagedbackend.config import engine_config
 from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
+from pagedbackend.errors import InvalidRequestError
 from pagedbackend.serving.constants import SHUTTING_DOWN
 from pagedbackend.serving.triton.health import EngineFailurePolicy
 from pagedbackend.serving.triton.io import (FINAL, Job, accumulate, build_response, read_flags,
                                             read_prompt_or_ids, read_sampling_params, send_error)
-from pagedbackend.serving.triton.lifecycle import (log_to_stderr, on_sigterm, use_utf8_locale, watch_listener,
-                                                   watch_server)
+from pagedbackend.serving.triton.lifecycle import (end_stub, log_to_stderr, on_sigterm, use_utf8_locale,
+                                                   watch_listener, watch_server)
 from pagedbackend.serving.triton.metrics import Metrics
 from pagedbackend.serving.triton.settings import ModelSettings
 
@@ -126,8 +127,8 @@ class TritonPythonModel:
         try:
             async for out in job.stream:
                 ended = job.cancelled or job.abort_reason
-                if out.error and not ended:
-                    raise RuntimeError(out.error)
+                if out.error and not ended:   # refused (a grammar the library cannot parse) or failed
+                    raise InvalidRequestError(out.error) if out.refused else RuntimeError(out.error)
                 new_tokens = accumulate(job, out)
                 if not self.closing:
                     self.metrics.observe_tokens(out.metrics, job.last_token_time, new_tokens)
@@ -156,8 +157,10 @@ class TritonPythonModel:
             self.engine.abort(job.request_id)
             self._forget(job)
             if not final_sent:
+                code = (pb_utils.TritonError.INVALID_ARG if isinstance(exc, InvalidRequestError)
+                        else pb_utils.TritonError.INTERNAL)
                 try:
-                    send_error(job.sender, str(exc), pb_utils.TritonError.INTERNAL)
+                    send_error(job.sender, str(exc), code)
                 except Exception as send_exc:  # the client is gone
                     pb_utils.Logger.log_warn(f"paged_llm: {exc}; could not report it: {send_exc}")
         finally:
@@ -225,4 +228,7 @@ class TritonPythonModel:
             time.sleep(0.02)
 
     def finalize(self):
+        """Drain, then end the stub here (``lifecycle.end_stub``): tritonserver
+        already has the stub's answer to finalize and waits only for it to exit."""
         self._drain()
+        end_stub()

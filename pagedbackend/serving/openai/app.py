@@ -7,6 +7,7 @@ models), ``GET /health``, ``POST /tokenize``, ``POST /detokenize``. Chat
 messages become a prompt through the chat template of the served model's
 tokenizer. Each prompt is one gRPC stream to the Triton model
 (``triton_client``); a client that hangs up cancels its streams at once.
+Large bodies, texts and answers are handled off the event loop (``offload``).
 """
 import asyncio
 import json
@@ -22,6 +23,7 @@ from pagedbackend.serving.constants import SERVED_MODEL
 from pagedbackend.serving.openai.answers import ChatAnswer, CompletionAnswer
 from pagedbackend.serving.openai.asgi import BodySizeLimit, CatchAll
 from pagedbackend.serving.openai.generations import OpenGenerations, answer
+from pagedbackend.serving.openai.offload import run_sized
 from pagedbackend.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   OpenAIError, TokenizeChatRequest, TokenizeRequest,
                                                   parse_request, sampling_parameters)
@@ -116,7 +118,8 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_request(CompletionRequest, await request.body())
+        body = await request.body()
+        req = await run_sized(len(body), parse_request, CompletionRequest, body)
         prompts = req.prompts()
         model = await model_for(req.model, req.logprobs is not None)
         # max_tokens 0 (score the prompt): one token is generated and not returned.
@@ -127,15 +130,17 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
             params["structured_outputs"] = constraint
         if req.echo and req.logprobs is not None:
             params["prompt_logprobs"] = req.logprobs
+        shape = await run_sized(len(body), CompletionAnswer, req, model, prompts, tokenizer)   # echo's texts
         return await answer(request, triton, model, prompts, params, req.logprobs is not None,
-                            CompletionAnswer(req, model, prompts, tokenizer), req.stream, open_generations)
+                            shape, req.stream, open_generations)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_request(ChatCompletionRequest, await request.body())
+        body = await request.body()
+        req = await run_sized(len(body), parse_request, ChatCompletionRequest, body)
         model = await model_for(req.model, req.logprobs)
         tools = Tools.of(req)
-        prompt = chat_prompt(tokenizer, req, tools)
+        prompt = await run_sized(len(body), chat_prompt, tokenizer, req, tools)
         reasoning = Reasoning.of(settings.reasoning_parser, req, prompt)
         shape = ChatAnswer(req, model, tools, reasoning)
         params = sampling_parameters(req, req.max_completion_tokens or req.max_tokens, shape.top)
@@ -154,24 +159,28 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req = parse_request(lambda data: TokenizeChatRequest if "messages" in data else TokenizeRequest,
-                            await request.body())
-        chat = isinstance(req, TokenizeChatRequest)
+        body = await request.body()
+        req = await run_sized(len(body), parse_request,
+                              lambda data: TokenizeChatRequest if "messages" in data else TokenizeRequest, body)
         await model_for(req.model, False)
-        text = chat_prompt(tokenizer, req) if chat else req.prompt
-        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-        return {"count": len(ids), "tokens": ids,
-                "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+        def work():
+            text = chat_prompt(tokenizer, req) if isinstance(req, TokenizeChatRequest) else req.prompt
+            ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+            return {"count": len(ids), "tokens": ids,
+                    "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+        return await run_sized(len(body), work)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req = parse_request(DetokenizeRequest, await request.body())
+        body = await request.body()
+        req = await run_sized(len(body), parse_request, DetokenizeRequest, body)
         await model_for(req.model, False)
         bad = next((t for t in req.tokens if not 0 <= t < len(tokenizer)), None)
         if bad is not None:
             raise OpenAIError(400, f"token id {bad} is outside the vocabulary (0..{len(tokenizer) - 1})",
                               "tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        return {"prompt": await run_sized(len(req.tokens), tokenizer.decode, req.tokens)}
 
     app.state.triton = triton
     app.state.open_generations = open_generations

@@ -2,16 +2,19 @@
 started, the client's hang-up watched, the answer written as its shape says;
 and every generation still open, so that a stopping server ends each one."""
 import asyncio
+import functools
+import json
 from typing import AsyncIterator, Callable, List, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pagedbackend.serving.constants import SHUTTING_DOWN
 from pagedbackend.serving.openai.answers import SSE_DONE, Answer, Run, sse
 from pagedbackend.serving.openai.asgi import EventStream
+from pagedbackend.serving.openai.offload import run_sized
 from pagedbackend.serving.openai.protocol import OpenAIError
-from pagedbackend.serving.openai.triton_client import ClientGone, Generation, Triton
+from pagedbackend.serving.openai.triton_client import ClientGone, Generation, Triton, prompt_size
 
 
 async def _watch_disconnect(receive, on_disconnect: Callable[[], None]) -> None:
@@ -53,8 +56,10 @@ async def answer(request: Request, triton: Triton, model: str, prompts: List[str
     if shape.wants_prompt_logprobs and "prompt_logprobs" not in outputs:
         raise OpenAIError(400, f"echo with logprobs needs prompt log-probabilities, which model {model} "
                           "does not return (no prompt_logprobs output)", "echo")
-    generation = Generation([triton.stream(model, p, params, logprobs, "num_cached_tokens" in outputs,
-                                           shape.wants_prompt_logprobs) for p in prompts])
+    cached = "num_cached_tokens" in outputs
+    generation = Generation([functools.partial(triton.stream, model, p, params, logprobs, cached,
+                                               shape.wants_prompt_logprobs) for p in prompts],
+                            [prompt_size(p) for p in prompts])
     open_generations.running.add(generation)
     watcher = asyncio.ensure_future(_watch_disconnect(request.receive, generation.cancel))
     updates = generation.updates()
@@ -95,5 +100,17 @@ async def answer(request: Request, triton: Triton, model: str, prompts: List[str
         return Response(status_code=499)
     finally:
         stop()
-    return JSONResponse(shape.whole(run))
+    return Response(await run_sized(answer_size(run), render, shape.whole, run), media_type="application/json")
+
+
+def answer_size(run: Run) -> int:
+    """About how many characters a whole answer writes (log-probabilities:
+    some per entry)."""
+    size = sum(len(c.text) + 64 * len(c.positions) for c in run.choices)
+    return size + sum(64 * len(p) for p in run.prompt_logprobs if p)
+
+
+def render(whole: Callable[[Run], dict], run: Run) -> bytes:
+    """The whole answer as standard JSON (as JSONResponse writes it)."""
+    return json.dumps(whole(run), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 

@@ -8,9 +8,14 @@ import json
 import re
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from pagedbackend.structured_outputs import MAX_SCHEMA_DEPTH, text_depth
 
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's chat limit
+# Nesting of a request body (objects and arrays), checked before it is decoded:
+# a JSON schema (at most MAX_SCHEMA_DEPTH levels) and the request around it.
+MAX_BODY_DEPTH = MAX_SCHEMA_DEPTH + 32
 
 
 class OpenAIError(Exception):
@@ -75,8 +80,9 @@ class _GenerationRequest(_Strict):
     early_stopping: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
-    cache_salt: Optional[str] = None   # vLLM's: prefix-cache blocks shared only with the same salt
-    priority: Optional[int] = None     # vLLM's: lower first under scheduling_policy=priority
+    # vLLM's: prefix-cache blocks shared only with the same salt (a non-empty string)
+    cache_salt: Optional[str] = Field(None, min_length=1)
+    priority: Optional[StrictInt] = None   # vLLM's: lower first under scheduling_policy=priority; not a bool
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs
     # object and its older guided_* fields (structured.py)
     response_format: Optional[Dict[str, Any]] = None
@@ -214,8 +220,15 @@ def parse_request(cls, body: bytes):
     """The request body as ``cls`` (a request class, or a function of the
     decoded body that names one), or an OpenAIError naming the bad field."""
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = body.decode("utf-8") if isinstance(body, bytes) else body
+    except UnicodeDecodeError as exc:
+        raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+    if text_depth(text) > MAX_BODY_DEPTH:   # before the recursive decoder sees it
+        raise OpenAIError(400, f"the request body nests objects and arrays deeper than {MAX_BODY_DEPTH} levels "
+                               f"(a JSON schema may nest at most {MAX_SCHEMA_DEPTH})")
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
@@ -316,6 +329,15 @@ def parse_logprobs(element) -> Optional[list]:
     return value
 
 
+LOGPROB_FLOOR = -9999.0   # vLLM's value for a token ruled out (-inf): answers are standard JSON
+
+
+def finite(logprob: float) -> float:
+    """A log-probability as a JSON answer may carry it: -inf (or NaN, which a
+    model other than ours might send) as ``LOGPROB_FLOOR``."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def _position(entries: dict, top: int) -> Tuple[Tuple[str, float], List[Tuple[str, float]]]:
     """The sampled token and the ``top`` most likely ones at one position.
 
@@ -325,7 +347,7 @@ def _position(entries: dict, top: int) -> Tuple[Tuple[str, float], List[Tuple[st
     vLLM (and so vllm_backend) writes it."""
     if not entries:
         raise ValueError("a logprobs position has no tokens")
-    items = [(str(e["decoded_token"]), float(e["logprob"]), e.get("rank")) for e in entries.values()]
+    items = [(str(e["decoded_token"]), finite(float(e["logprob"])), e.get("rank")) for e in entries.values()]
     below = [item for item in items if item[2] is not None and item[2] > top]
     sampled = below[0] if len(items) > top and len(below) == 1 else items[0]
     by_rank = sorted(items, key=lambda item: (item[2] if item[2] is not None else float("inf"), -item[1]))

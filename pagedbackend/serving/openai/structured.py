@@ -21,12 +21,16 @@ and tool results are written back into the conversation in the same blocks.
 Pure data: no network, no Triton.
 """
 import json
+import re
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 from pagedbackend.serving.openai.protocol import OpenAIError
 
 TOOL_CALL_BEGIN, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+# What OpenAI allows as a function's name (a name is written into the call
+# blocks, so it must not hold their markers).
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TOOL_PARSERS = ("hermes",)
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object",
           "guided_decoding_backend", "guided_whitespace_pattern")
@@ -103,6 +107,9 @@ class Tools:
             function = tool.get("function")
             if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
                 raise OpenAIError(400, f"{where}.function must be an object with a name", "tools")
+            if not TOOL_NAME.fullmatch(function["name"]):
+                raise OpenAIError(400, f"{where}.function.name {function['name'][:80]!r} must be 1 to 64 letters, "
+                                  "digits, underscores or hyphens", "tools")
             parameters = function.get("parameters", {"type": "object"})
             if not isinstance(parameters, dict):
                 raise OpenAIError(400, f"{where}.function.parameters must be a JSON schema object", "tools")
@@ -167,7 +174,10 @@ def template_knows_tools(tokenizer) -> bool:
 def messages_with_tools(messages: List[dict], tools: Optional[Tools], knows_tools: bool) -> List[dict]:
     """The conversation for a template that cannot render tools: the tools
     described in a system message (joined to the first one, if any), earlier
-    calls and tool results written as blocks in their messages."""
+    calls and tool results written as blocks in their messages. Every
+    message's ``tool_calls`` are checked first (``check_tool_calls``)."""
+    for i, message in enumerate(messages):
+        check_tool_calls(message.get("tool_calls"), message["role"], f"messages[{i}]")
     if knows_tools:
         return messages
     out = []
@@ -186,6 +196,29 @@ def messages_with_tools(messages: List[dict], tools: Optional[Tools], knows_tool
         else:
             out.insert(0, {"role": "system", "content": tools.system_prompt()})
     return out
+
+
+def check_tool_calls(calls: Any, role: str, where: str) -> None:
+    """An assistant turn's ``tool_calls`` as OpenAI defines them: a list of
+    objects, each with a ``function`` object holding a ``name`` and its
+    ``arguments`` (JSON text); anything else is a 400 naming the place."""
+    if calls is None:
+        return
+    where = f"{where}.tool_calls"
+    if role != "assistant":
+        raise OpenAIError(400, f"{where}: only an assistant message has tool calls", "messages")
+    if not isinstance(calls, list):
+        raise OpenAIError(400, f"{where} must be a list of tool calls, got {type(calls).__name__}", "messages")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise OpenAIError(400, f"{where}[{j}] must be an object with a function object", "messages")
+        if call.get("type", "function") != "function":
+            raise OpenAIError(400, f"{where}[{j}].type must be function", "messages")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise OpenAIError(400, f"{where}[{j}].function.name must be a non-empty string", "messages")
+        if not isinstance(function.get("arguments"), str):
+            raise OpenAIError(400, f"{where}[{j}].function.arguments must be a string (JSON text)", "messages")
 
 
 def _call_object(call: Any) -> dict:

@@ -9,7 +9,7 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, List, Optional, Tuple
+from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 import grpc
 import numpy as np
@@ -168,16 +168,35 @@ class TritonStream:
             self.call.cancel()
 
 
-class Generation:
-    """The Triton streams of one API request (one per prompt), read as one
-    sequence of ``(prompt index, Update)``."""
+# The prompts of one request enter the model a few at a time, so that a request
+# of many prompts is one tenant among the others (as one request's n samples
+# are in the scheduler): at least one prompt in flight, more while those hold
+# fewer than this many prompt tokens, about what the engine computes of one
+# prompt per step (long_prefill_token_threshold). A request sent meanwhile
+# arrives before its later prompts and is admitted beside it within a step.
+PROMPT_TOKENS_IN_FLIGHT = 256
 
-    def __init__(self, streams: List[TritonStream]):
-        self.streams = streams
+
+def prompt_size(prompt) -> int:
+    """Tokens of a prompt: its ids, or about four characters a token of text."""
+    return len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // 4)
+
+
+class Generation:
+    """The Triton streams of one API request (one per prompt, each started by
+    its function in ``starts``), read as one sequence of ``(prompt index,
+    Update)``; prompts start in order as earlier ones finish, with about
+    PROMPT_TOKENS_IN_FLIGHT prompt tokens (``sizes``) in flight."""
+
+    def __init__(self, starts: List[Callable[[], TritonStream]], sizes: Optional[List[int]] = None):
+        self._starts, self._sizes = starts, sizes or [1] * len(starts)
+        self.streams: List[TritonStream] = []   # started so far, in prompt order
         self._tasks: List[asyncio.Task] = []
+        self._cancelled = False
 
     async def updates(self) -> AsyncIterator[Tuple[int, Update]]:
-        if len(self.streams) == 1:
+        if len(self._starts) == 1:
+            self.streams.append(self._starts[0]())
             async for update in self.streams[0]:
                 yield 0, update
             return
@@ -192,20 +211,35 @@ class Generation:
                 queue.put_nowait((i, None, exc))
                 if isinstance(exc, asyncio.CancelledError):
                     raise
-        self._tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
-        running = len(self._tasks)
+        in_flight = 0   # prompt tokens of the streams running
+
+        def start_more() -> int:
+            nonlocal in_flight
+            started = 0
+            while len(self.streams) < len(self._starts) and not self._cancelled and (
+                    in_flight == 0 or in_flight + self._sizes[len(self.streams)] <= PROMPT_TOKENS_IN_FLIGHT):
+                i = len(self.streams)
+                self.streams.append(self._starts[i]())
+                self._tasks.append(asyncio.ensure_future(pump(i, self.streams[i])))
+                in_flight += self._sizes[i]
+                started += 1
+            return started
+        running = start_more()
         while running:
             i, update, error = await queue.get()
             if error is not None:
                 raise error
             if update is None:
-                running -= 1
+                in_flight -= self._sizes[i]
+                running += start_more() - 1
             else:
                 yield i, update
 
     def cancel(self, reason: Optional[str] = None) -> None:
-        """Cancel every stream still running; their readers end with ClientGone,
-        or with ``reason`` as a 503 error (the server is stopping)."""
+        """Cancel every stream still running (none starts after this); their
+        readers end with ClientGone, or with ``reason`` as a 503 error (the
+        server is stopping)."""
+        self._cancelled = True
         for stream in self.streams:
             stream.cancel(reason)
 

@@ -4,13 +4,13 @@ Tensors follow the public vLLM Triton backend. Imported only inside Triton's
 Python backend stub (it needs ``triton_python_backend_utils``).
 """
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pagedbackend.sample.sampler import finite_logprob
 from pagedbackend.sampling_params import SamplingParams
 
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
@@ -178,11 +178,13 @@ def prompt_logprobs_json(entries) -> bytes:
 def logprobs_json(entries) -> bytes:
     """Per token, ``{token_id: {"logprob", "rank", "decoded_token"}}`` (the
     sampled token first), as vllm_backend's ``logprobs`` output; ``null`` when
-    the request asked for no log-probabilities (sampling parameter ``logprobs``)."""
+    the request asked for no log-probabilities (sampling parameter ``logprobs``).
+    Always standard JSON: a ruled-out token's -inf is written as vLLM's -9999.0."""
     if entries is None:
         return b"null"
-    return json.dumps([{str(token): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token}
-                        for token, e in step.items()} for step in entries]).encode("utf-8")
+    return json.dumps([{str(token): {"logprob": finite_logprob(e.logprob), "rank": e.rank,
+                                      "decoded_token": e.decoded_token}
+                        for token, e in step.items()} for step in entries], allow_nan=False).encode("utf-8")
 
 
 def build_response(job: Job, out, delta: bool):
@@ -203,7 +205,7 @@ def build_response(job: Job, out, delta: bool):
             [str(job.reasons.get(i)) for i in indices], dtype=np.object_)))
     if job.flags["return_cumulative_logprob"]:
         tensors.append(pb_utils.Tensor("cumulative_logprob", np.array(
-            [math.nan if job.logprobs.get(i) is None else job.logprobs[i] for i in indices],
+            [0.0 if job.logprobs.get(i) is None else finite_logprob(job.logprobs[i]) for i in indices],
             dtype=np.float32)))
     if job.flags["return_logprobs"]:
         if delta:

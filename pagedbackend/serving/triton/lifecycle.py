@@ -24,12 +24,25 @@ reply), so a thread of ours that has seen it ready and then finds it not
 answering drains the model just as the group's SIGTERM does (a probe every
 0.25 s, two misses in a row).
 
+``end_stub()``: the end of ``finalize``. The stub replies to tritonserver's
+finalize request before it calls ``finalize``, and tritonserver then only
+waits for the process to exit (within its exit timeout, 5 s). The stub's own
+teardown releases the model's metric families after its stub object is gone:
+each family's destructor asks for the stub again, gets a fresh one without
+shared memory and segfaults (tritonserver 2.51, on every stop; the kernel log
+showed ``segfault at 60`` in ``triton_python_backend_stub``). Releasing them
+earlier, in the drain, costs seconds of round trips to a server that is
+unloading. So the metric families live until the process ends, and the
+process ends here, with every request answered and the engine stopped,
+without the interpreter's teardown (which also took seconds for a large stub).
+
 ``use_utf8_locale()``: the stub's embedded interpreter starts in the C locale
 whatever ``LANG`` says, so text files and subprocess output decode as ASCII
 there; inductor then fails on the first non-ASCII byte it reads and the step
 ran eager in every server started with a cold inductor cache (BENCHMARKS.md,
 "compiled step").
 """
+import faulthandler
 import locale
 import logging
 import os
@@ -130,13 +143,28 @@ def on_sigterm(callback: Callable[[], None]) -> Optional[threading.Thread]:
 def log_to_stderr() -> None:
     """The engine's log lines (logger ``pagedbackend``, INFO and above) on this
     process's stderr, which tritonserver's log holds: the compiled step taking
-    over, CPU contention switches, failed requests."""
+    over, CPU contention switches, failed requests. A crash of the stub (a
+    segfault, an abort) writes every thread's Python stack there too
+    (faulthandler): otherwise only the kernel log would tell."""
+    faulthandler.enable(sys.stderr, all_threads=True)
     log = logging.getLogger("pagedbackend")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+
+
+def end_stub(status: int = 0) -> None:
+    """End this process now: flush the log and standard streams, then exit
+    without running the interpreter's teardown (see the module docstring)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 LISTENER_POLL_S = 0.25

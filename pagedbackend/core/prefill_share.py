@@ -1,0 +1,75 @@
+"""Prefill chunks sized by time. While sequences decode, or requests wait to
+be admitted, a long prompt beside them is computed in chunks small enough
+that a step stays near a time-per-output-token target
+(``EngineConfig.tpot_target_s``): every running stream gets a token about
+that often, and a newcomer's first step is short. With nothing decoding and
+nobody waiting, chunks grow back to ``long_prefill_token_threshold`` (0: the
+whole token budget), which computes a prompt fastest.
+
+The step's cost is modelled as ``seconds = a + b * tokens`` (a: the weights
+read once per step and the per-step overhead; b: per token), fitted by least
+squares over the measured steps, recent ones weighing most. The prefill
+share of a step is what the target leaves after its decode tokens,
+``(target - a) / b - decode_tokens``, split evenly among the sequences that
+are prefilling and the requests that wait (each gets at least MIN_CHUNK, so
+every prompt advances).
+
+The trade-off: a long prompt's time to first token grows while others
+decode (its chunks shrink), by about the ratio of the full chunk's step time
+to the target; the streams beside it keep
+their pace instead of slowing to one token per full-chunk step.
+"""
+from typing import Optional
+
+MIN_CHUNK = 16       # prompt tokens a prefilling sequence computes per step at least
+FORGET = 0.9         # weight of the earlier steps in the fit, per step
+MIN_STEPS = 3        # steps measured before chunks are sized by time
+
+
+class PrefillShare:
+    def __init__(self, target_s: float, max_chunk: int):
+        self.target_s, self.max_chunk = target_s, max_chunk
+        # Weighted sums for the fit: weight, tokens, seconds, tokens^2, tokens*seconds.
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.steps = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One step that ran the model: ``tokens`` computed in ``seconds``."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        f = FORGET
+        self._w, self._x, self._y = f * self._w + 1, f * self._x + tokens, f * self._y + seconds
+        self._xx, self._xy = f * self._xx + tokens * tokens, f * self._xy + tokens * seconds
+        self.steps += 1
+
+    def cost(self):
+        """``(a, b)``: seconds per step and per token of the fit (b > 0, a >= 0);
+        with steps of one size alone, all of the cost is put on the tokens."""
+        spread = self._w * self._xx - self._x * self._x
+        b = (self._w * self._xy - self._x * self._y) / spread if spread > 1e-6 * self._xx * self._w else 0.0
+        a = (self._y - b * self._x) / self._w
+        if b <= 0 or a < 0:
+            return 0.0, self._y / self._x
+        return a, b
+
+    def chunk(self, decode_tokens: int, prefilling: int, waiting: int) -> Optional[int]:
+        """The most prompt tokens one sequence computes in the next step, or
+        None (the configured chunk) when nothing decodes and nobody waits or
+        too few steps were measured."""
+        if (decode_tokens == 0 and waiting == 0) or self.steps < MIN_STEPS:
+            return None
+        a, b = self.cost()
+        share = (self.target_s - a) / b - decode_tokens
+        per_sequence = int(share / max(1, prefilling + waiting))
+        return max(MIN_CHUNK, min(self.max_chunk, per_sequence))
+
+    def chunk_for(self, scheduler) -> Optional[int]:
+        """``chunk`` for the scheduler's queues as they stand before a step."""
+        decode = prefilling = 0
+        for group in scheduler.running:
+            for seq in group.seqs:
+                if seq.num_uncomputed_tokens > 1:
+                    prefilling += 1
+                else:
+                    decode += 1 + scheduler.num_lookahead
+        return self.chunk(decode, prefilling, len(scheduler.waiting))

@@ -1,0 +1,33 @@
+"""The engine's statistics snapshot: its counters with the block pool's,
+the scheduler's queues and preemptions, speculation and the CPU governor."""
+from .outputs import EngineStats
+
+
+def engine_stats(engine) -> EngineStats:
+    """A copy of ``engine.stats`` with the pool, queue and step fields filled in."""
+    bm, sch, st = engine.block_manager, engine.scheduler, engine.stats
+    st.num_running = len(sch.running)
+    st.num_waiting = len(sch.waiting) + len(engine.compiling)   # compiling: held before the scheduler
+    st.num_swapped = len(sch.swapped)
+    st.num_used_blocks = bm.num_used_blocks
+    st.num_total_blocks = bm.num_total_blocks
+    st.kv_usage = bm.usage
+    st.num_swap_blocks = bm.num_swap_blocks
+    st.num_free_swap_blocks = bm.num_free_swap_blocks
+    st.num_shared_blocks = bm.num_shared_blocks
+    st.num_cached_free_blocks = bm.num_cached_free_blocks
+    st.stored_positions = bm.stored_positions()
+    st.allocated_slots = bm.num_used_blocks * bm.block_size
+    st.num_swap_preemptions = sch.num_swap_preemptions
+    st.num_recompute_preemptions = sch.num_recompute_preemptions
+    st.num_preemptions = sch.num_swap_preemptions + sch.num_recompute_preemptions
+    st.prefix_cache_queries = bm.prefix_queries
+    st.prefix_cache_hits = bm.prefix_hits
+    st.compiled_step = getattr(engine.runner, "compiled", None) is not None
+    st.structured_mask_seconds = engine.sampler.mask_seconds
+    st.grammar_compiles = engine.grammars.compiles
+    if engine.speculator is not None:
+        engine.speculator.stats.copy_to(st)
+    governor = getattr(engine.runner, "wait_governor", None)
+    st.cpu_contended = governor is not None and governor.contended
+    return EngineStats(**st.__dict__)
