@@ -500,6 +500,18 @@ def test_specdecode_workloads_are_seeded_and_copy_prompts_hold_what_the_answer_c
     assert len(set(specdecode.chat_prompts(12, seed=3))) > 1
 
 
+def test_specdecode_heldout_is_written_apart_and_repeat_asks_each_question_again_later():
+    from loadtest.bench.spec_workloads import REPEATS, WORKLOADS
+    heldout, copy = WORKLOADS["heldout"](8, seed=0), WORKLOADS["copy"](8, seed=0)
+    assert heldout == WORKLOADS["heldout"](8, seed=0) and len(set(heldout)) == 8
+    first_lines = lambda prompts: {p.split("\n")[1].split(" ")[0] for p in prompts}  # noqa: E731
+    assert not first_lines(heldout) & first_lines(copy)   # other templates from the first word on
+    repeat = WORKLOADS["repeat"](12, seed=0)
+    assert len(set(repeat)) == 12 // REPEATS and all(repeat.count(p) == REPEATS for p in set(repeat))
+    firsts = [repeat.index(p) for p in set(repeat)]
+    assert sorted(firsts) == list(range(len(firsts)))   # every question's first ask comes before any repeat
+
+
 def test_closed_loop_keeps_the_streams_busy_and_times_each_token():
     import time as clock
     from loadtest.bench import specdecode
