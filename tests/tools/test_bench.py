@@ -439,6 +439,12 @@ def test_cpu_kernels_bench_times_each_kernel_beside_what_it_replaces(tmp_path):
         pytest.skip("no C compiler here for the CPU kernels")
     from loadtest.bench import cpu_kernels
     result = cpu_kernels.main(["--quick", "--int8", "--threads", "1", "--out", str(tmp_path)])
+    peak = result["peak"]
+    assert peak["lanes"] in (8, 16) and peak["measured_fma_gflops"] > 0
+    assert peak["stated_peak_gflops"] == pytest.approx(1 * peak["nominal_ghz"] * 2 * peak["lanes"] * 2)
+    assert [(r["m"], r["shape"]) for r in result["shapes"]] == \
+        [(m, s) for m in (8, 32) for s in ("qkv", "o", "gate_up", "down", "lm_head")]
+    assert all(r["streamed_gflops"] > 0 and r["resident_gflops"] > 0 for r in result["shapes"])
     assert [r["m"] for r in result["matmuls"]] == [1, 8]
     for r in result["matmuls"]:
         assert r["packed_ms"] > 0 and r["F.linear_ms"] > 0
