@@ -21,26 +21,48 @@ def cache_root() -> pathlib.Path:
 ENV_PREFIX = "PAGEDBACKEND_"
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "self_int4")
-DISABLE_BY_BATCH_SIZE = {"ngram": 8, "draft_model": 2, "self_int4": 2}
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "self_int4")
+DISABLE_BY_BATCH_SIZE = {"ngram": 8, "suffix": 8, "draft_model": 2, "self_int4": 2}
 QUANTIZATION_MODES = ("none", "int8", "int4", "w8a8")   # what each is: EngineConfig.quantization
+
+
+def _is_count(value: Any, low: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 @dataclass
 class SpeculativeConfig:
     """vLLM's ``speculative_config`` (engine/speculative.py says how tokens
     are verified and when proposals are turned down)."""
-    # "ngram" (prompt lookup), "draft_model" (``model``, a Hugging Face folder
-    # sharing the target's tokenizer) or "self_int4" (the target's own weights
-    # at quantization int4 as the draft: for the default model, its GGUF's
-    # Q4_1 blocks; no second download).
+    # "ngram" (prompt lookup), "suffix" (suffix decoding: the request's own
+    # text and its tenant's earlier answers), "draft_model" (``model``, a
+    # Hugging Face folder sharing the target's tokenizer) or "self_int4" (the
+    # target's own weights at quantization int4 as the draft: for the default
+    # model, its GGUF's Q4_1 blocks; no second download).
     method: str
-    # Tokens proposed per step and sequence, at most.
-    num_speculative_tokens: int = 3
+    # Tokens proposed per step and sequence, at most; None: 3, and for suffix
+    # suffix_decoding_max_tree_depth (vLLM's rule).
+    num_speculative_tokens: Optional[int] = None
     # ngram: the shortest suffix of the sequence looked up in it.
     prompt_lookup_min: int = 2
     # ngram: the longest suffix looked up (tried first).
     prompt_lookup_max: int = 4
+    # suffix: the longest match looked for, in tokens.
+    suffix_decoding_max_tree_depth: int = 24
+    # suffix: earlier requests' outputs kept per tenant (cache_salt); 0: only
+    # the request's own prompt and output. vLLM's default is 10000; an entry
+    # costs up to ~200 bytes a token here, so fewer.
+    suffix_decoding_max_cached_requests: int = 1000
+    # suffix: a draft is at most this factor times the match's length.
+    suffix_decoding_max_spec_factor: float = 1.0
+    # suffix: a drafted token's estimated probability (the share of matches
+    # that continue with it, times its predecessors') must reach this.
+    suffix_decoding_min_token_prob: float = 0.1
+    # suffix: tokens kept per tenant, at most (memory: up to ~200 B each).
+    suffix_decoding_max_cached_tokens: int = 65_536
+    # suffix: tenants holding an index of earlier outputs, at most; the least
+    # recently used one's index is dropped first.
+    suffix_decoding_max_tenants: int = 16
     # draft_model: the draft's folder ("default": the default model).
     model: Optional[str] = None
     # draft_model: the draft's quantization ("none", "int8", "int4", "w8a8").
@@ -55,10 +77,21 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}; "
                              f"got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        if self.num_speculative_tokens is None:
+            depth = self.suffix_decoding_max_tree_depth
+            self.num_speculative_tokens = depth if self.method == "suffix" and _is_count(depth) else 3
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_tenants"):
+            if not _is_count(getattr(self, name)):
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens"):
+            if not _is_count(getattr(self, name), 0):
+                raise ValueError(f"speculative_config.{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, float("inf")),
+                                ("suffix_decoding_min_token_prob", 0.0, 1.0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ValueError(f"speculative_config.{name} must be a number in [{low}, {high}], got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -219,6 +252,12 @@ class EngineConfig:
     # line per kernel); False keeps inductor's Python wrapper (a shorter first
     # compile, each step slower; BENCHMARKS.md, "compiled step").
     cpp_wrapper: bool = True
+    # A compiled CPU step from an AOTInductor package kept in the cache
+    # (worker/step_package.py): loaded in seconds where one exists for this
+    # model, settings and machine; a server without one serves eager steps
+    # while a lowest-priority process builds it. False: torch.compile in
+    # process at every start (cpp_wrapper applies then).
+    step_package: bool = True
     # "cpu", "cuda" or "auto" (cuda when available).
     device: str = "auto"
     # "paged" grows each sequence a block at a time. "max", "pow2" and "oracle"
@@ -231,10 +270,11 @@ class EngineConfig:
     # Seed of the engine's generator, which samples the requests that carry no
     # seed of their own.
     seed: int = 0
-    # Speculative decoding, vLLM's shape: {"method": "ngram" | "draft_model" |
-    # "self_int4", "num_speculative_tokens": k, "prompt_lookup_min",
-    # "prompt_lookup_max", "model", "quantization", "disable_by_batch_size"}
-    # (SpeculativeConfig; JSON text in config.pbtxt). None: off.
+    # Speculative decoding, vLLM's shape: {"method": "ngram" | "suffix" |
+    # "draft_model" | "self_int4", "num_speculative_tokens": k,
+    # "prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_*", "model",
+    # "quantization", "disable_by_batch_size"} (SpeculativeConfig; JSON text
+    # in config.pbtxt). None: off.
     speculative_config: Optional[Any] = None
     # vLLM's KV-cache events for KV-aware routers: {"enable_kv_cache_events":
     # true, "endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events", ...}
@@ -302,9 +342,9 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.build(self.speculative_config)
         self.kv_events_config = KVEventsConfig.build(self.kv_events_config)
         spec = self.speculative_config
-        if spec is not None and spec.method != "ngram" and self.tensor_parallel_size > 1:
+        if spec is not None and spec.method not in ("ngram", "suffix") and self.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config.method {spec.method} does not support tensor_parallel_size > 1 "
-                             "(ngram does)")
+                             "(ngram and suffix do)")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -1,8 +1,12 @@
 """The CPU path's C kernels against what they replace, on SmolLM2-135M's shapes.
 
-Three parts, each with its variants interleaved round after round (so they
+Four parts, each with its variants interleaved round after round (so they
 share the machine's drift; figures are medians over rounds):
 
+- ``shapes``: the packed GEMM per weight shape at decode-sized row counts
+  against the float32 FMA peak, streamed and cache-resident, beside the
+  memory bandwidth of the moment (``gemm_shapes.py`` says how the peak is
+  stated and measured).
 - ``matmuls``: one decode step's linear layers alone: 30 layers of distinct
   weights (qkv, o, gate_up, down; read from memory, as in a step) and the LM
   head, at M rows: ``F.linear`` against ``linear_backend=packed``
@@ -252,7 +256,9 @@ def bench_steps(seq_counts: List[int], rounds: int, compile_step: bool, seed: in
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m loadtest.bench cpu_kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="matmuls,attention,steps")
+    ap.add_argument("--parts", default="shapes,matmuls,attention,steps")
+    ap.add_argument("--shape-ms", default="8,16,32,64", help="rows of the per-shape GEMMs (shapes)")
+    ap.add_argument("--fma-units", type=int, default=2, help="vector FMA units per core, for the stated peak")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256", help="rows of the matmul walk")
     ap.add_argument("--seqs", default="1,8,30", help="sequence counts (attention and steps)")
     ap.add_argument("--mean-lens", default="64,256", help="mean context lengths (attention)")
@@ -271,13 +277,20 @@ def main(argv=None):
     add_common_args(ap, threads=2)
     args = ap.parse_args(argv)
     if args.quick:
-        args.ms, args.seqs, args.mean_lens, args.rounds = "1,8", "1,4", "64", 3
-        args.parts = "matmuls,attention"
+        args.ms, args.seqs, args.mean_lens, args.rounds, args.shape_ms = "1,8", "1,4", "64", 3, "8,32"
+        args.parts = "shapes,matmuls,attention"
     set_threads(args.threads)
     parts = args.parts.split(",")
     result = {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "rounds": args.rounds}
     seqs = [int(s) for s in args.seqs.split(",")]
+    if "shapes" in parts:
+        from . import gemm_shapes
+        result["peak"] = gemm_shapes.peak(torch.get_num_threads(), args.fma_units, args.rounds)
+        light = {"copies": 3, "bandwidth_floats": 16_000_000} if args.quick else {}
+        result["shapes"] = gemm_shapes.bench_shapes([int(m) for m in args.shape_ms.split(",")], args.rounds,
+                                                    torch.get_num_threads(), **light)
+        gemm_shapes.print_rows(result)
     if "matmuls" in parts:
         result["matmuls"] = bench_matmuls([int(m) for m in args.ms.split(",")], args.rounds, args.int8,
                                           args.against, args.head_rows, args.unpacked)

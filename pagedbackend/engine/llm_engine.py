@@ -234,6 +234,8 @@ class LLMEngine:
                 logits, [i for i in sched.scheduled if i.need_logits], update, failed)
         for group in update.finished:
             self.groups.pop(group.request_id, None)
+        if self.speculator is not None and update.finished:
+            self.speculator.remember(update.finished)
         self.scheduler.update_from_output(sched, update)
         self._release(update.freed)
         self.last_sample_seconds = time.perf_counter() - sample_start

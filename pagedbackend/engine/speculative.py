@@ -19,11 +19,17 @@ requests give the very tokens of non-speculative decoding.
 Adaptive rule. A step proposes nothing while more than
 ``disable_by_batch_size`` sequences decode (verifying costs compute that a
 full batch does not have to spare; a draft model's rounds cost nearly as much
-as a target step on a CPU, so its default limit is 2 streams, the n-gram
-lookup's 8). Each sequence proposes at most one token
-more than it had accepted at its previous verification (at least one, at most
-``num_speculative_tokens``), so a sequence whose drafts keep failing costs one
-extra position a step, and one whose drafts are accepted grows to the limit.
+as a target step on a CPU, so its default limit is 2 streams, the lookups'
+8). The n-gram and suffix proposers size each draft from its match (as many
+tokens as the match is long, up to ``num_speculative_tokens``): copied text
+gets a full draft at once, a chance match a short one. A draft model
+proposes at most one token more than it had accepted at its previous
+verification (at least one), so a sequence whose drafts keep failing costs
+one extra position a step, and one whose drafts are accepted grows to the
+limit.
+
+Suffix speculation remembers finished requests' outputs per tenant
+(``remember``): a question asked again is drafted from its earlier answer.
 """
 import dataclasses
 from dataclasses import dataclass, field
@@ -32,7 +38,7 @@ from typing import Dict, List, Optional, Sequence
 from ..config import EngineConfig, SpeculativeConfig
 from ..core.scheduled import ScheduledSeq
 from ..models.default_model import resolve_model_path
-from ..worker.proposers import DraftModelProposer, NgramProposer, draft_runner
+from ..worker.proposers import DraftModelProposer, NgramProposer, SuffixProposer, draft_runner
 
 
 @dataclass
@@ -59,6 +65,8 @@ def make_speculator(config: EngineConfig, target, compile_in_background: bool = 
         return None
     if spec.method == "ngram":
         return Speculator(spec, NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max))
+    if spec.method == "suffix":
+        return Speculator(spec, SuffixProposer(spec))
     own = spec.method == "self_int4"
     quantization = "int4" if own else spec.quantization
     draft = dataclasses.replace(
@@ -84,10 +92,11 @@ class Speculator:
 
     def propose(self, scheduled: Sequence[ScheduledSeq]) -> None:
         """Fill the drafts of every entry that holds speculative slots."""
-        requests = []
+        requests, own_size = [], getattr(self.proposer, "sizes_drafts", False)
         for item in scheduled:
             if item.num_lookahead and not item.seq.finished:
-                wanted = self._next.get(item.seq.seq_id, self.config.num_speculative_tokens)
+                wanted = self.config.num_speculative_tokens if own_size else \
+                    self._next.get(item.seq.seq_id, self.config.num_speculative_tokens)
                 requests.append((item, min(item.num_lookahead, wanted)))
         if not requests:
             return
@@ -109,7 +118,8 @@ class Speculator:
             for i in range(accepted):
                 st.accepted_per_pos[i] += 1
             self.proposer.accepted(item, accepted)
-        self._next[item.seq.seq_id] = max(1, min(self.config.num_speculative_tokens, accepted + 1))
+        if not getattr(self.proposer, "sizes_drafts", False):
+            self._next[item.seq.seq_id] = max(1, min(self.config.num_speculative_tokens, accepted + 1))
         return accepted
 
     def withdraw(self, item: ScheduledSeq) -> None:
@@ -119,6 +129,13 @@ class Speculator:
 
     def copy_blocks(self, pairs) -> None:
         self.proposer.copy_blocks(pairs)
+
+    def remember(self, groups) -> None:
+        """Finished requests, for a proposer that drafts from earlier answers."""
+        remember = getattr(self.proposer, "remember", None)
+        if remember is not None:
+            for group in groups:
+                remember(group)
 
     def release(self, seq_ids) -> None:
         for seq_id in seq_ids:

@@ -24,8 +24,8 @@ from pagedbackend.serving.constants import ADMIN_HEADER, ADMIN_KEY_ENV, EXIT_TIM
 from pagedbackend.serving.harness import is_ready, models_not_ready, wait_until
 from pagedbackend.serving.process import (prepare_backend, server_command, server_env, signal_group,
                                           start_server_process)
-from pagedbackend.serving.repository import (MODEL_REPOSITORY_ENV, default_model_repository, prepare_models,
-                                             repository_models)
+from pagedbackend.serving.repository import (MODEL_REPOSITORY_ENV, build_step_packages, default_model_repository,
+                                             prepare_models, repository_models)
 
 # After SIGTERM, tritonserver gets its exit timeout and this much more to exit
 # before the launcher kills it.
@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"(load, unload, index) requires (${ADMIN_KEY_ENV}); random if not given")
     parser.add_argument("--prepare-only", action="store_true",
                         help="copy the backend stub and prepare the models, then exit")
+    parser.add_argument("--build-step", action="store_true",
+                        help="with --prepare-only: also build each model's compiled step package "
+                             "(make setup; a server finds it at its first start)")
     args = parser.parse_args(argv)
     args.tritonserver_args = passed
     return args
@@ -90,6 +93,13 @@ def main(argv=None) -> int:
     for name, exc in failures:
         print(f"{'error' if args.prepare_only else 'warning'}: model {name}: {exc}"
               f"{'' if args.prepare_only else '; tritonserver will load the others'}", file=sys.stderr)
+    if args.prepare_only and args.build_step and not failures:
+        try:
+            for path in build_step_packages(repository, {**os.environ, **overrides}):
+                print(f"compiled step package: {path}", flush=True)
+        except Exception as exc:   # the server builds it at its first start instead
+            print(f"error: building the compiled step: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
     if args.prepare_only:
         return 1 if failures else 0
     command = server_command(repository, args.http_port, args.grpc_port, args.metrics_port,

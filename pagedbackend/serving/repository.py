@@ -64,6 +64,21 @@ def repository_models(model_repository) -> list:
     return sorted(path.parent.name for path in pathlib.Path(model_repository).glob("*/config.pbtxt"))
 
 
+def build_step_packages(model_repository, environ: Mapping[str, str] = os.environ) -> list:
+    """Build the compiled step package (``worker/step_package.py``) of every
+    repository model whose settings serve one; returns their paths."""
+    import torch
+
+    from pagedbackend.config import engine_config
+    from pagedbackend.worker import step_build, step_package
+    paths = []
+    for config_file in sorted(pathlib.Path(model_repository).glob("*/config.pbtxt")):
+        config = engine_config(read_parameters(config_file.read_text()), environ)
+        if step_package.wanted(config):
+            paths.append(step_build.build(config, torch.get_num_threads()))
+    return paths
+
+
 def prepare_models(model_repository, environ: Mapping[str, str] = os.environ,
                    failures: Optional[list] = None) -> list:
     """Resolve (and for "default", build once) each repository model's weights folder.

@@ -19,15 +19,20 @@ its graphs are never offered to another model, whose layers differ in what
 the dropped guards checked.
 
 The inductor cache lives beside the prepared model (``$PAGEDBACKEND_CACHE/
-inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set): a restart reuses the
-generated code and skips the C++ compiler.
+inductor-<digest>`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set): a restart reuses
+the generated code and skips the C++ compiler. The digest covers torch's
+version and our custom ops' schemas and source, since a cached graph calls
+them by name with the arguments of the build that made it: a graph of a
+6-argument ``paged_attention`` loaded by a build whose op takes 5 fails.
 """
+import hashlib
 import importlib.util
 import logging
 import os
+import pathlib
 import shutil
 import types
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional, Tuple
 
 import torch
 
@@ -50,12 +55,44 @@ def compile_unavailable(device: torch.device) -> Optional[str]:
     return None
 
 
+def ops_digest(schemas: Iterable[str], sources: Iterable[Tuple[str, bytes]], torch_version: str) -> str:
+    """A short digest of custom-op schemas, the source behind them (name,
+    bytes) and torch's version: what a cached graph's calls depend on."""
+    digest = hashlib.sha256(torch_version.encode())
+    for schema in sorted(schemas):
+        digest.update(b"\0schema\0" + schema.encode())
+    for name, text in sorted(sources):
+        digest.update(b"\0source\0" + name.encode() + b"\0" + text)
+    return digest.hexdigest()[:16]
+
+
+def custom_ops_digest() -> str:
+    """``ops_digest`` of this build: the schemas of the ops that
+    ``models.attention`` and ``models.packed_linear`` define, their modules'
+    text and the kernels' source (Python and C/C++, where the native ops'
+    schemas are written)."""
+    import pagedbackend.kernels
+    from pagedbackend.models import attention, packed_linear
+    schemas = [str(schema) for module in (attention, packed_linear) for name in sorted(module._ops._op_defs)
+               for schema in torch._C._jit_get_schemas_for_operator(name)]
+    kernels = pathlib.Path(pagedbackend.kernels.__file__).parent
+    files = [pathlib.Path(attention.__file__), pathlib.Path(packed_linear.__file__),
+             *sorted(kernels.glob("*.py")), *sorted(kernels.glob("csrc/*.c*"))]
+    return ops_digest(schemas, [(path.name, path.read_bytes()) for path in files], torch.__version__)
+
+
+def compile_cache_folder(digest: str) -> pathlib.Path:
+    """The inductor cache's folder for ops of ``digest``."""
+    return cache_root() / f"inductor-{digest}"
+
+
 def use_compile_cache() -> str:
-    """Point inductor's on-disk cache beside the prepared model, unless the
-    user chose a folder; returns the folder."""
+    """Point inductor's on-disk cache beside the prepared model, in a folder
+    named by ``custom_ops_digest``, unless the user chose a folder; returns
+    the folder."""
     folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not folder:
-        folder = str(cache_root() / "inductor")
+        folder = str(compile_cache_folder(custom_ops_digest()))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     return folder
 

@@ -28,6 +28,7 @@ from pagedbackend.models import moe
 from pagedbackend.models.linear import Reduce
 from pagedbackend import quant
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
+from pagedbackend.worker import step_package
 from pagedbackend.worker.compiled import CompiledStep, compile_failure, compile_unavailable
 from pagedbackend.worker.cpu_wait import governor_for
 from pagedbackend.worker.cuda_graphs import DecodeGraphs, decode_graphs_for
@@ -102,6 +103,8 @@ class ModelRunner:
         eager steps now and compile in a thread of its own."""
         if self.config.compile and not self.config.enforce_eager:
             reason = compile_unavailable(self.device)
+            if reason is None and self._load_step_package():
+                return
             if reason is None and background:
                 self.warm_up()
                 self.compile_thread = threading.Thread(target=self._compile_in_background,
@@ -120,12 +123,52 @@ class ModelRunner:
             logger.warning("pagedbackend: the model step runs eager: %s", reason)
         self.warm_up()
 
+    def _uses_step_package(self) -> bool:
+        return self.device.type == "cpu" and self.config.step_package
+
+    def _load_step_package(self) -> bool:
+        """Serve the compiled step from its package when one is built for this
+        model and machine (``step_package``); True when it serves."""
+        if not self._uses_step_package():
+            return False
+        started = time.perf_counter()
+        packaged = step_package.load(self)
+        if packaged is None:
+            return False
+        self.compiled = packaged
+        try:
+            self.warm_up()
+        except Exception as exc:   # it loaded but cannot run here: compile as without one
+            self.compiled = None
+            logger.warning("pagedbackend: the step package %s fails (%s)", packaged.path.name, compile_failure(exc))
+            return False
+        logger.info("pagedbackend: the compiled model step serves from its package %s (loaded in %.1f s)",
+                    packaged.path.name, time.perf_counter() - started)
+        return True
+
     def _compile_in_background(self) -> None:
         """Compile and warm up the step beside the eager steps that serve
         meanwhile, then hand it over (one attribute: the next step uses it).
         Its warm-up writes a scratch KV cache of its own, never a block that a
-        sequence may hold."""
-        started, interval = time.perf_counter(), sys.getswitchinterval()
+        sequence may hold. On CPU the step package is built in a process of
+        its own at the lowest priority, then loaded; torch.compile in this
+        process only if that fails."""
+        started = time.perf_counter()
+        if self._uses_step_package():
+            try:
+                step_package.build_in_subprocess(self.config)
+                packaged = step_package.load(self)
+                if packaged is None:
+                    raise RuntimeError("the package built is not the one this runner looks for")
+                scratch = [(k[:1].clone(), v[:1].clone()) for k, v in self.kv_caches]
+                self.warm_up((packaged.forward, packaged.logits), scratch)
+                self.compiled = packaged
+                logger.info("pagedbackend: the compiled model step serves from now on (its package built "
+                            "in %.0f s beside eager steps)", time.perf_counter() - started)
+                return
+            except Exception as exc:
+                logger.warning("pagedbackend: no step package (%s); compiling in this process", compile_failure(exc))
+        interval = sys.getswitchinterval()
         # The compile is mostly Python holding the GIL, and an eager step needs
         # it back between hundreds of ops: at the default 5 ms switch interval
         # one step in ten waited seconds; at 50 us steps take 0.2 s (median, p90

@@ -8,21 +8,34 @@ is what keeps verification exact.
   sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens, in
   its prompt and output, and what followed it. An index per sequence keeps
   every step O(new tokens).
+- ``SuffixProposer`` (suffix decoding, vLLM's method "suffix"): the longest
+  match of the sequence's last tokens in its own prompt and output, and in
+  the outputs of earlier requests of the same tenant (``suffix_index.py``).
+- These two size their drafts themselves, from the match: as many tokens
+  as the match is long (times ``suffix_decoding_max_spec_factor`` for
+  suffix), so a run of copied text gets its full draft at once, and a short,
+  chance match a short one.
 - ``DraftModelProposer``: a smaller or quantised model with a KV cache of its
   own, laid out exactly like the target's: the same block ids and slots, so
   the scheduler's block tables serve both and the draft needs no blocks of
   its own (copy-on-write copies reach its cache too). It computes what it has
   not computed yet of each sequence, then one token per round.
 """
+from array import array
+from collections import OrderedDict
 from typing import Dict, List, Sequence, Tuple
 
 from pagedbackend.core.scheduled import ScheduledSeq, SeqEntry
+from pagedbackend.core.sequence import SequenceGroup
 from pagedbackend.sample.sampler import row_argmax
+from pagedbackend.worker.suffix_index import SuffixIndex, walk
 
 Request = Tuple[ScheduledSeq, int]   # a decoding sequence's entry, and how many tokens to propose
 
 
 class NgramProposer:
+    sizes_drafts = True   # the match's length bounds the draft (the module's docstring)
+
     def __init__(self, lookup_min: int, lookup_max: int):
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
         self._index: Dict[int, "_NgramIndex"] = {}
@@ -67,8 +80,100 @@ class _NgramIndex:
                 continue
             start = self.starts[size].get(tuple(tokens[length - size:]))
             if start is not None:
-                return tokens[start + size:start + size + n]
+                # The match extended backwards, as far as it can matter: up to n tokens.
+                match = size
+                while match < n and start - 1 - (match - size) >= 0 and \
+                        tokens[start - 1 - (match - size)] == tokens[length - 1 - match]:
+                    match += 1
+                return tokens[start + size:start + size + min(n, match)]
         return []
+
+
+def tenant_key(group: SequenceGroup) -> bytes:
+    """Whose earlier answers a request may draft from: its ``cache_salt``
+    (the prefix cache's namespace too; an adapter joins it once adapters
+    exist)."""
+    return group.cache_salt
+
+
+class SuffixProposer:
+    """Suffix decoding: per sequence an index over its prompt and output, and
+    per tenant a bounded index over recent requests' outputs (each with the
+    last ``max_tree_depth`` tokens of its prompt, so a question asked again
+    matches its earlier answer from the first output token). A draft comes
+    from whichever index offers the higher score.
+
+    Tenants never share state: a request reads and feeds only its tenant's
+    index, so another tenant's answers change neither its drafts nor the
+    time they take. Bounds: per tenant ``max_cached_requests`` outputs and
+    ``max_cached_tokens`` tokens, oldest out first; at most ``max_tenants``
+    tenant indexes, the least recently used dropped whole (the one way many
+    tenants together touch another: its index can go, never change)."""
+    sizes_drafts = True
+
+    def __init__(self, spec):
+        self.depth = spec.suffix_decoding_max_tree_depth
+        self.factor = spec.suffix_decoding_max_spec_factor
+        self.min_prob = spec.suffix_decoding_min_token_prob
+        self.max_requests = spec.suffix_decoding_max_cached_requests
+        self.max_tokens = spec.suffix_decoding_max_cached_tokens
+        self.max_tenants = spec.suffix_decoding_max_tenants
+        self._local: Dict[int, SuffixIndex] = {}
+        self._tenants: "OrderedDict[bytes, SuffixIndex]" = OrderedDict()
+
+    def propose(self, requests: Sequence[Request]) -> List[List[int]]:
+        out = []
+        for item, n in requests:
+            tokens = item.seq.token_ids
+            local = self._local.get(item.seq.seq_id)
+            if local is None or local.docs[0] is not tokens:
+                local = self._local[item.seq.seq_id] = SuffixIndex()
+                local.add(tokens)
+            else:
+                local.extend(0)
+            draft, score = self._draft(local, tokens, n)
+            key = tenant_key(item.group)
+            shared = self._tenants.get(key)
+            if shared is not None:
+                self._tenants.move_to_end(key)
+                other, other_score = self._draft(shared, tokens, n)
+                if other_score > score:
+                    draft = other
+            out.append(draft)
+        return out
+
+    def _draft(self, index: SuffixIndex, context: List[int], n: int):
+        length, cands = index.match(context, self.depth)
+        if not cands:
+            return [], 0.0
+        return walk(cands, min(n, int(length * self.factor + 1e-6)), self.min_prob)
+
+    def remember(self, group: SequenceGroup) -> None:
+        """A finished request's outputs join its tenant's index."""
+        if not self.max_requests:
+            return
+        key = tenant_key(group)
+        index = self._tenants.get(key)
+        if index is None:
+            index = self._tenants[key] = SuffixIndex()
+            while len(self._tenants) > self.max_tenants:
+                self._tenants.popitem(last=False)
+        self._tenants.move_to_end(key)
+        for seq in group.finished_seqs:
+            if seq.num_output_tokens:
+                start = max(0, seq.num_prompt_tokens - self.depth)
+                index.add(array("i", seq.token_ids[start:]))
+                while index.docs and (len(index.docs) > self.max_requests or index.num_tokens > self.max_tokens):
+                    index.pop_oldest()
+
+    def accepted(self, item: ScheduledSeq, num_accepted: int) -> None:
+        pass
+
+    def copy_blocks(self, pairs) -> None:
+        pass
+
+    def release(self, seq_id: int) -> None:
+        self._local.pop(seq_id, None)
 
 
 class DraftModelProposer:

@@ -30,6 +30,7 @@ PROMPTS = [f"Rename the function add to plus in this code and return all of it:\
 # The draft methods keep speculating above their default batch limit (2): these tests check
 # tokens and counters over batches of three to six sequences.
 METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4},
+           "suffix": {"method": "suffix"},
            "self_int4": {"method": "self_int4", "num_speculative_tokens": 3, "disable_by_batch_size": 0},
            "draft_model": {"method": "draft_model", "model": "default", "quantization": "int8",
                            "num_speculative_tokens": 3, "disable_by_batch_size": 0}}
@@ -88,7 +89,7 @@ def test_greedy_tokens_equal_plain_decoding_and_hugging_face(greedy_reference, m
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("method", ["ngram", "self_int4"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "self_int4"])
 def test_greedy_tokens_survive_forced_preemption(greedy_reference, method, mode):
     prompts, plain, _ = greedy_reference
     # Two greedy candidates per prompt (copy-on-write of the shared prompt):
@@ -215,6 +216,9 @@ def test_block_invariants_hold_through_a_fuzzed_mix_with_cancellations():
     ({"method": "ngram", "lookahead": 3}, ["unknown", "lookahead"]),
     ('{"method": ', ["JSON"]),
     ({"method": "ngram", "disable_by_batch_size": -1}, ["disable_by_batch_size"]),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, ["suffix_decoding_max_tree_depth"]),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, ["suffix_decoding_min_token_prob"]),
+    ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, ["suffix_decoding_max_cached_requests"]),
 ])
 def test_a_bad_speculative_config_is_refused_naming_the_field(value, words):
     with pytest.raises(ValueError) as refused:
@@ -250,8 +254,9 @@ def test_verification_through_the_triton_lang_kernels_gives_plain_greedy_tokens(
 
 def test_proposals_stop_above_the_methods_batch_limit():
     from pagedbackend.engine.speculative import Speculator
-    limits = {m: SpeculativeConfig(m, model="m").disable_by_batch_size for m in ("ngram", "draft_model", "self_int4")}
-    assert limits == {"ngram": 8, "draft_model": 2, "self_int4": 2}
+    limits = {m: SpeculativeConfig(m, model="m").disable_by_batch_size
+              for m in ("ngram", "suffix", "draft_model", "self_int4")}
+    assert limits == {"ngram": 8, "suffix": 8, "draft_model": 2, "self_int4": 2}
     speculator = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=3), proposer=None)
     assert [speculator.lookahead(n) for n in (1, 8, 9, 32)] == [3, 3, 0, 0]
     never = Speculator(SpeculativeConfig("ngram", disable_by_batch_size=0), proposer=None)

@@ -252,7 +252,7 @@ def test_smoothing_lowers_w8a8_error_where_a_channel_is_an_outlier(tiny_untied_m
 
 @pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler here")
 def test_compiled_w8a8_step_computes_what_the_eager_one_does(tiny_model_dir):
-    compiled = runner(tiny_model_dir, quantization="w8a8", compile=True)
+    compiled = runner(tiny_model_dir, quantization="w8a8", compile=True, step_package=False)
     eager = runner(tiny_model_dir, quantization="w8a8")
     assert compiled.compiled is not None
     assert isinstance(eager.model.lm_head_matmul, W8A8Linear)
@@ -269,7 +269,7 @@ def test_compiled_w8a8_step_computes_what_the_eager_one_does(tiny_model_dir):
 
 @pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler here")
 def test_compiled_int8_step_computes_what_the_eager_one_does(tiny_model_dir):
-    compiled = runner(tiny_model_dir, quantization="int8", compile=True)
+    compiled = runner(tiny_model_dir, quantization="int8", compile=True, step_package=False)
     eager = runner(tiny_model_dir, quantization="int8")
     assert compiled.compiled is not None   # no silent fall-back to eager
     prompt = list(range(100, 200))

@@ -326,7 +326,9 @@ def test_the_model_step_compiles_inside_the_stub(tmp_path, tiny_model_dir, offli
     reason = compile_unavailable(torch.device("cpu"))
     if reason is not None:
         pytest.skip(f"torch.compile cannot run here: {reason}")
-    repo = make_model_repository(tmp_path / "repo", {"model": tiny_model_dir, **SETTINGS, "compile": True})
+    # torch.compile inside the stub (step_package false: a package is built in a process of its own).
+    repo = make_model_repository(tmp_path / "repo", {"model": tiny_model_dir, **SETTINGS, "compile": True,
+                                                     "step_package": False})
     with TritonServer(repo, ready_timeout_s=600, wait_for_compiled_step=True) as running:
         results = [generate(prompt, GREEDY, url=running.grpc_url, timeout=120) for prompt in PROMPTS]
         log = running.log_path.read_text(errors="replace")

@@ -439,6 +439,12 @@ def test_cpu_kernels_bench_times_each_kernel_beside_what_it_replaces(tmp_path):
         pytest.skip("no C compiler here for the CPU kernels")
     from loadtest.bench import cpu_kernels
     result = cpu_kernels.main(["--quick", "--int8", "--threads", "1", "--out", str(tmp_path)])
+    peak = result["peak"]
+    assert peak["lanes"] in (8, 16) and peak["measured_fma_gflops"] > 0
+    assert peak["stated_peak_gflops"] == pytest.approx(1 * peak["nominal_ghz"] * 2 * peak["lanes"] * 2)
+    assert [(r["m"], r["shape"]) for r in result["shapes"]] == \
+        [(m, s) for m in (8, 32) for s in ("qkv", "o", "gate_up", "down", "lm_head")]
+    assert all(r["streamed_gflops"] > 0 and r["resident_gflops"] > 0 for r in result["shapes"])
     assert [r["m"] for r in result["matmuls"]] == [1, 8]
     for r in result["matmuls"]:
         assert r["packed_ms"] > 0 and r["F.linear_ms"] > 0
@@ -498,6 +504,18 @@ def test_specdecode_workloads_are_seeded_and_copy_prompts_hold_what_the_answer_c
     assert first == again and first != specdecode.copy_prompts(6, seed=4)
     assert "Rename the function" in first[0] and "def " in first[0]
     assert len(set(specdecode.chat_prompts(12, seed=3))) > 1
+
+
+def test_specdecode_heldout_is_written_apart_and_repeat_asks_each_question_again_later():
+    from loadtest.bench.spec_workloads import REPEATS, WORKLOADS
+    heldout, copy = WORKLOADS["heldout"](8, seed=0), WORKLOADS["copy"](8, seed=0)
+    assert heldout == WORKLOADS["heldout"](8, seed=0) and len(set(heldout)) == 8
+    first_lines = lambda prompts: {p.split("\n")[1].split(" ")[0] for p in prompts}  # noqa: E731
+    assert not first_lines(heldout) & first_lines(copy)   # other templates from the first word on
+    repeat = WORKLOADS["repeat"](12, seed=0)
+    assert len(set(repeat)) == 12 // REPEATS and all(repeat.count(p) == REPEATS for p in set(repeat))
+    firsts = [repeat.index(p) for p in set(repeat)]
+    assert sorted(firsts) == list(range(len(firsts)))   # every question's first ask comes before any repeat
 
 
 def test_closed_loop_keeps_the_streams_busy_and_times_each_token():

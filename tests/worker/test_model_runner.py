@@ -52,7 +52,8 @@ NO_COMPILER = compile_unavailable(torch.device("cpu"))
 def test_compiled_step_matches_transformers_tiny(tiny_reference, cpp_wrapper):
     # The graph's wrapper in C++ (the default) and in inductor's Python (EngineConfig.cpp_wrapper).
     folder, prompts, expected = tiny_reference["untied"]
-    runner = make_runner(folder, num_kv_blocks=96, attention_backend="sdpa", compile=True, cpp_wrapper=cpp_wrapper)
+    runner = make_runner(folder, num_kv_blocks=96, attention_backend="sdpa", compile=True, cpp_wrapper=cpp_wrapper,
+                         step_package=False)   # torch.compile in process (test_step_package.py: packages)
     assert runner.compiled is not None
     assert runner.compiled.options["cpp_wrapper"] is cpp_wrapper
     # Steps of one token (one decode) and of many use different graphs: both occur.
@@ -67,7 +68,7 @@ def test_compiled_steps_of_two_models_in_one_process_each_run_their_own_graphs(t
     two models of different shapes, stepped in turn, each compute their own
     logits, never the other's graphs."""
     runners = {name: make_runner(tiny_reference[name][0], num_kv_blocks=96, attention_backend="sdpa",
-                                 compile=True) for name in ("tied", "untied")}
+                                 compile=True, step_package=False) for name in ("tied", "untied")}
     assert runners["tied"].compiled.forward is not runners["untied"].compiled.forward
     eager = {name: make_runner(tiny_reference[name][0], num_kv_blocks=96, attention_backend="sdpa")
              for name in runners}
@@ -97,7 +98,8 @@ def test_background_compile_serves_eager_at_once_then_hands_over_without_touchin
     monkeypatch.setattr(ModelRunner, "_compile_in_background", held)
     with caplog.at_level("INFO", logger="pagedbackend"):
         runner = ModelRunner(EngineConfig(model=str(folder), block_size=16, num_kv_blocks=96, dtype="float32",
-                                          device="cpu", attention_backend="sdpa", compile=True),
+                                          device="cpu", attention_backend="sdpa", compile=True,
+                                          step_package=False),
                              compile_in_background=True)
         assert runner.compiled is None and runner.compile_thread.is_alive()
         eager_tokens = greedy_paged(runner, prompts[:1])   # served before any compiled step exists
