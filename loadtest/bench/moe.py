@@ -12,19 +12,25 @@ parameters, 0.19 B active per token: top-8 of 64 experts, 12 layers, hidden
   ``BENCH_VLLM_PYTHON`` names its Python (skipped with a message otherwise).
 
 Every system runs the same seeded prompts (token ids), greedy, EOS ignored,
-every request at once, float32, the same threads. Decode tok/s is measured
-as ``streams x (N - 1) / (t(N) - t(1))``: a run of N tokens minus a run of
-one, so prefill and per-request costs cancel out. Prefill tok/s is one
+every request at once, float32, the same threads. Decode tok/s of the
+in-process systems is ``streams x (N - 1)`` tokens over the time from the
+first token to the last within one run of N tokens (every prompt is
+prefilled in one step): the engine's request metrics for ours, a logits
+processor's timestamps for Hugging Face's. vLLM's is ``streams x (N - 1) /
+(t(N) - t(1))``, a run of N tokens minus a run of one. Prefill tok/s is one
 prompt's tokens over the time to its first token. The in-process systems run
 in paired rounds (each round: every system, every stream count); vLLM runs
 its rounds in a process of its own afterwards (it cannot share the memory).
 
 Bytes of expert weights read per decode step are counted by the C kernel
-(each active expert's packed weights, once per step) and set against the
+(each active expert's packed weights, once per step; a run of N tokens minus
+a run of one, which reads exactly its prefill's) and set against the
 active-parameter floor: a step of one sequence needs its top-k experts of
-every layer, unpadded.
+every layer, unpadded. Our MoE engine's greedy tokens are compared with
+Hugging Face's (``same_tokens_as_hf``).
 """
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -61,21 +67,32 @@ def checkpoint(name: str, cfg: dict, seed: int) -> pathlib.Path:
     return path
 
 
+@dataclasses.dataclass
+class Run:
+    """One timed ``generate`` of every stream at once."""
+    seconds: float          # the whole call
+    decode_seconds: float   # from the first token sampled to the last
+    tokens: List[List[int]]  # each stream's generated tokens
+
+
 class Ours:
     """Our engine, offline: ``LLM.generate`` with every request at once."""
 
-    def __init__(self, name: str, folder: pathlib.Path, max_num_seqs: int):
+    def __init__(self, name: str, folder: pathlib.Path, max_num_seqs: int, enforce_eager: bool = False):
         from pagedbackend import LLM
         self.name = name
         self.llm = LLM(model=str(folder), max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-                       max_model_len=2048)
+                       max_model_len=2048, enforce_eager=enforce_eager)
 
-    def run(self, prompts, tokens: int) -> float:
+    def run(self, prompts, tokens: int) -> Run:
         from pagedbackend import SamplingParams
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
         start = time.perf_counter()
-        self.llm.generate(prompts, params)
-        return time.perf_counter() - start
+        outputs = self.llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        first = min(o.metrics.first_token_time for o in outputs)
+        last = max(o.metrics.last_token_time for o in outputs)
+        return Run(seconds, last - first, [list(o.outputs[0].token_ids) for o in outputs])
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -100,20 +117,30 @@ class HuggingFace:
         from transformers import AutoModelForCausalLM
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
-    def run(self, prompts, tokens: int) -> float:
+    def run(self, prompts, tokens: int) -> Run:
+        from transformers import LogitsProcessorList
         self.model.set_experts_implementation(self.experts)
         ids = torch.tensor(prompts)
+        stamps: List[float] = []
+
+        def stamp(input_ids, scores):   # called once per forward, after it
+            stamps.append(time.perf_counter())
+            return scores
         start = time.perf_counter()
         with torch.inference_mode():
-            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                min_new_tokens=tokens, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                      min_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                                      logits_processor=LogitsProcessorList([stamp]))
+        seconds = time.perf_counter() - start
+        return Run(seconds, stamps[-1] - stamps[0], out[:, ids.shape[1]:].tolist())
 
     def close(self) -> None:
         self.model = None
 
 
 def decode_rate(streams: int, tokens: int, t_n: float, t_1: float) -> Optional[float]:
+    """vLLM's decode tok/s: a run of ``tokens`` minus a run of one (None when
+    noise made the longer run no slower)."""
     return streams * (tokens - 1) / (t_n - t_1) if t_n > t_1 else None
 
 
@@ -121,26 +148,26 @@ def run_in_process(systems, stream_prompts: Dict[int, List[List[int]]], prefill:
                    rounds: int) -> Dict[str, dict]:
     """Paired rounds: per round, every system at every stream count, then its prefill."""
     from pagedbackend.kernels import moe_cpu
-    results = {s.name: {"decode": {n: [] for n in stream_prompts}, "prefill": [], "bytes_per_step": {}}
-               for s in systems}
+    results = {s.name: {"decode": {n: [] for n in stream_prompts}, "prefill": [], "bytes_per_step": {},
+                        "tokens": {}} for s in systems}
     for system in systems:   # warm-up: graphs, kernels, first-time allocations
         system.run(stream_prompts[max(stream_prompts)], 4)
     for r in range(rounds):
         for system in systems:
             for streams, prompts in stream_prompts.items():
                 moe_cpu.bytes_read.reset()
-                t_n = system.run(prompts, tokens)
+                run = system.run(prompts, tokens)
                 read_n = moe_cpu.bytes_read.bytes
-                moe_cpu.bytes_read.reset()
-                t_1 = system.run(prompts, 1)
-                read_1 = moe_cpu.bytes_read.bytes
-                rate = decode_rate(streams, tokens, t_n, t_1)
+                rate = streams * (tokens - 1) / run.decode_seconds
                 results[system.name]["decode"][streams].append(rate)
-                if read_n:
+                results[system.name]["tokens"][streams] = run.tokens
+                if read_n:   # the experts' bytes of the decode steps alone: minus a run of the prefill
+                    moe_cpu.bytes_read.reset()
+                    system.run(prompts, 1)
                     results[system.name]["bytes_per_step"].setdefault(streams, []).append(
-                        (read_n - read_1) / (tokens - 1))
-                print(f"round {r + 1} {system.name}: {streams} streams {rate or 0:.1f} tok/s", flush=True)
-            seconds = system.run([prefill], 1)
+                        (read_n - moe_cpu.bytes_read.bytes) / (tokens - 1))
+                print(f"round {r + 1} {system.name}: {streams} streams {rate:.1f} tok/s", flush=True)
+            seconds = system.run([prefill], 1).seconds
             results[system.name]["prefill"].append(len(prefill) / seconds)
             print(f"round {r + 1} {system.name}: prefill {len(prefill) / seconds:.0f} tok/s", flush=True)
     return results
@@ -190,6 +217,11 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length of the decode runs")
     ap.add_argument("--prefill-tokens", type=int, default=512, help="the prefill prompt's length")
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds (medians are reported)")
+    ap.add_argument("--small", action="store_true",
+                    help="the --quick checkpoints (16 experts, 4 layers, hidden 256) with the other settings as given")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="our engines' steps eager, without torch.compile (a check of the figures' form, "
+                         "not of our speed)")
     ap.add_argument("--skip-hf", action="store_true", help="leave Hugging Face's forward out")
     ap.add_argument("--hf-experts", default="default,eager",
                     help="transformers' experts_implementation values to run (default: its own choice)")
@@ -203,9 +235,9 @@ def main(argv=None):
         args.streams, args.decode_tokens, args.prefill_tokens, args.rounds = "1,4", 8, 64, 1
     set_threads(args.threads)
     started = time.perf_counter()
-    moe_cfg, dense_cfg = (QUICK_MOE, QUICK_DENSE) if args.quick else (moe_model.BENCH_QWEN3_MOE,
-                                                                      moe_model.BENCH_DENSE)
-    suffix = "-quick" if args.quick else ""
+    small = args.quick or args.small
+    moe_cfg, dense_cfg = (QUICK_MOE, QUICK_DENSE) if small else (moe_model.BENCH_QWEN3_MOE, moe_model.BENCH_DENSE)
+    suffix = "-quick" if small else ""
     moe_dir = checkpoint(f"bench-moe-qwen3{suffix}", moe_cfg, seed=0)
     dense_dir = checkpoint(f"bench-dense-qwen2{suffix}", dense_cfg, seed=1)
     g = torch.Generator().manual_seed(args.seed)
@@ -214,8 +246,8 @@ def main(argv=None):
                       for n in streams}
     prefill = torch.randint(3, moe_cfg["vocab_size"], (args.prefill_tokens,), generator=g).tolist()
 
-    systems = [Ours("ours (MoE)", moe_dir, max(streams)), Ours("ours (dense, same active size)", dense_dir,
-                                                                 max(streams))]
+    systems = [Ours("ours (MoE)", moe_dir, max(streams), args.enforce_eager),
+               Ours("ours (dense, same active size)", dense_dir, max(streams), args.enforce_eager)]
     if not args.skip_hf:
         model = HuggingFace.load(moe_dir)
         systems += [HuggingFace(model, experts) for experts in args.hf_experts.split(",")]
@@ -252,12 +284,15 @@ def main(argv=None):
             a, b = ours[f"decode_tok_s_{n}"], other[f"decode_tok_s_{n}"]
             if a and b:
                 ratios[f"ours / {other['system']} at {n} streams"] = a / b
+    hf_tokens = [res["tokens"] for name, res in results.items() if name.startswith("Hugging Face")]
+    same_tokens = (all(tokens == results[ours["system"]]["tokens"] for tokens in hf_tokens)
+                   if hf_tokens else None)
     read_one = ours.get(f"expert_bytes_per_step_{streams[0]}")
     result = {"model": {"moe": str(moe_dir), "dense": str(dense_dir), "moe_parameters": counts,
                         "dense_parameters": moe_model.parameter_counts(dense_cfg)},
               "expert_kernel": kernel, "streams": streams, "decode_tokens": args.decode_tokens,
               "prompt_tokens": args.prompt_tokens, "prefill_tokens": args.prefill_tokens, "rounds": args.rounds,
-              "rows": rows, "ratios": ratios, "skipped": skipped,
+              "rows": rows, "ratios": ratios, "same_tokens_as_hf": same_tokens, "skipped": skipped,
               "active_expert_floor_bytes_one_stream": floor_one, "every_expert_bytes": every,
               "read_over_floor_one_stream": read_one / floor_one if read_one and streams[0] == 1 else None,
               "seconds": round(time.perf_counter() - started, 1)}
@@ -270,6 +305,8 @@ def main(argv=None):
         print(f"expert bytes per one-stream decode step: {read_one / 1e6:.1f} MB, "
               f"{result['read_over_floor_one_stream']:.3f}x the active experts' {floor_one / 1e6:.1f} MB "
               f"(every expert: {every / 1e6:.0f} MB)")
+    if same_tokens is not None:
+        print(f"our MoE engine's greedy tokens {'equal' if same_tokens else 'differ from'} Hugging Face's")
     for line in skipped:
         print(f"skipped {line}")
     path = write_result(args.out, "moe", result)

@@ -547,3 +547,32 @@ def test_models_bench_times_our_decode_step_beside_transformers_forward(tiny_fam
     from loadtest.bench import models
     row = models.measure("gemma3", tiny_family("gemma3"), batch=2, context=8, steps=2, rounds=1)
     assert row["ours_ms"] > 0 and row["hf_ms"] > 0 and row["params_m"] > 0
+
+
+def test_moe_bench_reads_the_active_experts_once_per_step_and_generates_hugging_faces_tokens(tmp_path):
+    from loadtest.bench import moe
+    from pagedbackend.kernels import moe_cpu
+    if moe_cpu.unavailable(torch.device("cpu"), torch.float32):
+        pytest.skip("no C compiler here for the fused MoE kernel")
+    result = moe.main(["--small", "--enforce-eager", "--streams", "1,2", "--decode-tokens", "4",
+                       "--prompt-tokens", "8", "--prefill-tokens", "16", "--rounds", "1",
+                       "--hf-experts", "default", "--threads", "1", "--out", str(tmp_path)])
+    assert result["expert_kernel"] == "packed" and result["streams"] == [1, 2]
+    rows = {r["system"]: r for r in result["rows"]}
+    assert list(rows)[:2] == ["ours (MoE)", "ours (dense, same active size)"]
+    assert any(name.startswith("Hugging Face (MoE") for name in rows)
+    for row in rows.values():   # every rate measured: none left empty by noise
+        assert all(row[f"decode_tok_s_{n}"] > 0 for n in (1, 2)) and row["prefill_tok_s"] > 0
+    # one stream's decode step reads its top-k experts of every layer, no more and no less
+    cfg = moe.QUICK_MOE
+    expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 4   # float32 gate, up and down
+    floor = cfg["num_hidden_layers"] * cfg["num_experts_per_tok"] * expert
+    assert result["active_expert_floor_bytes_one_stream"] == floor
+    assert rows["ours (MoE)"]["expert_bytes_per_step_1"] == floor and result["read_over_floor_one_stream"] == 1
+    # two streams read each expert once however many of their tokens it serves
+    assert floor <= rows["ours (MoE)"]["expert_bytes_per_step_2"] <= 2 * floor
+    assert result["every_expert_bytes"] == cfg["num_hidden_layers"] * cfg["num_experts"] * expert
+    assert "expert_bytes_per_step_1" not in rows["ours (dense, same active size)"]
+    assert result["same_tokens_as_hf"] is True
+    assert json.loads((tmp_path / "moe.json").read_text())["rows"] == result["rows"]
+
