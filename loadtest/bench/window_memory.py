@@ -9,8 +9,10 @@ through the engine twice per context length: with KV groups (windowed
 layers give blocks back) and with ``disable_hybrid_kv_cache_manager`` (one
 table for every layer, every block kept: full allocation). Two requests of
 ``context - new_tokens`` prompt tokens each generate ``new_tokens`` greedy
-tokens; after every step the pool's used blocks are read, and the figures
-are those of the last step, every sequence at the full context.
+tokens (their prompts go in 2,048-token chunks side by side, so they stay
+abreast); after every step the pool's used blocks are read, and the figures
+are those of the step with the most live tokens (every sequence within a
+token of the full context).
 
 Reported per context: KV bytes per live token both ways, the paper's
 arithmetic for full allocation (2 x layers x KV heads x head size x bytes
@@ -59,7 +61,8 @@ def run_context(model: pathlib.Path, context: int, free: bool, prompts: List[Lis
     budget = int(1.2 * len(prompts) * context * kv_bytes_per_position()) + (1 << 20)
     engine = LLMEngine(EngineConfig(
         model=str(model), block_size=BLOCK_SIZE, kv_cache_bytes=budget, max_model_len=context,
-        max_num_batched_tokens=2048, long_prefill_token_threshold=2048, enable_prefix_caching=False,
+        max_num_batched_tokens=2048 * len(prompts), long_prefill_token_threshold=2048,
+        enable_prefix_caching=False,
         compile=False, dtype="float32", disable_hybrid_kv_cache_manager=not free, seed=0))
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -70,9 +73,9 @@ def run_context(model: pathlib.Path, context: int, free: bool, prompts: List[Lis
         for delta in engine.step():
             merge_delta(merged, delta)
         steps += 1
-        live = sum(s.num_tokens for g in engine.scheduler.running for s in g.seqs)
-        if live:
-            last = {"used_blocks": bm.num_used_blocks, "live_tokens": live}
+        lengths = [s.num_computed_tokens for g in engine.scheduler.running for s in g.seqs]
+        if sum(lengths) > last.get("live_tokens", 0):
+            last = {"used_blocks": bm.num_used_blocks, "live_tokens": sum(lengths), "lengths": lengths}
     runner = engine.runner
     leaks = engine.scheduler.idle_leaks()
     layers_per_block = runner.kv_layout.slots
@@ -80,6 +83,7 @@ def run_context(model: pathlib.Path, context: int, free: bool, prompts: List[Lis
     return {"context": context, "free_out_of_window": free, "kv_groups": len(runner.kv_layout.groups),
             "layers_per_block": layers_per_block, "used_blocks": last["used_blocks"],
             "layer_blocks": last["used_blocks"] * layers_per_block, "live_tokens": last["live_tokens"],
+            "lengths": last["lengths"],
             "kv_bytes": used_bytes, "kv_bytes_per_live_token": used_bytes / last["live_tokens"],
             "leaks": leaks, "steps": steps, "seconds": round(time.perf_counter() - started, 1),
             "tokens": [merged[str(i)].outputs[0].token_ids for i in range(len(prompts))]}
@@ -109,8 +113,9 @@ def run(contexts: List[int], seqs: int, new_tokens: int, hf_max_context: int, se
     for context in contexts:
         prompts = [torch.randint(100, 40000, (context - new_tokens,), generator=gen).tolist() for _ in range(seqs)]
         freed, full = (run_context(model, context, free, prompts, new_tokens) for free in (True, False))
-        full_layer_blocks = layers * seqs * -(-context // BLOCK_SIZE)   # full attention, every layer
-        row = {"context": context, "seqs": seqs,
+        # full attention, every layer, at the same lengths
+        full_layer_blocks = layers * sum(-(-n // BLOCK_SIZE) for n in freed["lengths"])
+        row = {"context": context, "seqs": seqs, "lengths": freed["lengths"],
                "bytes_per_live_token_freed": freed["kv_bytes_per_live_token"],
                "bytes_per_live_token_kept": full["kv_bytes_per_live_token"],
                "bytes_per_token_paper_full": paper,
