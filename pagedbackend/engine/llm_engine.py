@@ -13,7 +13,6 @@ after it. The engine owns the tokenizer; the runner sees token ids only.
 """
 import dataclasses
 import logging
-import threading
 import time
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
@@ -31,30 +30,9 @@ from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .speculative import make_speculator
 from .step_sampler import StepSampler, isolated
-from .tokenizer import eos_token_ids, load_tokenizer
+from .tokenizer import eos_token_ids, TokenizerLoad
 
 logger = logging.getLogger("pagedbackend")
-
-
-class _Background:
-    """``work(*args)`` in a thread; ``result()`` waits and returns it, or raises its error."""
-
-    def __init__(self, work, *args):
-        self._value, self._error = None, None
-
-        def run():
-            try:
-                self._value = work(*args)
-            except BaseException as exc:   # raised again in result()
-                self._error = exc
-        self._thread = threading.Thread(target=run, name="pagedbackend-load", daemon=True)
-        self._thread.start()
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 class LLMEngine:
@@ -64,7 +42,7 @@ class LLMEngine:
         model_path = resolve_model_path(config.model)
         self.config = config = dataclasses.replace(config, model=str(model_path))
         # The tokenizer (most of it importing transformers) loads beside the weights.
-        tokenizer = _Background(load_tokenizer, model_path)
+        tokenizer = TokenizerLoad(model_path)
         if runner is None:
             from ..worker import make_executor
             runner = make_executor(config, compile_in_background)

@@ -22,7 +22,7 @@ from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.core.kv_memory import KVModel
 from pagedbackend.kernels import get_attention_ops
-from pagedbackend.models import MODEL_CLASSES, LlamaArgs
+from pagedbackend.models import ModelArgs, model_args, model_class
 from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models.linear import Reduce
@@ -54,14 +54,14 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.model_path = resolve_model_path(config.model)
         hf_config = json.loads((self.model_path / "config.json").read_text())
-        args = LlamaArgs.from_hf_config(hf_config)
+        args = model_args(hf_config)
         self.vocab_size = args.vocab_size
-        self.max_model_len = _max_model_len(config.max_model_len, args.max_position_embeddings)
+        self.max_model_len = _max_model_len(config.max_model_len, args.served_positions)
 
         self.attention_ops = get_attention_ops(config.attention_backend, self.device)
-        model_class = MODEL_CLASSES[hf_config["model_type"]]
         with torch.device(self.device):
-            self.model = model_class(args, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
+            self.model = model_class(hf_config["model_type"])(args, self.dtype, self.max_model_len,
+                                                              tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
         self.num_heads = self.model.layers[0].self_attn.num_heads
         windows = self.model.layer_windows
@@ -164,7 +164,7 @@ class ModelRunner:
             self.execute_batch(self.prepare([SeqEntry([0], 0, [0]) for _ in range(size)]),
                                step=step, kv_caches=kv_caches)
 
-    def _allocate_kv_cache(self, args: LlamaArgs) -> None:
+    def _allocate_kv_cache(self, args: ModelArgs) -> None:
         self.block_size = self.config.block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         block_shape = (self.block_size, self.model.num_kv_heads, args.head_dim)
@@ -287,7 +287,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def kv_block_bytes(args: LlamaArgs, block_size: int, num_kv_heads: int, dtype: torch.dtype,
+def kv_block_bytes(args: ModelArgs, block_size: int, num_kv_heads: int, dtype: torch.dtype,
                    layers: Optional[int] = None) -> int:
     """Bytes of one KV block on one rank: K and V of ``layers`` layers (one
     KV group's; default every layer), the rank's KV heads."""

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_groups import kv_layout
-from pagedbackend.models import LlamaArgs
+from pagedbackend.models import model_args
 from pagedbackend.models.default_model import check_model_folder, resolve_model_path
 from pagedbackend.models.linear import even_split, kv_heads_of_rank, query_heads_of_rank
 from pagedbackend.worker.model_runner import DTYPES, ModelRunner, kv_block_bytes, resolve_device
@@ -111,7 +111,7 @@ class TensorParallelExecutor:
 def _plan_kv_blocks(config: EngineConfig, path, world: int) -> Optional[int]:
     """Check, before any process starts, that the model splits over ``world``
     ranks; then decide the pool size for every rank."""
-    args = LlamaArgs.from_hf_config(check_model_folder(path))
+    args = model_args(check_model_folder(path))
     for rank in range(world):
         kv_heads_of_rank(args.num_kv_heads, rank, world)
         query_heads_of_rank(args.num_heads, args.num_kv_heads, rank, world)
@@ -120,7 +120,7 @@ def _plan_kv_blocks(config: EngineConfig, path, world: int) -> Optional[int]:
         return config.num_kv_blocks
     # Rank 0 holds the largest KV share (kv_heads_of_rank), so the budget bounds every rank.
     heads = kv_heads_of_rank(args.num_kv_heads, 0, world)[1]
-    layout = kv_layout(args.layer_windows or [None] * args.num_layers,
+    layout = kv_layout(args.layer_windows,
                        free_out_of_window=not config.disable_hybrid_kv_cache_manager)
     blocks = config.kv_cache_bytes // kv_block_bytes(args, config.block_size, heads,
                                                      DTYPES[config.dtype], layers=layout.slots)

@@ -523,3 +523,9 @@ def test_structured_bench_compares_constrained_and_free_decoding(tiny_model_dir,
     assert pair["free"]["generated_tokens"] > 0 and pair["json_schema"]["generated_tokens"] > 0
     assert pair["json_schema"]["mask_ms_per_step"] >= 0 and result["compile_s_small"][0] > 0
     assert (tmp_path / "structured.json").exists()
+
+
+def test_models_bench_times_our_decode_step_beside_transformers_forward(tiny_family):
+    from loadtest.bench import models
+    row = models.measure("gemma3", tiny_family("gemma3"), batch=2, context=8, steps=2, rounds=1)
+    assert row["ours_ms"] > 0 and row["hf_ms"] > 0 and row["params_m"] > 0
