@@ -13,6 +13,13 @@ Orca schemes hold all of them from admission, paged allocation at most the
 rest of the last prompt block. External fragmentation (holes left by a
 contiguous allocator) is not modelled.
 
+Sliding-window models (``--sliding-window N`` with ``--sliding-pattern
+S:F``, or a ``--model-config`` whose layers have windows): the paged rows
+add the bytes held when windowed layers give back the blocks that left their
+window (KV groups, ``core.kv_groups``); every other figure is full
+allocation, the paper's equation (2 x layers x KV heads x head size x bytes
+per position).
+
 CLI: ``python -m pagedbackend.accounting --lengths 37,91,128,201,511
 --max-len 512 --block-sizes 16,32 [--preset opt-13b] [--json]``.
 """
@@ -23,6 +30,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
+from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.core.kv_memory import (KVModel, check_block_size, check_positive_int,
                                          reserved_positions)
 
@@ -34,6 +42,10 @@ PRESETS = {
     "smollm2-135m": {"layers": 30, "kv_heads": 3, "head_dim": 64},
     # OPT-13B: multi-head attention, 40 heads x 128 = 5120 hidden.
     "opt-13b": {"layers": 40, "kv_heads": 40, "head_dim": 128},
+    # Gemma 3 4B (its text config): 34 layers, five of every six with a
+    # 1,024-position sliding window, 4 KV heads of 256.
+    "gemma3-4b": {"layers": 34, "kv_heads": 4, "head_dim": 256, "sliding_window": 1024,
+                  "sliding_pattern": (5, 1)},
 }
 
 
@@ -53,6 +65,9 @@ class SchemeReport:
     allocated_bytes: Optional[int] = None     # KV bytes (+ block tables for paged)
     effective_bytes: Optional[int] = None
     block_table_bytes: Optional[int] = None   # paged only
+    # paged, a model with sliding windows: KV bytes (and block tables, one per
+    # KV group) when windowed layers give back blocks that left their window
+    windowed_bytes: Optional[int] = None
 
 
 def _admission_reserved(scheme: str, length: int, prompt_len: int,
@@ -110,17 +125,21 @@ def scheme_report(scheme: str, lengths: Sequence[int], max_len: int,
         reserved = sum(_admission_reserved(scheme, n, p, block_size)
                        for n, p in zip(lengths, prompt_lengths))
     num_blocks = allocated // block_size if block_size else None
-    allocated_bytes = effective_bytes = table_bytes = None
+    allocated_bytes = effective_bytes = table_bytes = windowed = None
     if model is not None:
         table_bytes = num_blocks * BLOCK_TABLE_ENTRY_BYTES if block_size else None
         allocated_bytes = allocated * model.kv_bytes_per_token + (table_bytes or 0)
         effective_bytes = effective * model.kv_bytes_per_token
+        if block_size and model.layer_windows:
+            groups = len(kv_layout(model.layer_windows).groups)
+            windowed = sum(model.windowed_blocks(int(n), block_size) for n in lengths) \
+                * model.windowed_block_bytes(block_size) + groups * (table_bytes or 0)
     return SchemeReport(
         scheme=scheme, label=_label(scheme, max_len, block_size), block_size=block_size,
         allocated=allocated, effective=effective, utilisation=effective / allocated,
         internal_fragmentation=allocated - effective, reserved_unused=reserved,
         num_blocks=num_blocks, allocated_bytes=allocated_bytes,
-        effective_bytes=effective_bytes, block_table_bytes=table_bytes)
+        effective_bytes=effective_bytes, block_table_bytes=table_bytes, windowed_bytes=windowed)
 
 
 def utilisation_report(lengths: Sequence[int], max_len: int,
@@ -150,7 +169,10 @@ def model_from_config(path: str, dtype_bytes: int = 2) -> KVModel:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     except KeyError as missing:
         raise ValueError(f"{path}: model config lacks {missing}") from None
-    return KVModel(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    from pagedbackend.models.llama import sliding_windows   # as the engine reads them
+    windows = tuple(sliding_windows(cfg))
+    return KVModel(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
+                   layer_windows=windows if any(windows) else ())
 
 
 # ---------------------------------------------------------------- CLI
@@ -188,8 +210,11 @@ def format_table(reports: list[SchemeReport], model: Optional[KVModel] = None) -
     with_reserved = r0.reserved_unused is not None
     if with_reserved:
         header.append("reserved at admission")
+    windowed = any(r.windowed_bytes is not None for r in reports)
     if model is not None:
         header += ["allocated bytes", "block-table bytes"]
+        if windowed:
+            header.append("bytes, windows freed")
     rows = []
     for r in reports:
         row = [r.label, str(r.allocated), f"{100 * r.utilisation:.2f} %",
@@ -199,6 +224,8 @@ def format_table(reports: list[SchemeReport], model: Optional[KVModel] = None) -
         if model is not None:
             row += [format_bytes(r.allocated_bytes),
                     "-" if r.block_table_bytes is None else f"{r.block_table_bytes:,} B"]
+            if windowed:
+                row.append("-" if r.windowed_bytes is None else format_bytes(r.windowed_bytes))
         rows.append(row)
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
 
@@ -216,6 +243,13 @@ def format_table(reports: list[SchemeReport], model: Optional[KVModel] = None) -
             f" x {model.dtype_bytes} = {format_bytes(model.kv_bytes_per_token)}",
             f"effective KV bytes: {format_bytes(r0.effective_bytes)}",
         ]
+        if windowed:
+            kinds = sorted({w for w in model.layer_windows if w is not None})
+            sliding = sum(1 for w in model.layer_windows if w is not None)
+            groups = kv_layout(model.layer_windows).groups
+            lines.append(f"sliding windows: {sliding} of {model.layers} layers (window "
+                         f"{', '.join(map(str, kinds))}), {len(groups)} KV groups of "
+                         f"{max(len(g.layers) for g in groups)} layers per block")
         for r in reports:
             if r.block_size:
                 lines.append(f"KV bytes per {r.block_size}-position block: "
@@ -241,27 +275,55 @@ def _build_parser() -> argparse.ArgumentParser:
     model.add_argument("--kv-heads", type=int)
     model.add_argument("--head-dim", type=int)
     model.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element (default 2, fp16)")
+    model.add_argument("--sliding-window", type=int,
+                       help="sliding window of the windowed layers, in positions (adds the paged bytes "
+                            "when their out-of-window blocks go back to the pool)")
+    model.add_argument("--sliding-pattern", help="S:F, layers repeat S windowed then F full "
+                                                 "(e.g. 5:1 for Gemma 3); default every layer windowed")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
 
 def _model_from_args(args) -> Optional[KVModel]:
     dims = {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
-    base = {}
+    base, windows = {}, ()
     if args.preset:
         base = dict(PRESETS[args.preset])
     elif args.model_config:
         m = model_from_config(args.model_config)
-        base = {"layers": m.layers, "kv_heads": m.kv_heads, "head_dim": m.head_dim}
+        base, windows = {"layers": m.layers, "kv_heads": m.kv_heads, "head_dim": m.head_dim}, m.layer_windows
     base.update({k: v for k, v in dims.items() if v is not None})  # flags override
-    if not base:
+    if args.sliding_window is not None:
+        base["sliding_window"] = args.sliding_window
+    if args.sliding_pattern is not None:
+        base["sliding_pattern"] = _parse_pattern(args.sliding_pattern)
+    window, pattern = base.pop("sliding_window", None), base.pop("sliding_pattern", None)
+    if not base and window is None:
         return None
     missing = [f"--{k.replace('_', '-')}" for k in ("layers", "kv_heads", "head_dim") if k not in base]
     if missing:
         raise ValueError(f"incomplete model: also give {', '.join(missing)} (or --preset / --model-config)")
     for k, v in {**base, "dtype_bytes": args.dtype_bytes}.items():
         check_positive_int(k.replace("_", "-"), v)
-    return KVModel(dtype_bytes=args.dtype_bytes, **base)
+    if window is not None:
+        check_positive_int("sliding-window", window)
+        windowed, full = pattern or (1, 0)
+        windows = tuple(window if i % (windowed + full) < windowed else None for i in range(base["layers"]))
+    elif pattern is not None:
+        raise ValueError("--sliding-pattern needs --sliding-window")
+    return KVModel(dtype_bytes=args.dtype_bytes, layer_windows=windows if any(windows) else (), **base)
+
+
+def _parse_pattern(text: str):
+    """``"5:1"`` -> ``(5, 1)``: windowed layers, then full-attention layers, repeated."""
+    parts = text.split(":")
+    try:
+        windowed, full = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--sliding-pattern: {text!r} is not S:F (two integers, e.g. 5:1)") from None
+    if windowed < 1 or full < 0:
+        raise ValueError(f"--sliding-pattern: {text!r} needs S >= 1 windowed and F >= 0 full layers")
+    return windowed, full
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -282,6 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "schemes": [asdict(r) for r in reports]}
         if model is not None:
             doc["model"] = {**asdict(model), "kv_bytes_per_token": model.kv_bytes_per_token,
+                            "kv_groups": len(kv_layout(model.layer_windows or [None] * model.layers).groups),
                             "kv_bytes_per_block": {str(bs): model.kv_bytes_per_block(bs)
                                                    for bs in block_sizes}}
         print(json.dumps(doc, indent=2))

@@ -72,6 +72,12 @@ class EngineConfig:
     structured_cache_bytes: int = 128 * 1024 * 1024
     # Reuse KV blocks of shared prompt prefixes across requests.
     enable_prefix_caching: bool = True
+    # vLLM's name. False: a model whose layers attend in different ways
+    # (sliding-window layers, alone or beside full-attention ones) keeps one
+    # block table per kind of layer and gives a windowed layer's blocks back
+    # to the pool once they leave its window (docs/kv_groups.md); True: one
+    # table for every layer, every block kept (windows still apply in attention).
+    disable_hybrid_kv_cache_manager: bool = False
     # "fcfs": requests are scheduled in arrival order and the newest is
     # preempted first. "priority" (vLLM's): by each request's priority (lower
     # first), then arrival; when KV blocks run out the lowest-priority running
@@ -221,7 +227,7 @@ class EngineConfig:
             raise ValueError(f"structured_cache_bytes must be >= 0, got {self.structured_cache_bytes}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
-        for name in ("native_ops", "cpp_wrapper", "enable_expert_parallel"):
+        for name in ("native_ops", "cpp_wrapper", "enable_expert_parallel", "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.int8_bf16 is not None and not isinstance(self.int8_bf16, bool):

@@ -29,8 +29,14 @@ def eos_ids(runner):
 
 def greedy_paged(runner, prompts, max_new_tokens=MAX_NEW_TOKENS):
     """Greedy decoding through the runner. Every other prompt starts one step
-    late, so step 2 mixes prefills with decodes; a sequence stops at EOS."""
-    tables = shuffled_block_tables(runner, [len(p) + max_new_tokens for p in prompts])
+    late, so step 2 mixes prefills with decodes; a sequence stops at EOS. A
+    model with several KV groups gets a block table per group and sequence."""
+    # One table per KV group (distinct blocks each: a group's layers fill the slots of its own blocks).
+    groups = len(runner.kv_layout.groups)
+    lengths = [len(p) + max_new_tokens for p in prompts]
+    group_tables = shuffled_block_tables(runner, lengths * groups)
+    tables = group_tables[:len(prompts)]
+    per_seq = [group_tables[i::len(prompts)] if groups > 1 else None for i in range(len(prompts))]
     eos = eos_ids(runner)
     tokens = [list(p) for p in prompts]
     cached = [0] * len(prompts)
@@ -43,7 +49,8 @@ def greedy_paged(runner, prompts, max_new_tokens=MAX_NEW_TOKENS):
 
     while any(running(i) for i in range(len(prompts))):
         active = [i for i in range(len(prompts)) if running(i)]
-        entries = [SeqEntry(tokens[i][cached[i]:], cached[i], tables[i], True) for i in active]
+        entries = [SeqEntry(tokens[i][cached[i]:], cached[i], tables[i], True, block_tables=per_seq[i])
+                   for i in active]
         logits = runner.execute_model(entries)
         assert logits.shape == (len(active), runner.vocab_size) and logits.dtype == torch.float32
         for i, row in zip(active, logits):

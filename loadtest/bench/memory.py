@@ -18,6 +18,10 @@ Two measures, reported side by side:
    their ratio, both averaged over steps. Reservation modes run with 1-position
    blocks so that a reservation is exact, as a contiguous allocator's is.
    The pool is large enough that the whole sample runs at once (no queueing).
+
+``--model gemma3-like`` measures something else: KV bytes per live token of
+a sliding-window model with and without giving back out-of-window blocks
+(``window_memory.py``).
 """
 import argparse
 import time
@@ -143,8 +147,16 @@ def main(argv=None):
                     help="cap output lengths of the live sample (a long tail makes the run slow); "
                          "the accounting it is compared with uses the same capped sample")
     ap.add_argument("--live-block-size", type=int, default=16)
+    ap.add_argument("--contexts", default="2048,8192,32768",
+                    help="gemma3-like: context lengths (prompt + new tokens) measured")
+    ap.add_argument("--window-seqs", type=int, default=2, help="gemma3-like: sequences per context")
+    ap.add_argument("--new-tokens", type=int, default=8, help="gemma3-like: tokens generated per sequence")
+    ap.add_argument("--hf-max-context", type=int, default=8192,
+                    help="gemma3-like: compare with Hugging Face's greedy tokens up to this context")
     add_common_args(ap)
     args = ap.parse_args(argv)
+    if args.model == "gemma3-like":
+        return window_main(args)
     if args.quick:
         args.requests, args.live_requests, args.live_max_output = 200, "sharegpt=4,alpaca=8", 128
     set_threads(args.threads)
@@ -180,6 +192,18 @@ def main(argv=None):
     result["seconds"] = round(time.perf_counter() - started, 1)
     path = write_result(args.out, "memory", result)
     print(f"wrote {path} and {plot(result, args.out)}")
+    return result
+
+
+def window_main(args):
+    """``--model gemma3-like``: KV bytes per live token with and without freeing."""
+    from . import window_memory
+    set_threads(args.threads)
+    contexts = [2048] if args.quick else [int(c) for c in args.contexts.split(",")]
+    started = time.perf_counter()
+    result = window_memory.run(contexts, args.window_seqs, args.new_tokens, args.hf_max_context, args.seed)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    print(f"wrote {write_result(args.out, 'memory_gemma3_like', result)}")
     return result
 
 

@@ -30,7 +30,7 @@ class NoFreeBlocksError(BlockManagerError):
 class KVBlock:
     """One physical block of ``block_size`` token slots."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "salt",
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "salt", "reported",
                  "num_tokens", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
@@ -42,6 +42,7 @@ class KVBlock:
         self.parent_hash: Optional[bytes] = None
         self.token_ids: Optional[Tuple[int, ...]] = None
         self.salt = b""   # the cache salt in its hash (reported with the block's events)
+        self.reported = False   # its BlockStored was published (so its BlockRemoved is too)
         # Token positions of this block that hold a sequence's tokens (<= block_size).
         self.num_tokens = 0
         self.prev_free: Optional["KVBlock"] = None
@@ -164,20 +165,21 @@ class BlockPool:
         return block
 
     def register(self, block: KVBlock, block_hash: bytes, parent_hash: Optional[bytes],
-                 token_ids: Sequence[int], salt: bytes = b"") -> bool:
+                 token_ids: Sequence[int], salt: bytes = b"", report: bool = True) -> bool:
         """Make a full, computed block findable by its hash (``salt``: the cache
-        salt that went into it, for its event). A hash already taken (the same
+        salt that went into it, for its event; ``report``: publish its events
+        when events are on). A hash already taken (the same
         content computed twice, or a collision), or a parent no longer cached,
         leaves it unregistered."""
         if (not self.enable_caching or block.block_hash is not None or block_hash in self.cached
                 or (parent_hash is not None and parent_hash not in self.cached)):
             return False
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
-        block.salt = salt
+        block.salt, block.reported = salt, report and self.events is not None
         self.cached[block_hash] = block
         if parent_hash is not None:
             self.children.setdefault(parent_hash, set()).add(block)
-        if self.events is not None:
+        if block.reported:
             self.events.stored(block_hash, parent_hash, block.token_ids, salt)
         return True
 
@@ -197,10 +199,10 @@ class BlockPool:
                 self.children[node.parent_hash].discard(node)
                 if not self.children[node.parent_hash]:
                     del self.children[node.parent_hash]
-            if report and self.events is not None:
+            if report and node.reported:
                 self.events.removed(node.block_hash)
             node.block_hash = node.parent_hash = node.token_ids = None
-            node.salt = b""
+            node.salt, node.reported = b"", False
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash of a free block (e.g. after weights change):

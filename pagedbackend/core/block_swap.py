@@ -5,6 +5,8 @@ device prefix cache when it comes back is mapped again rather than copied.
 Returned ``(src, dst)`` pairs tell the model runner what to copy.
 
 A part of ``BlockManager`` (its tables, pools and host-block metadata).
+Every KV group's held blocks move; a windowed group's given-back blocks
+stay given back.
 """
 from typing import Dict, List, Sequence, Tuple
 
@@ -23,8 +25,9 @@ class SwapMixin:
             if state.on_device != on_device:
                 where = "on the device" if state.on_device else "swapped out"
                 raise BlockManagerError(f"sequence {seq_id} is already {where}")
-            for block in state.blocks:
-                seen.setdefault(block.block_id, block)
+            for table in state.tables:
+                for block in table.blocks:
+                    seen.setdefault(block.block_id, block)
         return list(seen.values())
 
     def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
@@ -64,17 +67,19 @@ class SwapMixin:
         copies: BlockMapping = []
         for seq_id in seq_ids:
             state = self._seqs[seq_id]
-            blocks = []
-            for block in state.blocks:
-                twin = moved.get(block.block_id)
-                if twin is None:
-                    twin = moved[block.block_id] = place(block, copies)
-                else:
-                    target_pool.incref(twin)
-                blocks.append(twin)
-            for block in reversed(state.blocks):
-                release(block)
-            state.blocks, state.on_device = blocks, on_device
+            for table in state.tables:
+                blocks = []
+                for block in table.blocks:
+                    twin = moved.get(block.block_id)
+                    if twin is None:
+                        twin = moved[block.block_id] = place(block, copies)
+                    else:
+                        target_pool.incref(twin)
+                    blocks.append(twin)
+                for block in reversed(table.blocks):
+                    release(block)
+                table.blocks = blocks
+            state.on_device = on_device
         return copies
 
     def _to_host(self, block: KVBlock, copies: BlockMapping) -> KVBlock:

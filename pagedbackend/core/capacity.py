@@ -32,9 +32,11 @@ class Capacity:
     def max_blocks(self, prompt_len: int, max_tokens: int, width: int) -> int:
         """KV blocks a request needs, alone in the pool, to finish: its prompt's
         blocks (shared by every candidate) plus each candidate's blocks for its
-        output, one more each for a copied partial block."""
+        output, one more each for a copied partial block; in every KV group,
+        a windowed one holding at most its window and a step per candidate."""
         bs = self.bm.block_size
         paged = cdiv(prompt_len, bs) + width * (cdiv(max_tokens, bs) + 1)
+        paged = sum(paged if bound is None else min(paged, width * bound) for bound in self.bm.group_step_blocks())
         return max(paged, cdiv(self.reserve_tokens(prompt_len + max_tokens), bs))
 
     def max_tokens_that_fit(self, prompt_len: int, width: int, limit: int) -> int:

@@ -13,19 +13,24 @@ allocation; lengths are final sequence lengths, prompt + output):
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
+
+from .kv_groups import blocks_held, kv_layout
 
 SCHEMES = ("max", "pow2", "oracle", "paged")
 
 
 @dataclass(frozen=True)
 class KVModel:
-    """The model dimensions that size one token's K and V state."""
+    """The model dimensions that size one token's K and V state;
+    ``layer_windows``: each layer's sliding window (None: full attention),
+    empty when no layer has one."""
 
     layers: int
     kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
+    layer_windows: Tuple[Optional[int], ...] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -34,6 +39,19 @@ class KVModel:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size
+
+    def windowed_blocks(self, length: int, block_size: int) -> int:
+        """Blocks one sequence of ``length`` computed positions holds when its
+        windowed layers' blocks go back to the pool as they leave the window,
+        summed over the KV groups (``core.kv_groups``; each block holds one
+        group's layers)."""
+        layout = kv_layout(self.layer_windows or [None] * self.layers)
+        return sum(blocks_held(length, g.window, block_size) for g in layout.groups)
+
+    def windowed_block_bytes(self, block_size: int) -> int:
+        """Bytes of one block when the layers are in KV groups: K and V of one group's layers."""
+        layout = kv_layout(self.layer_windows or [None] * self.layers)
+        return 2 * layout.slots * self.kv_heads * self.head_dim * self.dtype_bytes * block_size
 
 
 def check_positive_int(name: str, value) -> None:

@@ -66,12 +66,15 @@ class Scheduler:
     the blocks' fate after each step (``update_from_output``)."""
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
-                 cache_salt: bytes = b""):
+                 cache_salt: bytes = b"", kv_windows: Optional[List[Optional[int]]] = None):
+        """``kv_windows``: each KV group's sliding window (None: full
+        attention; default one group of full attention)."""
         self.config = config
         self.max_model_len = max_model_len
         self.bm = BlockManager(num_kv_blocks, config.block_size, num_swap_blocks=config.swap_space_blocks,
                                enable_prefix_caching=config.enable_prefix_caching,
-                               watermark=config.watermark, cache_salt=cache_salt)
+                               watermark=config.watermark, cache_salt=cache_salt, windows=kv_windows or [None],
+                               step_tokens=config.max_num_batched_tokens)
         self.capacity = Capacity(config, self.bm, max_model_len)
         self.priority = config.scheduling_policy == "priority"
         self.waiting = RequestQueue(self.order_key)
@@ -170,6 +173,8 @@ class Scheduler:
             item.start_pos = seq.num_computed_tokens
             item.token_ids = seq.token_ids[item.start_pos:item.start_pos + item.num_new_tokens]
             item.block_table = self.bm.get_block_table(seq.seq_id)
+            if self.bm.num_groups > 1:
+                item.block_tables = self.bm.get_block_tables(seq.seq_id)
             item.need_logits = item.start_pos + item.num_new_tokens == seq.num_tokens
             item.prompt_logits = item.group.needs_prompt_logits and item.start_pos < seq.num_prompt_tokens
         return out
@@ -228,8 +233,9 @@ class Scheduler:
         if not self._make_room(group, plan, out):
             return   # the group itself was preempted
         for seq, chunk, look in plan:
-            target = max(seq.num_computed_tokens + chunk + look, self.bm.num_tokens(seq.seq_id))
-            out.copy_pairs += self.bm.append_slots(seq.seq_id, target)
+            step_end = seq.num_computed_tokens + chunk + look
+            target = max(step_end, self.bm.num_tokens(seq.seq_id))
+            out.copy_pairs += self.bm.append_slots(seq.seq_id, target, step_end)
             out.scheduled.append(ScheduledSeq([], 0, [], group=group, seq=seq, num_new_tokens=chunk,
                                               num_lookahead=look))
             room.tokens -= chunk + look
@@ -244,7 +250,8 @@ class Scheduler:
 
     def _blocks_for(self, plan) -> int:
         return sum(self.bm.blocks_to_append(seq.seq_id, max(seq.num_computed_tokens + chunk + look,
-                                                            self.bm.num_tokens(seq.seq_id)))
+                                                            self.bm.num_tokens(seq.seq_id)),
+                                            seq.num_computed_tokens + chunk + look)
                    for seq, chunk, look in plan)
 
     def _make_room(self, group: SequenceGroup, plan, out: SchedulerOutput) -> bool:

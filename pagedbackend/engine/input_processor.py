@@ -4,9 +4,10 @@ state, a structured-output grammar queued for the compile thread). Nothing here
 changes engine state, so any thread may build a group."""
 import logging
 import time
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 from ..config import EngineConfig
+from ..core.kv_groups import step_blocks
 from ..core.scheduler import Scheduler
 from ..core.sequence import SequenceGroup
 from ..sample import BeamSearchState
@@ -18,20 +19,31 @@ PROMPT_CHARS_PER_TOKEN = 16   # default max_prompt_chars per token of max_model_
 logger = logging.getLogger("pagedbackend")
 
 
-def fit_max_model_len(model_len: int, num_kv_blocks: int, config: EngineConfig) -> int:
+def fit_max_model_len(model_len: int, num_kv_blocks: int, config: EngineConfig,
+                      windows: Sequence[Optional[int]] = (None,)) -> int:
     """The longest sequence one request may reach: one sequence of it must
     fit the pool alone (with a block to spare for a copy-on-write), so a
     longer ``max_model_len`` is capped, with a log line. Computed before the
-    scheduler is built, from the pool it will build."""
+    scheduler is built, from the pool it will build. ``windows``: each KV
+    group's sliding window (a windowed group holds a bounded number of
+    blocks per sequence, however long it grows)."""
     if not 0.0 <= config.watermark < 1.0:
         return model_len   # the block manager refuses the watermark, naming it
     bs = config.block_size
     # The blocks that admission may use: the pool less the block manager's
     # watermark (BlockManager.watermark_blocks, Scheduler.usable_blocks).
     usable = num_kv_blocks - int(config.watermark * num_kv_blocks)
-    fits = (usable - 2) * bs
-    if model_len <= fits:
+    bounds = [step_blocks(w, bs, config.max_num_batched_tokens) for w in windows]
+
+    def blocks(length: int) -> int:   # per group: its blocks for the sequence, and two to spare
+        return sum(-(-length // bs) + 2 if b is None else min(-(-length // bs), b) + 2 for b in bounds)
+    if blocks(model_len) <= usable:
         return model_len
+    low, high = 0, model_len   # the longest length that fits: blocks() grows with it
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if blocks(mid) <= usable else (low, mid - 1)
+    fits = low
     where = (f"the KV pool ({num_kv_blocks} blocks of {bs}, "
              f"{usable} usable) holds one sequence of at most {max(fits, 0)} tokens")
     if fits < 1:

@@ -56,8 +56,12 @@ class LLMEngine:
         self.vocab_size = runner.vocab_size
         # Prefix-cache keys cover everything that changes K/V besides the tokens.
         model_key = f"{model_path}|{config.dtype}|{config.quantization}".encode()
-        self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config)
-        self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key)
+        # Each KV group's sliding window (None: full attention; core.kv_groups).
+        layout = getattr(runner, "kv_layout", None)
+        windows = layout.windows if layout is not None else [None]
+        self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config, windows)
+        self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key,
+                                   kv_windows=windows)
         self.kv_events = KVEventRelay(config.kv_events_config, config.enable_prefix_caching,
                                       self.block_manager.pool)
         self.prefill_share = (PrefillShare(config.tpot_target_s, config.long_prefill_token_threshold

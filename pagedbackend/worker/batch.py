@@ -47,14 +47,16 @@ class StepBatch:
 
 
 def build_step_batch(entries: Sequence[SeqEntry], block_size: int, max_model_len: int,
-                     vocab_size: int, num_blocks: int) -> StepBatch:
-    """The flat batch of ``entries`` as host tensors (attention plan not set)."""
+                     vocab_size: int, num_blocks: int, num_groups: int = 1) -> StepBatch:
+    """The flat batch of ``entries`` as host tensors (attention plan not set),
+    with the block tables and slots of each of ``num_groups`` KV groups."""
     if not entries:
         raise ValueError("execute_model needs at least one entry")
     bs = block_size
     input_ids: List[int] = []
     positions: List[int] = []
-    q_lens, seq_lens, tables = [], [], []
+    q_lens, seq_lens = [], []
+    tables: List[List[List[int]]] = [[] for _ in range(num_groups)]
     for i, entry in enumerate(entries):
         n = len(entry.token_ids)
         end = entry.start_pos + n
@@ -64,22 +66,24 @@ def build_step_batch(entries: Sequence[SeqEntry], block_size: int, max_model_len
         if end > max_model_len:
             raise ValueError(f"entry {i} reaches {end} positions, beyond max_model_len {max_model_len}")
         needed = -(-end // bs)
-        if len(entry.block_table) < needed:
-            raise ValueError(f"entry {i}: block table has {len(entry.block_table)} blocks, "
-                             f"{end} positions need {needed} (block_size {bs})")
+        group_tables = _group_tables(i, entry, num_groups)
+        for table, rows in zip(group_tables, tables):
+            if len(table) < needed:
+                raise ValueError(f"entry {i}: block table has {len(table)} blocks, "
+                                 f"{end} positions need {needed} (block_size {bs})")
+            rows.append(table[:needed])
         input_ids.extend(entry.token_ids)
         positions.extend(range(entry.start_pos, end))
         q_lens.append(n)
         seq_lens.append(end)
-        tables.append(entry.block_table[:needed])
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    width = max(len(t) for t in tables[0])
+    block_tables = [torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32) for rows in tables]
     ids = torch.tensor(input_ids, dtype=torch.long)
-    _check_ranges(ids, block_tables, vocab_size, num_blocks)
+    for group_blocks in block_tables:
+        _check_ranges(ids, group_blocks, vocab_size, num_blocks)
 
     pos = torch.tensor(positions, dtype=torch.long)
     seq_of_token = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(q_lens))
-    slots = block_tables[seq_of_token, pos // bs].long() * bs + pos % bs
     cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     if any(e.prompt_logits or e.num_draft_tokens for e in entries):
         rows = []
@@ -88,10 +92,27 @@ def build_step_batch(entries: Sequence[SeqEntry], block_size: int, max_model_len
         logits_rows = torch.tensor(rows, dtype=torch.long)
     else:
         logits_rows = (cu_seqlens_q[1:] - 1)[torch.tensor([e.need_logits for e in entries])]
-    meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
-                             cu_seqlens_q=cu_seqlens_q,
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
-    return StepBatch(ids, pos, meta, logits_rows.long())
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    metas = [AttentionMetadata(slot_mapping=group_blocks[seq_of_token, pos // bs].long() * bs + pos % bs,
+                               block_tables=group_blocks, cu_seqlens_q=cu_seqlens_q, seq_lens=lens)
+             for group_blocks in block_tables]
+    return StepBatch(ids, pos, metas[0], logits_rows.long(), metas if num_groups > 1 else [])
+
+
+def _group_tables(i: int, entry: SeqEntry, num_groups: int) -> List[List[int]]:
+    """The entry's block table of each KV group. One table may serve every
+    group only for a prefill from position 0 whose K/V are never read again
+    (a warm-up, a calibration pass): the groups' layers would overwrite each
+    other's K/V in shared blocks."""
+    if entry.block_tables is None or num_groups == 1:
+        if num_groups > 1 and entry.start_pos > 0:
+            raise ValueError(f"entry {i} reads cached positions but gives one block table for "
+                             f"{num_groups} KV groups; give each group's (SeqEntry.block_tables)")
+        return [entry.block_table] * num_groups
+    if len(entry.block_tables) != num_groups:
+        raise ValueError(f"entry {i} has block tables for {len(entry.block_tables)} KV groups, "
+                         f"the model has {num_groups}")
+    return entry.block_tables
 
 
 def _check_ranges(ids: torch.Tensor, block_tables: torch.Tensor, vocab_size: int,

@@ -12,7 +12,8 @@ read, so:
   steps, and any step with a prefill, run as before);
 - the step's tensors are copied into static buffers that every graph reads
   (token ids, positions, cache slots, sequence lengths, block tables as wide
-  as ``max_model_len`` needs), and the logits come back in a static buffer;
+  as ``max_model_len`` needs; slots and tables once per KV group), and the
+  logits come back in a static buffer;
 - the ``B - n`` padding rows take token 0 at position 0, cache slot -1 (the
   KV write skips negative slots, so padding writes nothing) and length 1
   with whatever block their table row last held (any block id ever written
@@ -57,18 +58,19 @@ def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_SIZE) -> List[int]
 @dataclass
 class _Buffers:
     """The static tensors every graph reads (and the logits it writes), as
-    wide as the largest captured size."""
+    wide as the largest captured size; cache slots and block tables once per
+    KV group."""
     input_ids: torch.Tensor     # int64 [M]
     positions: torch.Tensor     # int64 [M]
-    slot_mapping: torch.Tensor  # int64 [M]
+    slot_mapping: List[torch.Tensor]  # per KV group: int64 [M]
     seq_lens: torch.Tensor      # int32 [M]
-    block_tables: torch.Tensor  # int32 [M, W]
+    block_tables: List[torch.Tensor]  # per KV group: int32 [M, W]
     cu_seqlens_q: torch.Tensor  # int32 [M + 1]: 0, 1, ..., M (one query token per row)
     logits: torch.Tensor        # float32 [M, vocab]
 
-    def meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:size],
-                                 block_tables=self.block_tables[:size],
+    def meta(self, size: int, group: int = 0) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slot_mapping[group][:size],
+                                 block_tables=self.block_tables[group][:size],
                                  cu_seqlens_q=self.cu_seqlens_q[:size + 1],
                                  seq_lens=self.seq_lens[:size])
 
@@ -91,12 +93,13 @@ class DecodeGraphs:
         device, largest = runner.device, self.sizes[-1]
         width = -(-runner.max_model_len // runner.block_size)
         ints = dict(device=device, dtype=torch.int32)
+        groups = len(runner.kv_layout.groups)
         self.buffers = b = _Buffers(
             input_ids=torch.zeros(largest, dtype=torch.long, device=device),
             positions=torch.zeros(largest, dtype=torch.long, device=device),
-            slot_mapping=torch.full((largest,), -1, dtype=torch.long, device=device),
+            slot_mapping=[torch.full((largest,), -1, dtype=torch.long, device=device) for _ in range(groups)],
             seq_lens=torch.ones(largest, **ints),
-            block_tables=torch.zeros((largest, width), **ints),
+            block_tables=[torch.zeros((largest, width), **ints) for _ in range(groups)],
             cu_seqlens_q=torch.arange(largest + 1, **ints),
             logits=torch.zeros((largest, runner.vocab_size), dtype=torch.float32, device=device))
         self._steps: Dict[int, Callable[[], None]] = {}
@@ -113,17 +116,21 @@ class DecodeGraphs:
         """The forward of ``size`` rows over the static buffers, its logits
         into the static logits buffer."""
         runner, b = self.runner, self.buffers
-        meta = b.meta(size)
-        host_cu = torch.arange(size + 1, dtype=torch.int32)
-        meta.plan = runner.attention_ops.plan(
-            host_cu, torch.ones(size, dtype=torch.int32), block_tables=meta.block_tables,
-            slot_mapping=meta.slot_mapping, block_size=runner.block_size,
-            num_heads=runner.num_heads, num_kv_heads=runner.model.num_kv_heads, device=runner.device)
+        host_cu, host_lens = torch.arange(size + 1, dtype=torch.int32), torch.ones(size, dtype=torch.int32)
+        metas = []
+        for group, window in runner.attention_groups:   # a plan per attention group, on its KV group's buffers
+            meta = b.meta(size, group)
+            meta.plan = runner.attention_ops.plan(
+                host_cu, host_lens, block_tables=meta.block_tables, slot_mapping=meta.slot_mapping,
+                block_size=runner.block_size, num_heads=runner.num_heads,
+                num_kv_heads=runner.model.num_kv_heads, device=runner.device, window=window)
+            metas.append(meta)
         forward, logits_of = runner.step_functions()
         ids, positions, out = b.input_ids[:size], b.positions[:size], b.logits[:size]
 
         def step() -> None:
-            with torch.inference_mode(), step_context(runner.kv_caches, meta, runner.attention_ops):
+            with torch.inference_mode(), step_context(runner.kv_caches, metas, runner.attention_ops,
+                                                      runner.layer_group):
                 out.copy_(logits_of(forward(ids, positions)))
         return step
 
@@ -146,23 +153,25 @@ class DecodeGraphs:
         n = batch.meta.seq_lens.numel()
         return (batch.input_ids.numel() == n and batch.logits_rows.numel() == n
                 and n <= self.sizes[-1]
-                and batch.meta.block_tables.shape[1] <= self.buffers.block_tables.shape[1])
+                and batch.meta.block_tables.shape[1] <= self.buffers.block_tables[0].shape[1])
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Float32 logits ``[n, vocab]`` of a decode batch (host tensors) that fits."""
         n = batch.meta.seq_lens.numel()
         size = self.size_for(n)
-        b, meta = self.buffers, batch.meta
-        width = meta.block_tables.shape[1]
+        b = self.buffers
+        width = batch.meta.block_tables.shape[1]
         b.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         b.positions[:n].copy_(batch.positions, non_blocking=True)
-        b.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        b.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        b.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        b.seq_lens[:n].copy_(batch.meta.seq_lens, non_blocking=True)
+        for meta, slots, tables in zip(batch.metas, b.slot_mapping, b.block_tables):   # per KV group
+            slots[:n].copy_(meta.slot_mapping, non_blocking=True)
+            tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+            if size > n:
+                slots[n:size].fill_(-1)
         if size > n:   # padding rows: token 0 at position 0, no cache write, one key
             b.input_ids[n:size].zero_()
             b.positions[n:size].zero_()
-            b.slot_mapping[n:size].fill_(-1)
             b.seq_lens[n:size].fill_(1)
         self._steps[size]()
         self.replays[size] += 1

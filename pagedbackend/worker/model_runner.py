@@ -19,6 +19,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from pagedbackend.config import EngineConfig
+from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.core.kv_memory import KVModel
 from pagedbackend.kernels import get_attention_ops
 from pagedbackend.models import ModelArgs, model_args, model_class
@@ -67,10 +68,14 @@ class ModelRunner:
                                                               tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
         self.num_heads = self.model.layers[0].self_attn.num_heads
-        # Layers by sliding window: each window's layers get a plan of their own.
         windows = self.model.layer_windows
-        self.group_windows = sorted(set(windows), key=lambda w: (w is not None, w or 0))
-        self.layer_group = [self.group_windows.index(w) for w in windows]
+        self.kv_layout = kv_layout(windows, free_out_of_window=not config.disable_hybrid_kv_cache_manager)
+        # One attention plan per (KV group, window): a group's layers read its
+        # block tables, each with its own window (in one group of every layer,
+        # windowed layers keep their windows).
+        self.attention_groups: List[Tuple[int, Optional[int]]] = sorted(
+            set(zip(self.kv_layout.layer_group, windows)), key=lambda gw: (gw[0], gw[1] is not None, gw[1] or 0))
+        self.layer_group = [self.attention_groups.index(gw) for gw in zip(self.kv_layout.layer_group, windows)]
         self._allocate_kv_cache(args)
         room = min((self.num_kv_blocks - 1) * self.block_size, self.max_model_len)
         calibration = quant.Calibration(self.model_path, room, self._calibration_prefill)
@@ -211,25 +216,27 @@ class ModelRunner:
         self.block_size = self.config.block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         block_shape = (self.block_size, self.model.num_kv_heads, args.head_dim)
+        slots = self.kv_layout.slots   # layers per block (every layer, for one KV group)
         self.kv_bytes_per_block = kv_block_bytes(args, self.block_size, self.model.num_kv_heads,
-                                                 self.dtype)
+                                                 self.dtype, layers=slots)
         self.num_kv_blocks = self.config.num_kv_blocks
         if self.num_kv_blocks is None:
             self.num_kv_blocks = self.config.kv_cache_bytes // self.kv_bytes_per_block
             if self.num_kv_blocks < 1:
                 raise ValueError(
                     f"kv_cache_bytes={self.config.kv_cache_bytes} is too small for one KV block: "
-                    f"a block needs {self.kv_bytes_per_block} bytes (2 x {args.num_layers} layers "
+                    f"a block needs {self.kv_bytes_per_block} bytes (2 x {slots} layers "
                     f"x {self.block_size} positions x {self.model.num_kv_heads} KV heads x "
                     f"{args.head_dim} x {elem} bytes)")
         # One tensor for all of it, so a block copy or swap is one indexed copy.
-        shape = (2, args.num_layers, self.num_kv_blocks, *block_shape)
+        # A block holds one KV group's layers, layer l in slot layer_slot[l].
+        shape = (2, slots, self.num_kv_blocks, *block_shape)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(args.num_layers)]
+        self.kv_caches = [(self.kv_cache[0, s], self.kv_cache[1, s]) for s in self.kv_layout.layer_slot]
         self.num_swap_blocks = self.config.swap_space_blocks
         self.swap_cache = None
         if self.num_swap_blocks > 0:
-            self.swap_cache = torch.zeros((2, args.num_layers, self.num_swap_blocks, *block_shape),
+            self.swap_cache = torch.zeros((2, slots, self.num_swap_blocks, *block_shape),
                                           dtype=self.dtype, device="cpu",
                                           pin_memory=self.device.type == "cuda")
 
@@ -280,18 +287,21 @@ class ModelRunner:
     def _flat_batch(self, entries: Sequence[SeqEntry]) -> StepBatch:
         """The checked flat batch of ``entries`` as host tensors, not yet planned."""
         return build_step_batch(entries, self.block_size, self.max_model_len, self.vocab_size,
-                                self.num_kv_blocks)
+                                self.num_kv_blocks, len(self.kv_layout.groups))
 
     def plan(self, batch: StepBatch) -> None:
         """Lay out the step for the attention kernels, once for the layers of
-        each sliding window (every layer, when they all attend alike)."""
-        if len(self.group_windows) > 1 and not batch.groups:
-            batch.groups = [batch.meta] + [replace(batch.meta) for _ in self.group_windows[1:]]
-        for meta, window in zip(batch.metas, self.group_windows):
+        each attention group (every layer, when they all attend alike)."""
+        kv_metas, metas = batch.metas, []
+        for i, (group, window) in enumerate(self.attention_groups):
+            first_use = all(g != group for g, _ in self.attention_groups[:i])
+            meta = kv_metas[group] if first_use else replace(kv_metas[group])
             meta.plan = self.attention_ops.plan(
                 meta.cu_seqlens_q, meta.seq_lens, block_tables=meta.block_tables,
                 slot_mapping=meta.slot_mapping, block_size=self.block_size, num_heads=self.num_heads,
                 num_kv_heads=self.model.num_kv_heads, device=self.device, window=window)
+            metas.append(meta)
+        batch.meta, batch.groups = metas[0], (metas if len(metas) > 1 else [])
 
     # ---- block moves ----------------------------------------------------
 
@@ -325,10 +335,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def kv_block_bytes(args: ModelArgs, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block on one rank: K and V, every layer, the rank's KV heads."""
+def kv_block_bytes(args: ModelArgs, block_size: int, num_kv_heads: int, dtype: torch.dtype,
+                   layers: Optional[int] = None) -> int:
+    """Bytes of one KV block on one rank: K and V of ``layers`` layers (one
+    KV group's; default every layer), the rank's KV heads."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return KVModel(args.num_layers, num_kv_heads, args.head_dim, elem).kv_bytes_per_block(block_size)
+    layers = args.num_layers if layers is None else layers
+    return KVModel(layers, num_kv_heads, args.head_dim, elem).kv_bytes_per_block(block_size)
 
 
 def _max_model_len(requested: Optional[int], model_limit: int) -> int:

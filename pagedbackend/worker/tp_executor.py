@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pagedbackend.config import EngineConfig
+from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.models import model_args
 from pagedbackend.models.default_model import check_model_folder, resolve_model_path
 from pagedbackend.models.linear import even_split, kv_heads_of_rank, query_heads_of_rank
@@ -67,6 +68,7 @@ class TensorParallelExecutor:
     block_size = property(lambda self: self.runner.block_size)
     vocab_size = property(lambda self: self.runner.vocab_size)
     device = property(lambda self: self.runner.device)
+    kv_layout = property(lambda self: self.runner.kv_layout)
 
     @property
     def worker_pids(self) -> List[int]:
@@ -125,8 +127,10 @@ def _plan_kv_blocks(config: EngineConfig, path, world: int) -> Optional[int]:
         return config.num_kv_blocks
     # Rank 0 holds the largest KV share (kv_heads_of_rank), so the budget bounds every rank.
     heads = kv_heads_of_rank(args.num_kv_heads, 0, world)[1]
+    layout = kv_layout(args.layer_windows,
+                       free_out_of_window=not config.disable_hybrid_kv_cache_manager)
     blocks = config.kv_cache_bytes // kv_block_bytes(args, config.block_size, heads,
-                                                     DTYPES[config.dtype])
+                                                     DTYPES[config.dtype], layers=layout.slots)
     return blocks or None   # None: rank 0's runner explains what one block needs
 
 

@@ -25,7 +25,7 @@ IDLE = timedelta(days=365)
 CONFIG_KEY = "pagedbackend/config"
 
 OP_STEP, OP_STOP = 1, 2
-HEADER_LEN = 8   # op, tokens, seqs, block-table width, move words; the rest reserved
+HEADER_LEN = 8   # op, tokens, seqs, block-table width, move words, attention groups; the rest reserved
 # int64 words broadcast every step: the header and, when it fits, the payload.
 # One broadcast instead of two halves the per-step cost on CPU (docs/tensor_parallel.md).
 MESSAGE_LEN = 4096
@@ -42,19 +42,20 @@ def pack_step(batch: StepBatch, moves: Moves) -> List[torch.Tensor]:
     the header and, when it fits, the payload (a decode batch of 64 sequences of
     512 tokens fits); a larger payload follows as a second tensor. Payload: token
     ids, positions, slots, cu_seqlens, seq lens, block tables, then each block
-    move as (kind, n, src0, dst0, src1, dst1, ...)."""
-    meta = batch.meta
+    move as (kind, n, src0, dst0, src1, dst1, ...). Slots and block tables come
+    once per attention group of the batch (KV groups, ``core.kv_groups``)."""
+    meta, metas = batch.meta, batch.metas
     num_seqs, width = meta.block_tables.shape
     words: List[int] = []
     for kind, pairs in moves:
         words += [kind, len(pairs)]
         for src, dst in pairs:
             words += [src, dst]
-    payload = torch.cat([batch.input_ids, batch.positions, meta.slot_mapping,
+    payload = torch.cat([batch.input_ids, batch.positions, *(m.slot_mapping for m in metas),
                          meta.cu_seqlens_q.long(), meta.seq_lens.long(),
-                         meta.block_tables.long().flatten(), torch.tensor(words, dtype=torch.long)])
+                         *(m.block_tables.long().flatten() for m in metas), torch.tensor(words, dtype=torch.long)])
     message = torch.empty(MESSAGE_LEN, dtype=torch.long)
-    message[:5] = torch.tensor([OP_STEP, len(batch.input_ids), num_seqs, width, len(words)])
+    message[:6] = torch.tensor([OP_STEP, len(batch.input_ids), num_seqs, width, len(words), len(metas)])
     if len(payload) > MESSAGE_LEN - HEADER_LEN:
         return [message, payload]
     message[HEADER_LEN:HEADER_LEN + len(payload)] = payload
@@ -80,22 +81,24 @@ def receive_step(group) -> Optional[Tuple[StepBatch, Moves]]:
 
 
 def _payload_size(message: torch.Tensor) -> int:
-    _, tokens, seqs, width, words = message[:5].tolist()
-    return 3 * tokens + 2 * seqs + 1 + seqs * width + words
+    _, tokens, seqs, width, words, groups = message[:6].tolist()
+    return (2 + groups) * tokens + 2 * seqs + 1 + groups * seqs * width + words
 
 
 def unpack_step(tensors: List[torch.Tensor]) -> Optional[Tuple[StepBatch, Moves]]:
     """The batch (host tensors) and block moves of ``pack_step``'s tensors."""
     message = tensors[0]
-    op, tokens, seqs, width, words = message[:5].tolist()
+    op, tokens, seqs, width, words, groups = message[:6].tolist()
     if op == OP_STOP:
         return None
     size = _payload_size(message)
     payload = tensors[1] if len(tensors) > 1 else message[HEADER_LEN:HEADER_LEN + size]
-    ids, pos, slots, cu, lens, tables, flat = payload.split(
-        [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, words])
-    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables.view(seqs, width).int(),
-                             cu_seqlens_q=cu.int(), seq_lens=lens.int())
+    parts = payload.split([tokens, tokens, *[tokens] * groups, seqs + 1, seqs, *[seqs * width] * groups, words])
+    ids, pos, slots, (cu, lens), tables, flat = (parts[0], parts[1], parts[2:2 + groups], parts[2 + groups:4 + groups],
+                                                 parts[4 + groups:4 + 2 * groups], parts[-1])
+    cu, lens = cu.int(), lens.int()
+    metas = [AttentionMetadata(slot_mapping=s, block_tables=t.view(seqs, width).int(), cu_seqlens_q=cu, seq_lens=lens)
+             for s, t in zip(slots, tables)]
     moves: Moves = []
     flat, i = flat.tolist(), 0
     while i < len(flat):
@@ -103,7 +106,7 @@ def unpack_step(tensors: List[torch.Tensor]) -> Optional[Tuple[StepBatch, Moves]
         pairs = flat[i + 2:i + 2 + 2 * n]
         moves.append((kind, list(zip(pairs[0::2], pairs[1::2]))))
         i += 2 + 2 * n
-    return StepBatch(ids, pos, meta, torch.empty(0, dtype=torch.long)), moves
+    return StepBatch(ids, pos, metas[0], torch.empty(0, dtype=torch.long), metas if groups > 1 else []), moves
 
 
 def apply_moves(runner, moves: Moves) -> None:

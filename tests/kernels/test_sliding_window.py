@@ -164,3 +164,16 @@ def test_the_plan_gathers_only_keys_inside_the_window():
     # queries at positions 20..25 see keys from 13 on: 13 keys, a band of width 8
     assert chunk.index.numel() == 13 and chunk.mask.shape == (6, 13) and not chunk.fresh
     assert chunk.mask.sum(1).tolist() == [8] * 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the compiled kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_compiled_kernel_attends_to_the_window_on_gpu(dtype):
+    batch = make_batch(WINDOWED + [(130, 300)], block_size=16, num_heads=8, num_kv_heads=2, head_dim=128,
+                       dtype=dtype, seed=8)
+    free_out_of_window(batch, 40)
+    expected = windowed_reference(batch, 40)
+    atol, rtol = TOL[dtype] if dtype != torch.float32 else (1e-4, 1e-4)
+    for attention in (pa.paged_attention, pa.paged_attention_ref):
+        got = attention(*batch.to("cuda").args(), window=40)
+        torch.testing.assert_close(got.float().cpu(), expected, atol=atol, rtol=rtol)

@@ -3,6 +3,7 @@
 transformers: through shuffled paged blocks with prefills and decodes mixed,
 and through the engine batched with other sequences, with prefix caching,
 under preemption (recompute and swap) and with n > 1."""
+import json
 import shutil
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from loadtest.tiny_families import CASES, WINDOW, load_hf
 from pagedbackend import LLM, SamplingParams
 from pagedbackend.config import EngineConfig
+from pagedbackend.core.kv_groups import kv_layout
+from pagedbackend.models import model_args
 from pagedbackend.worker.model_runner import ModelRunner
 from runner_reference import greedy_hf, greedy_paged, random_prompts
 
@@ -64,16 +67,27 @@ def engine_prompts(case):
     return [prefix + torch.randint(3, VOCAB, (3 + i,), generator=g).tolist() for i in range(6)]
 
 
+def pool_for(folder):
+    """Device and host blocks of 8 that force both kinds of preemption. 7
+    sequences of up to ~54 positions need ~45 blocks of 8 per KV group: 14
+    per group force preemption; swap takes the 6 host blocks per group first,
+    then falls back to recompute. A model whose every layer is windowed gives
+    blocks back as the windows move on: 12 and 4 blocks force both there."""
+    windows = kv_layout(model_args(json.loads((folder / "config.json").read_text())).layer_windows).windows
+    if None not in windows:
+        return 12, 4
+    return 14 * len(windows), 6 * len(windows)
+
+
 def test_engine_batch_with_prefix_cache_preemption_and_n_generates_what_transformers_does(family):
     case, folder, hf = family
     prompts = engine_prompts(case)
     expected = [hf_greedy_until_eos(hf, p, NEW_TOKENS) for p in prompts]
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     two = SamplingParams(n=2, temperature=0.0, max_tokens=NEW_TOKENS)   # forks share the prompt's blocks
-    # 7 sequences of up to ~54 positions need ~45 blocks of 8: 14 force preemption. Swap
-    # preemption takes the 6 host blocks first, then falls back to recompute: both occur.
-    llm = LLM(model=str(folder), compile=False, block_size=8, num_kv_blocks=14, preemption_mode="swap",
-              swap_space_blocks=6)
+    blocks, host_blocks = pool_for(folder)
+    llm = LLM(model=str(folder), compile=False, block_size=8, num_kv_blocks=blocks, preemption_mode="swap",
+              swap_space_blocks=host_blocks)
     first = llm.generate(prompts[:1], greedy)   # leaves the shared prefix in the prefix cache
     outs = llm.generate(prompts, [greedy] * 5 + [two])
     stats = llm.engine.get_stats()
@@ -83,6 +97,11 @@ def test_engine_batch_with_prefix_cache_preemption_and_n_generates_what_transfor
     assert stats.prefix_cache_hits > 0
     assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions > 0
     assert llm.engine.block_manager.num_used_blocks == 0
+    llm.engine.block_manager.check_invariants()
+    # A family with sliding windows runs on KV groups whose windowed tables give blocks back.
+    windowed = WINDOW in llm.engine.runner.model.layer_windows
+    assert llm.engine.block_manager.windows == llm.engine.runner.kv_layout.windows
+    assert (WINDOW in llm.engine.block_manager.windows) == windowed
 
 
 def test_a_bfloat16_checkpoint_is_served_in_float32(tiny_family, tmp_path):

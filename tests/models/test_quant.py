@@ -192,9 +192,14 @@ def test_quantised_model_computes_the_fp32_model_of_its_dequantised_weights(tiny
         assert relative_error(got, want) < 1e-4
 
 
-def _prefill_and_decode(seed: int):
+def _prefill_and_decode(seed: int, groups: int = 1):
+    """A 40-token prefill and a decode after it, on blocks 1-3 (4-6, ... for
+    each further KV group of the model)."""
     prompt = [int(t) for t in torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(seed))]
-    return [SeqEntry(prompt, 0, [1, 2, 3])], [SeqEntry([prompt[0]], 40, [1, 2, 3])]
+    tables = [[1 + 3 * g, 2 + 3 * g, 3 + 3 * g] for g in range(groups)]
+    per_group = tables if groups > 1 else None
+    return ([SeqEntry(prompt, 0, tables[0], block_tables=per_group)],
+            [SeqEntry([prompt[0]], 40, tables[0], block_tables=per_group)])
 
 
 @pytest.mark.parametrize("shape", ["tied", "untied_gqa3", "qwen2_biases", "gemma3_text"])
@@ -206,7 +211,7 @@ def test_smoothing_keeps_the_float_model(shape, tiny_model_dir, tiny_untied_mode
     elif model_dir is None:
         model_dir = tiny_family(shape)
     fp32 = runner(model_dir)
-    steps = _prefill_and_decode(5)
+    steps = _prefill_and_decode(5, len(fp32.kv_layout.groups))
     want = [fp32.execute_model(entries) for entries in steps]
     embedding = fp32.model.embed_tokens.weight.clone()
     count = min(200, fp32.max_model_len)

@@ -83,8 +83,11 @@ def test_windowed_model_through_the_triton_kernels(windowed):
     from pagedbackend.config import EngineConfig
     from pagedbackend.worker.model_runner import ModelRunner
     _, folder, prompts, expected = windowed
+    # One table for every layer (this drives the runner with one table per
+    # sequence); KV groups on the Triton-lang kernels: tests/engine/test_sliding_window_engine.py.
     runner = ModelRunner(EngineConfig(model=str(folder), block_size=8, num_kv_blocks=48, dtype="float32",
-                                      device="cpu", attention_backend="triton", compile=False))
+                                      device="cpu", attention_backend="triton", compile=False,
+                                      disable_hybrid_kv_cache_manager=True))
     # Two sequences, 40 and 53 positions at the end: past two windows, few interpreted launches.
     got = greedy_paged(runner, prompts[1:3], max_new_tokens=6)
     assert got == [tokens[:6] for tokens in expected[1:3]]

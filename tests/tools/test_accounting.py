@@ -185,3 +185,42 @@ def test_cli_rejects_bad_input_with_a_clear_error(args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- sliding windows
+
+def test_windowed_bytes_give_back_blocks_that_left_the_window():
+    # Six layers, five with a 1,024-position window: at 8k context the paged
+    # cache holds 1/6 of full allocation for the full layer plus each windowed
+    # layer's last 1,024 positions (64 blocks of 16: the next query, at 8,192, sees 7,169 on).
+    model = KVModel(layers=6, kv_heads=1, head_dim=16, dtype_bytes=4, layer_windows=(1024,) * 5 + (None,))
+    report = scheme_report("paged", [8192], 8192, 16, model=model)
+    per_layer_block = 2 * 1 * 16 * 4 * 16
+    assert model.windowed_blocks(8192, 16) == 512 + 5 * 64
+    assert report.windowed_bytes == (512 + 5 * 64) * per_layer_block + 6 * report.block_table_bytes
+    assert report.allocated_bytes == 8192 * 6 * per_layer_block // 16 + report.block_table_bytes
+    assert report.windowed_bytes / report.allocated_bytes < 0.28
+    assert scheme_report("max", [8192], 8192, model=model).windowed_bytes is None
+
+
+def test_cli_adds_windowed_bytes_for_a_sliding_window_model(tmp_path):
+    result = run_cli("--lengths", "8192", "--max-len", "8192", "--preset", "gemma3-4b")
+    assert result.returncode == 0, result.stderr
+    assert "bytes, windows freed" in result.stdout
+    assert "sliding windows: 29 of 34 layers (window 1024), 7 KV groups of 5 layers per block" in result.stdout
+    flags = run_cli("--lengths", "100,3000", "--max-len", "4096", "--layers", "6", "--kv-heads", "1",
+                    "--head-dim", "16", "--sliding-window", "512", "--sliding-pattern", "5:1", "--json")
+    doc = json.loads(flags.stdout)
+    assert doc["model"]["layer_windows"] == [512] * 5 + [None] and doc["model"]["kv_groups"] == 6
+    paged = next(s for s in doc["schemes"] if s["scheme"] == "paged")
+    assert paged["windowed_bytes"] < paged["allocated_bytes"]
+    bad = run_cli("--lengths", "37", "--max-len", "512", "--preset", "opt-13b", "--sliding-pattern", "5:1")
+    assert bad.returncode == 2 and "--sliding-pattern needs --sliding-window" in bad.stderr
+
+
+def test_model_config_reads_each_layers_window(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen2", "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 64,
+         "use_sliding_window": True, "sliding_window": 32,
+         "layer_types": ["sliding_attention", "full_attention"] * 2}))
+    assert model_from_config(str(tmp_path)).layer_windows == (32, None, 32, None)
