@@ -168,24 +168,25 @@ class BlockPool:
                  token_ids: Sequence[int], salt: bytes = b"", report: bool = True) -> bool:
         """Make a full, computed block findable by its hash (``salt``: the cache
         salt that went into it, for its event; ``report``: publish its events
-        when events are on). A hash already taken (the same
-        content computed twice, or a collision), or a parent no longer cached,
-        leaves it unregistered."""
+        when events are on). A hash already taken (the same content computed
+        twice, or a collision), or for a reported block a parent no longer
+        cached (a router could not place it), leaves it unregistered."""
+        report = report and self.events is not None
         if (not self.enable_caching or block.block_hash is not None or block_hash in self.cached
-                or (parent_hash is not None and parent_hash not in self.cached)):
+                or (report and parent_hash is not None and parent_hash not in self.cached)):
             return False
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
-        block.salt, block.reported = salt, report and self.events is not None
+        block.salt, block.reported = salt, report
         self.cached[block_hash] = block
-        if parent_hash is not None:
+        if report and parent_hash is not None:   # a router drops a removed block's subtree: so do we
             self.children.setdefault(parent_hash, set()).add(block)
         if block.reported:
             self.events.stored(block_hash, parent_hash, block.token_ids, salt)
         return True
 
     def _uncache(self, block: KVBlock, report: bool = True) -> None:
-        """Drop the block's hash, and before it those of its cached descendants
-        (deepest first; those still free no longer count as cached)."""
+        """Drop the block's hash, and before it those of its cached reported
+        descendants (deepest first; those still free no longer count as cached)."""
         subtree, stack = [], [block]
         while stack:
             node = stack.pop()
