@@ -5,7 +5,7 @@ block mappings (``SchedulerOutput``), and what sampling decided
 (``StepUpdate``) for the scheduler to apply to the blocks.
 """
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .sequence import Sequence, SequenceGroup
 
@@ -22,6 +22,8 @@ class SeqEntry:
     come back for every row with ``prompt_logits``, else, with
     ``need_logits``, for the last ``1 + num_draft_tokens`` rows: the last
     verified token's and one per speculative token that ends ``token_ids``.
+    ``lora``: the pages of the adapter its rows run with (``lora.manager.StepLoRA``;
+    None: the base model).
     """
     token_ids: List[int]
     start_pos: int
@@ -29,6 +31,7 @@ class SeqEntry:
     need_logits: bool = True
     prompt_logits: bool = False
     num_draft_tokens: int = 0
+    lora: Optional[object] = None
 
     @property
     def num_logit_rows(self) -> int:

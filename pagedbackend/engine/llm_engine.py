@@ -22,10 +22,12 @@ import torch
 from ..config import EngineConfig
 from ..core.scheduler import Scheduler, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
+from ..lora import LoRAError, LoRARequest
 from ..models.default_model import resolve_model_path
 from ..sample import Sampler
 from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
+from .adapters import LoRAManager, lora_stats
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
@@ -76,6 +78,9 @@ class LLMEngine:
         model_key = f"{model_path}|{config.dtype}|{config.quantization}".encode()
         self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config)
         self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key)
+        self.lora = _lora_manager(config, runner)   # None unless enable_lora
+        if self.lora is not None:
+            self.scheduler.adapter_room = self.lora.fits
         self.speculator = make_speculator(config, runner, compile_in_background)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
@@ -114,29 +119,57 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None,
-                    cumulative_logprob: bool = False) -> SequenceGroup:
+                    arrival_time: Optional[float] = None, cumulative_logprob: bool = False,
+                    lora_request: Optional[LoRARequest] = None) -> SequenceGroup:
         """Validate and queue a request; raises InvalidRequestError if it can never be served.
-        ``cumulative_logprob``: compute it even when the parameters do not need it."""
+        ``cumulative_logprob``: compute it even when the parameters do not need it;
+        ``lora_request``: the adapter it runs with (loaded now if it is new)."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        group = self.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
+        group = self.make_group(request_id, prompt, params, arrival_time, cumulative_logprob, lora_request)
         self.add_group(group)
         return group
 
     def make_group(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                   arrival_time: Optional[float] = None,
-                   cumulative_logprob: bool = False) -> SequenceGroup:
+                   arrival_time: Optional[float] = None, cumulative_logprob: bool = False,
+                   lora_request: Optional[LoRARequest] = None) -> SequenceGroup:
         """Check a request against the model and the pool and build its group
-        (``InputProcessor.make_group``). Touches no engine state, so any
-        thread may call it."""
-        return self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
+        (``InputProcessor.make_group``), with its adapter, whose key joins the
+        group's prefix-cache namespace. Changes no step state (a new adapter
+        is read from its folder here), so any thread may call it."""
+        group = self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
+        if lora_request is not None:
+            if self.lora is None:
+                raise LoRAError("LoRA is not enabled: start the engine with enable_lora=True to serve adapters")
+            if not isinstance(lora_request, LoRARequest):
+                raise LoRAError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            group.lora = self.lora.resolve(lora_request)
+            group.cache_salt += group.lora.key
+        return group
+
+    # ------------------------------------------------------------ adapters (vLLM's names)
+    def add_lora(self, lora_request: LoRARequest, replace: bool = False) -> bool:
+        """Load an adapter now (``replace``: read a registered one's folder
+        again, a new version for new requests); True once it is registered."""
+        if self.lora is None:
+            raise LoRAError("LoRA is not enabled: start the engine with enable_lora=True to serve adapters")
+        self.lora.add(lora_request, replace)
+        return True
+
+    def remove_lora(self, lora_id) -> bool:
+        """Unregister an adapter (by id or name); running requests finish with it."""
+        return self.lora is not None and self.lora.remove(lora_id)
+
+    def list_loras(self) -> List[LoRARequest]:
+        return [] if self.lora is None else self.lora.list()
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:
             raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group
         self.stats.prompt_tokens += len(group.prompt_token_ids)
+        if group.lora is not None:
+            self.lora.count_request(group.lora)
         if group.grammar is not None:
             self.stats.structured_requests += 1
             if not group.grammar.done():
@@ -218,6 +251,9 @@ class LLMEngine:
             self.runner.copy_blocks(sched.copy_pairs)
             if self.speculator is not None:
                 self.speculator.copy_blocks(sched.copy_pairs)
+        if self.lora is not None:   # adapters leave the pool and the host tier only between steps
+            self.lora.trim(g.lora for g in self.groups.values() if g.lora is not None)
+            self.lora.prepare_step(sched.scheduled, self.scheduler.running)
         if sched.is_empty:
             self.last_step_seconds = time.perf_counter() - start
             return outputs
@@ -303,4 +339,16 @@ class LLMEngine:
             self.speculator.stats.copy_to(st)
         governor = getattr(self.runner, "wait_governor", None)
         st.cpu_contended = governor is not None and governor.contended
+        if self.lora is not None:
+            lora_stats(self.lora, sch, self.compiling, st)
         return EngineStats(**st.__dict__)
+
+
+def _lora_manager(config: EngineConfig, runner):
+    """The engine's adapters when ``enable_lora`` (the runner holds the pool)."""
+    if not config.enable_lora:
+        return None
+    model = getattr(runner, "lora", None)
+    if model is None:
+        raise ValueError(f"enable_lora: the {type(runner).__name__} executor does not serve adapters")
+    return LoRAManager(config, model.shapes(), model.write)

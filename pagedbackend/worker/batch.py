@@ -6,7 +6,7 @@ ids in the pool, tables long enough) before any tensor reaches the device.
 """
 import itertools
 from dataclasses import dataclass, replace
-from typing import List, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -19,11 +19,13 @@ __all__ = ["SeqEntry", "StepBatch", "build_step_batch"]
 @dataclass
 class StepBatch:
     """One step's flat batch; ``logits_rows``: rows whose logits are returned
-    (per entry in order, ``SeqEntry.num_logit_rows`` of its last rows)."""
+    (per entry in order, ``SeqEntry.num_logit_rows`` of its last rows);
+    ``lora``: the rows' adapters (``lora.punica.LoRAMapping``; None: none)."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor
+    lora: Optional[Any] = None
 
     def to(self, device: torch.device) -> "StepBatch":
         to = dict(device=device, non_blocking=True)
@@ -31,7 +33,7 @@ class StepBatch:
         return StepBatch(self.input_ids.to(**to), self.positions.to(**to), replace(
             meta, slot_mapping=meta.slot_mapping.to(**to), block_tables=meta.block_tables.to(**to),
             cu_seqlens_q=meta.cu_seqlens_q.to(**to), seq_lens=meta.seq_lens.to(**to)),
-            self.logits_rows.to(**to))
+            self.logits_rows.to(**to), None if self.lora is None else self.lora.to(device))
 
 
 def build_step_batch(entries: Sequence[SeqEntry], block_size: int, max_model_len: int,
