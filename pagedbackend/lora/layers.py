@@ -107,16 +107,31 @@ class LoRAModel:
     def _device(self) -> torch.device:
         return next(iter(self.shards.values())).A.device
 
-    def sgmv(self, y: torch.Tensor, x: torch.Tensor, shard: Shard, mapping: LoRAMapping,
-             segs: torch.Tensor) -> None:
-        """``y += x A^T B^T`` of the segments ``segs`` through the chosen kernel."""
-        if self.kernel_name == "c":
-            kernels.sgmv_c(y, x, shard.A, shard.B, mapping.rows, mapping.pages, segs, self._c_kernel)
-        elif self.kernel_name == "triton":
-            kernels.sgmv_triton(y, x, shard.A, shard.B, mapping.rows, mapping.pages, segs,
-                                mapping.max_rows, mapping.max_rank)
-        else:
-            kernels.sgmv_ref(y, x, shard.A, shard.B, mapping.rows, mapping.pages, segs)
+    def add(self, y: torch.Tensor, x: torch.Tensor, slot: int, mapping: LoRAMapping) -> None:
+        """``y += x A^T B^T`` for every module merged into projection ``slot``
+        (each into its columns of ``y``), over the step's segments of the
+        adapters that adapt its kind, through the chosen kernel."""
+        if self.kernel_name == "c":   # straight to the C function: a step makes one call per module
+            x = x if x.is_contiguous() else x.contiguous()
+            rows, pages, segs = mapping.addresses()
+            x_at, y_at, ldy, size = x.data_ptr(), y.data_ptr(), y.stride(0), y.element_size()
+            for shard in self.slots[slot]:
+                seg = segs.get(shard.kind)
+                if seg is not None and self._c_kernel(
+                        x_at, x.stride(0), shard.in_features, y_at + shard.offset * size, ldy, shard.out_features,
+                        shard.A.data_ptr(), shard.B.data_ptr(), rows, pages, seg[0], seg[1]) != 0:
+                    raise MemoryError("lora_sgmv: no memory for the step's shrunk rows")
+            return
+        for shard in self.slots[slot]:
+            segs = mapping.segs.get(shard.kind)
+            if segs is None:
+                continue
+            out = y.narrow(1, shard.offset, shard.out_features)
+            if self.kernel_name == "triton":
+                kernels.sgmv_triton(out, x, shard.A, shard.B, mapping.rows, mapping.pages, segs,
+                                    mapping.max_rows, mapping.max_rank)
+            else:
+                kernels.sgmv_ref(out, x, shard.A, shard.B, mapping.rows, mapping.pages, segs)
 
 
 def _layout(linear: nn.Module) -> List[Tuple[int, int, int]]:

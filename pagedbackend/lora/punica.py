@@ -44,11 +44,22 @@ class LoRAMapping:
     segs: Dict[str, torch.Tensor]
     max_rows: int = 0
     max_rank: int = 0
+    _addresses: Optional[tuple] = None
 
     def to(self, device: torch.device) -> "LoRAMapping":
+        if self.rows.device == device:
+            return self
         to = dict(device=device, non_blocking=True)
         return replace(self, rows=self.rows.to(**to), pages=self.pages.to(**to),
-                       segs={kind: segs.to(**to) for kind, segs in self.segs.items()})
+                       segs={kind: segs.to(**to) for kind, segs in self.segs.items()}, _addresses=None)
+
+    def addresses(self) -> tuple:
+        """``(rows, pages, {kind: (segs, count)})`` as data pointers, taken once
+        a step for the C kernel's calls."""
+        if self._addresses is None:
+            self._addresses = (self.rows.data_ptr(), self.pages.data_ptr(),
+                               {kind: (segs.data_ptr(), segs.shape[0]) for kind, segs in self.segs.items()})
+        return self._addresses
 
 
 def empty_mapping() -> LoRAMapping:
@@ -110,12 +121,8 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, slot: int) -> None:
     """``y += x A^T B^T`` per segment, for every module merged into the
     projection ``slot`` (each into its column range of ``y``)."""
     mapping, model = state.mapping, state.model
-    if mapping is None or not mapping.segs:
-        return
-    for shard in model.slots[slot]:
-        segs = mapping.segs.get(shard.kind)
-        if segs is not None:
-            model.sgmv(y.narrow(1, shard.offset, shard.out_features), x, shard, mapping, segs)
+    if mapping is not None and mapping.segs:
+        model.add(y, x, slot, mapping)
 
 
 _ops.impl("lora_add_", lora_add_, "CompositeExplicitAutograd")
