@@ -110,7 +110,8 @@ class LLMEngine:
                 "native_ops": bool(native_ops().use_native_ops) if backend == "packed" else False,
                 "attention_backend": type(getattr(self.runner, "attention_ops", None)).__name__,
                 "num_kv_blocks": self.runner.num_kv_blocks, "max_model_len": self.max_model_len,
-                "speculative": spec.method if spec is not None else None}
+                "speculative": spec.method if spec is not None else None,
+                "lora_kernel": getattr(getattr(self.runner, "lora", None), "kernel_name", None)}
 
     @property
     def block_manager(self):
@@ -137,14 +138,17 @@ class LLMEngine:
         (``InputProcessor.make_group``), with its adapter, whose key joins the
         group's prefix-cache namespace. Changes no step state (a new adapter
         is read from its folder here), so any thread may call it."""
-        group = self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
-        if lora_request is not None:
+        adapter = None
+        if lora_request is not None:   # first: a refused adapter leaves nothing behind
             if self.lora is None:
                 raise LoRAError("LoRA is not enabled: start the engine with enable_lora=True to serve adapters")
             if not isinstance(lora_request, LoRARequest):
                 raise LoRAError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-            group.lora = self.lora.resolve(lora_request)
-            group.cache_salt += group.lora.key
+            adapter = self.lora.resolve(lora_request)
+        group = self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
+        if adapter is not None:
+            group.lora = adapter
+            group.cache_salt += adapter.key
         return group
 
     # ------------------------------------------------------------ adapters (vLLM's names)

@@ -58,8 +58,12 @@ class Adapters:
         return self._listed
 
     async def find(self, name: str) -> Optional[str]:
-        """``name`` when it is an adapter of the model, else None."""
-        return name if name in await self.listed() else None
+        """``name`` when it is an adapter of the model, else None (also when
+        the model cannot list them now: the name may be another model's)."""
+        try:
+            return name if name in await self.listed() else None
+        except OpenAIError:
+            return None
 
     async def change(self, request: Request, order: dict) -> str:
         """A load or unload through the Triton model, after the admin key."""
