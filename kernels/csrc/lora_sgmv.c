@@ -16,10 +16,12 @@
  * takes 4 rows x 4 pages at a time (16 vector sums over `in`), the expand
  * 4 rows x 32 columns (each B row chunk loaded once per 4 rows); a block
  * past a segment's last row or page repeats its first one and drops the
- * result. Segments write disjoint rows, so the shrink splits over (segment,
- * 4 pages) and the expand over (segment, 32 columns) between OpenMP threads
- * (torch's libgomp, as for packed_gemm.c). Each adapter's weights stream
- * from memory once a step, however many rows use it.
+ * result. Work items are chunks of a segment (64 rows by 16 pages for the
+ * shrink, 64 rows by 128 columns for the expand), shared between OpenMP
+ * threads (torch's libgomp, as for packed_gemm.c): a long prefill's rows stay
+ * in cache while pages pass over them, and a decode's adapter weights stream
+ * from memory once a step, however many rows use them. Segments write
+ * disjoint rows, so items never write the same place.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,6 +29,9 @@
 #define RB 4    /* rows per block */
 #define PB 4    /* pages per shrink block */
 #define CB 32   /* columns per expand block */
+#define ROW_CHUNK 64     /* rows per work item */
+#define PAGE_CHUNK 16    /* pages per shrink item */
+#define COL_CHUNK 128    /* columns per expand item */
 
 enum { ROW_START = 0, NUM_ROWS = 1, PAGE_START = 2, RANK = 3 };
 
@@ -111,77 +116,103 @@ static void expand_tail(const float *const sr[RB], const int32_t *pg, const floa
     }
 }
 
+/* The segment holding work item w, given each segment's first item. */
+static int segment_of(const long *first, int nseg, long w) {
+    int lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= w)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+static long cdiv(long a, long b) {
+    return (a + b - 1) / b;
+}
+
 int lora_sgmv_f32(const float *x, long ldx, long in, float *y, long ldy, long out,
                   const float *A, const float *B, const int32_t *rows, const int32_t *pages,
                   const int32_t *segs, int nseg) {
     if (nseg <= 0)
         return 0;
-    /* Per segment: its first shrink work item and where its S starts. */
-    long *first = malloc(sizeof(long) * (size_t)(2 * nseg + 2));
+    /* Per segment: its first shrink item, its first expand item, where its S starts. */
+    long *first = malloc(sizeof(long) * (size_t)(3 * nseg + 3));
     if (!first)
         return -1;
-    long *s_start = first + nseg + 1;
-    long items = 0, floats = 0;
+    long *first_expand = first + nseg + 1, *s_start = first_expand + nseg + 1;
+    long shrink_items = 0, expand_items = 0, floats = 0;
     for (int i = 0; i < nseg; i++) {
-        first[i] = items;
+        long chunks = cdiv(segs[4 * i + NUM_ROWS], ROW_CHUNK);
+        first[i] = shrink_items;
+        first_expand[i] = expand_items;
         s_start[i] = floats;
-        items += (segs[4 * i + RANK] + PB - 1) / PB;
+        shrink_items += chunks * cdiv(segs[4 * i + RANK], PAGE_CHUNK);
+        expand_items += chunks * cdiv(out, COL_CHUNK);
         floats += (long)segs[4 * i + RANK] * segs[4 * i + NUM_ROWS];
     }
-    first[nseg] = items;
     float *scratch = malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
     if (!scratch) {
         free(first);
         return -1;
     }
 
-#pragma omp parallel for schedule(dynamic, 4) if (items > 1)
-    for (long w = 0; w < items; w++) {
-        int lo = 0, hi = nseg - 1;   /* the segment holding work item w */
-        while (lo < hi) {
-            int mid = (lo + hi + 1) / 2;
-            if (first[mid] <= w)
-                lo = mid;
-            else
-                hi = mid - 1;
-        }
-        const int32_t *seg = segs + 4 * lo;
-        int rank = seg[RANK], n = seg[NUM_ROWS], j0 = (int)(w - first[lo]) * PB;
-        int nj = rank - j0 < PB ? rank - j0 : PB;
-        const float *ar[PB];
-        for (int j = 0; j < PB; j++)
-            ar[j] = A + (long)pages[seg[PAGE_START] + j0 + (j < nj ? j : 0)] * in;
-        for (int t0 = 0; t0 < n; t0 += RB) {
-            int nt = n - t0 < RB ? n - t0 : RB;
-            const float *xr[RB];
-            for (int t = 0; t < RB; t++)
-                xr[t] = x + (long)rows[seg[ROW_START] + t0 + (t < nt ? t : 0)] * ldx;
-            shrink_block(xr, ar, in, scratch + s_start[lo], rank, t0, nt, j0, nj);
+    /* Shrink: an item is up to ROW_CHUNK rows x PAGE_CHUNK pages of one
+     * segment; its x rows stay in cache while its pages pass over them. */
+#pragma omp parallel for schedule(dynamic, 1) if (shrink_items > 1)
+    for (long w = 0; w < shrink_items; w++) {
+        int i = segment_of(first, nseg, w);
+        const int32_t *seg = segs + 4 * i;
+        int rank = seg[RANK], n = seg[NUM_ROWS];
+        long local = w - first[i], page_chunks = cdiv(rank, PAGE_CHUNK);
+        int r0 = (int)(local / page_chunks) * ROW_CHUNK, p0 = (int)(local % page_chunks) * PAGE_CHUNK;
+        int r1 = r0 + ROW_CHUNK < n ? r0 + ROW_CHUNK : n, p1 = p0 + PAGE_CHUNK < rank ? p0 + PAGE_CHUNK : rank;
+        for (int j0 = p0; j0 < p1; j0 += PB) {
+            int nj = p1 - j0 < PB ? p1 - j0 : PB;
+            const float *ar[PB];
+            for (int j = 0; j < PB; j++)
+                ar[j] = A + (long)pages[seg[PAGE_START] + j0 + (j < nj ? j : 0)] * in;
+            for (int t0 = r0; t0 < r1; t0 += RB) {
+                int nt = r1 - t0 < RB ? r1 - t0 : RB;
+                const float *xr[RB];
+                for (int t = 0; t < RB; t++)
+                    xr[t] = x + (long)rows[seg[ROW_START] + t0 + (t < nt ? t : 0)] * ldx;
+                shrink_block(xr, ar, in, scratch + s_start[i], rank, t0, nt, j0, nj);
+            }
         }
     }
 
-    long blocks = (out + CB - 1) / CB;
-#pragma omp parallel for schedule(dynamic, 4) if (nseg * blocks > 1)
-    for (long w = 0; w < nseg * blocks; w++) {
-        int i = (int)(w / blocks);
-        long c0 = (w % blocks) * CB, width = out - c0 < CB ? out - c0 : CB;
+    /* Expand: an item is up to ROW_CHUNK rows x COL_CHUNK columns of one
+     * segment; each B row chunk stays in cache while the rows pass over it. */
+#pragma omp parallel for schedule(dynamic, 1) if (expand_items > 1)
+    for (long w = 0; w < expand_items; w++) {
+        int i = segment_of(first_expand, nseg, w);
         const int32_t *seg = segs + 4 * i;
         int rank = seg[RANK], n = seg[NUM_ROWS];
+        long local = w - first_expand[i], col_chunks = cdiv(out, COL_CHUNK);
+        int r0 = (int)(local / col_chunks) * ROW_CHUNK, r1 = r0 + ROW_CHUNK < n ? r0 + ROW_CHUNK : n;
+        long c_end = (local % col_chunks) * COL_CHUNK + COL_CHUNK < out ? (local % col_chunks) * COL_CHUNK
+                                                                            + COL_CHUNK : out;
         const int32_t *pg = pages + seg[PAGE_START];
         const float *s = scratch + s_start[i];
-        for (int t0 = 0; t0 < n; t0 += RB) {
-            int nt = n - t0 < RB ? n - t0 : RB;
-            float *yr[RB];
-            const float *sr[RB];
-            for (int t = 0; t < RB; t++) {
-                int row = t0 + (t < nt ? t : 0);
-                yr[t] = y + (long)rows[seg[ROW_START] + row] * ldy + c0;
-                sr[t] = s + (long)row * rank;
+        for (long c0 = (local % col_chunks) * COL_CHUNK; c0 < c_end; c0 += CB) {
+            long width = c_end - c0 < CB ? c_end - c0 : CB;
+            for (int t0 = r0; t0 < r1; t0 += RB) {
+                int nt = r1 - t0 < RB ? r1 - t0 : RB;
+                float *yr[RB];
+                const float *sr[RB];
+                for (int t = 0; t < RB; t++) {
+                    int row = t0 + (t < nt ? t : 0);
+                    yr[t] = y + (long)rows[seg[ROW_START] + row] * ldy + c0;
+                    sr[t] = s + (long)row * rank;
+                }
+                if (width == CB)
+                    expand_block(sr, pg, B + c0, out, rank, yr, nt);
+                else
+                    expand_tail(sr, pg, B + c0, out, rank, yr, nt, width);
             }
-            if (width == CB)
-                expand_block(sr, pg, B + c0, out, rank, yr, nt);
-            else
-                expand_tail(sr, pg, B + c0, out, rank, yr, nt, width);
         }
     }
     free(scratch);

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "quant_kernels": "weight-only int8 / int4 and bf16 matmuls vs fp32 on SmolLM2's linear shapes",
     "quant_quality": "quantization none / int8 / int4: perplexity, greedy agreement, offline tokens/s",
     "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
+    "lora": "multi-LoRA at 32 streams: 0, 1, 4, 16 adapters of rank 8 and 64 against the base model",
 }
 NEEDS_CUDA = {"gpu"}
 # Each installs a client of its own from PyPI on first use: run them by name only.

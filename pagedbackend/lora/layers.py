@@ -23,6 +23,7 @@ from .peft_adapter import LoRAWeights
 from .punica import LoRAMapping, state
 
 logger = logging.getLogger("pagedbackend")
+LARGE_SEGMENT_ROWS = 64
 
 
 class _FloatMatmul(nn.Module):
@@ -69,6 +70,10 @@ class LoRAModel:
         self.slots: List[List[Shard]] = []
         self.shards: Dict[str, Shard] = {}
         self.kernel_name, self._c_kernel = _choose_kernel(device, dtype)
+        # With the C kernel, an adapter's rows of a step from this many on (a
+        # prefill) multiply through torch's GEMM, faster there than the
+        # segment kernel (BENCHMARKS.md, "lora"); the rest through the kernel.
+        self.split_rows = LARGE_SEGMENT_ROWS if self.kernel_name == "c" else 0
         for names, linear in model.hf_projections():
             shards = []
             for name, (offset, in_features, out_features) in zip(names, _layout(linear)):
@@ -121,6 +126,13 @@ class LoRAModel:
                         x_at, x.stride(0), shard.in_features, y_at + shard.offset * size, ldy, shard.out_features,
                         shard.A.data_ptr(), shard.B.data_ptr(), rows, pages, seg[0], seg[1]) != 0:
                     raise MemoryError("lora_sgmv: no memory for the step's shrunk rows")
+                for batch_rows, adapter_pages in mapping.large.get(shard.kind, ()):   # prefills: torch's GEMM
+                    delta = (x[batch_rows] @ shard.A[adapter_pages].t()) @ shard.B[adapter_pages]
+                    out = y.narrow(1, shard.offset, shard.out_features)
+                    if isinstance(batch_rows, slice):
+                        out[batch_rows] += delta
+                    else:
+                        out.index_add_(0, batch_rows, delta)
             return
         for shard in self.slots[slot]:
             segs = mapping.segs.get(shard.kind)

@@ -18,7 +18,7 @@ attention is (``models.attention``); the mapping is never a graph input.
 """
 import contextlib
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -44,6 +44,9 @@ class LoRAMapping:
     segs: Dict[str, torch.Tensor]
     max_rows: int = 0
     max_rank: int = 0
+    # Per kind, segments of at least ``split_rows`` rows kept out of ``segs``
+    # (``build_mapping``): (batch rows, pages), each a slice where contiguous.
+    large: Dict[str, List[Tuple[object, object]]] = field(default_factory=dict)
     _addresses: Optional[tuple] = None
 
     def to(self, device: torch.device) -> "LoRAMapping":
@@ -68,9 +71,11 @@ def empty_mapping() -> LoRAMapping:
     return LoRAMapping(empty, empty, {})
 
 
-def build_mapping(entries: Sequence) -> Optional[LoRAMapping]:
+def build_mapping(entries: Sequence, split_rows: int = 0) -> Optional[LoRAMapping]:
     """The mapping of a step's entries (each with ``token_ids`` and ``lora``,
-    a ``manager.StepLoRA`` or None); None when no entry has an adapter."""
+    a ``manager.StepLoRA`` or None); None when no entry has an adapter.
+    ``split_rows``: segments with at least that many rows (a prefill) go to
+    ``large``, for a GEMM rather than the segment kernel (0: none do)."""
     spans: Dict[object, List[Tuple[int, int]]] = {}
     start = 0
     for entry in entries:
@@ -84,19 +89,33 @@ def build_mapping(entries: Sequence) -> Optional[LoRAMapping]:
     rows: List[int] = []
     pages: List[int] = []
     segs: Dict[str, List[Tuple[int, int, int, int]]] = {}
+    large: Dict[str, List[Tuple[object, object]]] = {}
     max_rows = max_rank = 0
     for handle, ranges in spans.items():
+        count = sum(n for _, n in ranges)
+        if split_rows and count >= split_rows:
+            batch_rows = _index([r for first, n in ranges for r in range(first, first + n)])
+            for kind in handle.kinds:
+                large.setdefault(kind, []).append((batch_rows, _index(handle.pages)))
+            continue
         row_start = len(rows)
-        for first, count in ranges:
-            rows.extend(range(first, first + count))
-        seg = (row_start, len(rows) - row_start, len(pages), len(handle.pages))
+        for first, n in ranges:
+            rows.extend(range(first, first + n))
+        seg = (row_start, count, len(pages), len(handle.pages))
         pages.extend(handle.pages)
         for kind in handle.kinds:
             segs.setdefault(kind, []).append(seg)
         max_rows, max_rank = max(max_rows, seg[1]), max(max_rank, seg[3])
     as_int32 = lambda values: torch.tensor(values, dtype=torch.int32)   # noqa: E731
     return LoRAMapping(as_int32(rows), as_int32(pages), {k: as_int32(v).view(-1, 4) for k, v in segs.items()},
-                       max_rows, max_rank)
+                       max_rows, max_rank, large)
+
+
+def _index(values: Sequence[int]):
+    """A slice when ``values`` are consecutive (a view, no copy), else a long tensor."""
+    if values[-1] - values[0] == len(values) - 1 and list(values) == list(range(values[0], values[-1] + 1)):
+        return slice(values[0], values[-1] + 1)
+    return torch.tensor(values, dtype=torch.long)
 
 
 @contextlib.contextmanager
@@ -121,7 +140,7 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, slot: int) -> None:
     """``y += x A^T B^T`` per segment, for every module merged into the
     projection ``slot`` (each into its column range of ``y``)."""
     mapping, model = state.mapping, state.model
-    if mapping is not None and mapping.segs:
+    if mapping is not None and (mapping.segs or mapping.large):
         model.add(y, x, slot, mapping)
 
 

@@ -196,7 +196,7 @@ class ModelRunner:
         its CUDA graph when there is one (``cuda_graphs``) and no adapter."""
         batch = self._flat_batch(entries)
         if self.lora is not None:
-            batch.lora = build_mapping(entries)
+            batch.lora = build_mapping(entries, self.lora.split_rows)
         if self.graphs is not None and batch.lora is None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         return self.execute_batch(batch)   # plans the batch

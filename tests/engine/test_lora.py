@@ -84,6 +84,15 @@ def test_one_step_mixes_three_adapters_and_the_base_model_as_peft_does(tiny_mode
     assert engine.get_stats().lora_requests == {"alpha": 2, "beta": 2, "gamma": 2}
 
 
+def test_long_prompts_take_the_prefill_path_and_still_equal_peft(llm, peft, requests):
+    # alpha's two prompts are not adjacent in the batch (its rows are gathered),
+    # gamma's one is (a slice): both at least LARGE_SEGMENT_ROWS rows, so the
+    # C kernel leaves them to torch's GEMM; the base prompt is between them.
+    batch, names = prompts(4, seed=15, low=70, high=100), ["alpha", None, "alpha", "gamma"]
+    got = tokens(llm.generate(batch, GREEDY, lora_request=[requests.get(n) for n in names]))
+    assert got == peft.greedy(batch, names, MAX_TOKENS)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_adapters_are_exact_under_preemption(tiny_model_dir, peft, requests, mode):
     batch, names = prompts(8, seed=21, low=20, high=40), ["alpha", "beta", None, "gamma"] * 2

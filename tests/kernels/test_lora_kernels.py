@@ -59,3 +59,18 @@ def test_the_torch_twin_serves_bfloat16_within_its_rounding():
     out = run(lora.sgmv_ref, x, A, B, rows, pages, segs, y)
     assert out.dtype == torch.bfloat16
     assert torch.allclose(out.double(), expected(x, A, B, rows, pages, segs, y), atol=0.5, rtol=2e-2)
+
+
+def test_the_c_kernel_covers_segments_longer_than_its_chunks():
+    """A prefill-sized segment (150 rows, rank 20) beside a short one (3 rows,
+    rank 37): work items cut both at 64 rows and 16 pages."""
+    g = torch.Generator().manual_seed(3)
+    x, A, B = torch.randn(160, 40, generator=g), torch.randn(64, 40, generator=g), torch.randn(64, 70, generator=g)
+    rows = torch.cat([torch.arange(5, 155), torch.tensor([0, 158, 2])]).to(torch.int32)
+    pages = torch.randperm(64, generator=g)[:57].to(torch.int32)
+    segs = torch.tensor([[0, 150, 0, 20], [150, 3, 20, 37]], dtype=torch.int32)
+    y = torch.randn(160, 70, generator=g)
+    out, want = y.clone(), y.clone()
+    lora.sgmv_c(out, x, A, B, rows, pages, segs)
+    lora.sgmv_ref(want, x, A, B, rows, pages, segs)
+    assert torch.allclose(out, want, atol=1e-4, rtol=1e-4)
