@@ -8,6 +8,8 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
+# `make serve MODEL=FOLDER` serves a Hugging Face model folder instead of the default model.
+MODEL :=
 PYTEST_ARGS ?=
 SOAK_MINUTES ?= 10
 
@@ -38,9 +40,10 @@ serve: SHELL := /bin/bash
 serve: setup
 	@export PAGEDBACKEND_ADMIN_KEY=$${PAGEDBACKEND_ADMIN_KEY:-$$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}; \
 	$(PY) -m pagedbackend.serve --model-repository model_repository \
-	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) & triton=$$!; \
+	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+	  $(if $(MODEL),--model $(MODEL)) & triton=$$!; \
 	$(PY) -m pagedbackend.serving.openai_server --triton-url 127.0.0.1:$(GRPC_PORT) \
-	  --port $(OPENAI_PORT) & openai=$$!; \
+	  --port $(OPENAI_PORT) $(if $(MODEL),--tokenizer $(MODEL)) & openai=$$!; \
 	stopped=; stop() { [ -n "$$stopped" ] && return; stopped=1; trap '' INT TERM; \
 	  kill $$triton $$openai 2>/dev/null; }; \
 	trap stop INT TERM; \

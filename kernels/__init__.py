@@ -43,9 +43,10 @@ __all__ = ["AttentionOps", "BACKENDS", "get_attention_ops", *_LAZY]
 class AttentionOps(NamedTuple):
     """One backend's kernels: ``write_kv(k, v, k_cache, v_cache, slots)``,
     ``attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-    scale=, plan=)`` and ``plan(cu_seqlens_q, seq_lens, *, block_tables,
-    slot_mapping, block_size, num_heads, num_kv_heads, device)``, which lays
-    out a step once, from host copies of its metadata, for every layer.
+    scale=, plan=, window=)`` and ``plan(cu_seqlens_q, seq_lens, *,
+    block_tables, slot_mapping, block_size, num_heads, num_kv_heads, device,
+    window)``, which lays out a step once, from host copies of its metadata,
+    for every layer of one sliding window (None: full attention).
     ``fused``: the backend's own write-then-attend, when it has one;
     ``step``: ``(plan, kv_caches)`` -> a faster write-then-attend for every
     layer of that step, or None (see ``sdpa_attention.decode_step``).
@@ -62,14 +63,15 @@ class AttentionOps(NamedTuple):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                plan) -> torch.Tensor:
-        """One layer's attention: store the step's K/V, then attend over the cache."""
+                plan, window: Optional[int] = None) -> torch.Tensor:
+        """One layer's attention: store the step's K/V, then attend over the
+        cache (its last ``window`` positions per query, when set)."""
         if self.fused is not None:
             return self.fused(q, k, v, k_cache, v_cache, slot_mapping, block_tables, cu_seqlens_q,
-                              seq_lens, scale, plan)
+                              seq_lens, scale, plan, window)
         self.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return self.attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                              scale=scale, plan=plan)
+                              scale=scale, plan=plan, window=window)
 
 
 def __getattr__(name: str):

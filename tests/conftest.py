@@ -37,3 +37,17 @@ def tiny_untied_model_dir(tmp_path_factory, default_model_dir):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_untied"), seed=1,
                             tie_word_embeddings=False, hidden_size=384,
                             num_attention_heads=6, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory, default_model_dir):
+    """``tiny_family(case)``: the folder of a tiny random checkpoint of a
+    model family (``loadtest.tiny_families.CASES``), saved once per session."""
+    from loadtest.tiny_families import build_tiny_family
+    folders = {}
+
+    def folder(case):
+        if case not in folders:
+            folders[case] = build_tiny_family(tmp_path_factory.mktemp(f"tiny_{case}"), case)
+        return folders[case]
+    return folder

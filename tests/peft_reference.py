@@ -12,12 +12,13 @@ def save_random_adapter(base_dir, out_dir, r: int, lora_alpha: float, targets=PR
     """A LoRA adapter of ``base_dir`` saved by PEFT into ``out_dir``, made with
     ``init_lora_weights=False`` (so B is not zero) and its A and B redrawn
     from N(0, std) with ``seed``, wide enough to change greedy tokens.
+    ``targets``: module names or a regular expression (PEFT's ``target_modules``);
     ``config``: more LoraConfig fields (``use_rslora``, ``rank_pattern``, ...)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(targets),
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=targets if isinstance(targets, str) else list(targets),
                                                   init_lora_weights=False, **config))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -39,7 +39,7 @@
 /* Each chunk reads the whole block again from L2: 12-row chunks rather than 8
  * take 0.88-0.95x the time at 10-28 rows, and int8 steps of 9-12 rows read
  * their blocks in one chunk instead of through a float copy, 0.63-0.69x
- * (BENCHMARKS.md section 18). */
+ * (BENCHMARKS.md, "cpu_kernels"). */
 #define MR 12
 #else
 #define VW 8
@@ -109,7 +109,7 @@ INLINE void store_row(vf a0, vf a1, const float *sc, float *y, int ncols) {
  * prefetches ahead in its own block, a line at a time. An AVX2 block (16
  * columns) nearly fills L1 by itself, and fetching the next one there evicts
  * it before the later chunks read it: at 16-32 rows that costs 1.3-1.8x the
- * time of prefetching within the block (BENCHMARKS.md section 17). Reads past
+ * time of prefetching within the block (BENCHMARKS.md, "cpu_kernels"). Reads past
  * the end of the weight are prefetches only, which never fault. */
 #define PREFETCH_NEXT_BLOCK (VW == 16)
 INLINE void chunk_times_block(const float *x, const void *w, int q, const float *sc,
@@ -148,9 +148,9 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
 /* Decode steps of a few rows are bound by memory bandwidth, and one
  * sequential stream per thread does not reach it: these rows multiply GB
  * consecutive blocks at once, GB streams side by side (4 streams: 1.12x at
- * one row on SmolLM2's layers, BENCHMARKS.md section 13). With AVX-512's 32
+ * one row on SmolLM2's layers, BENCHMARKS.md, "cpu_kernels"). With AVX-512's 32
  * registers, three or four rows take three streams (24 accumulators): 0.85x
- * and 0.92x the time of one chunk at a time (BENCHMARKS.md section 18). With
+ * and 0.92x the time of one chunk at a time (BENCHMARKS.md, "cpu_kernels"). With
  * AVX2's 16 registers that spills, so only one or two rows stream this way. */
 #define GB 4
 #if VW == 16

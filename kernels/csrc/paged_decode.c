@@ -5,6 +5,9 @@
  * q [n, heads, dim]; k_cache, v_cache [blocks, block_size, kv_heads, dim];
  * tables [n, max_blocks] (int32); lens [n] (keys per sequence, >= 1);
  * out [n, heads, dim]. Query head j reads KV head j / (heads / kv_heads).
+ * window > 0: a sliding window, the query sees its last `window` keys only
+ * (the table entries of earlier positions are never read: their blocks may
+ * have gone back to the pool); 0: every key.
  *
  * One work item is a sequence (or, with few sequences, one KV head of one)
  * with its query heads: their scores against all its keys, an exact softmax
@@ -27,11 +30,15 @@
  * Inlined into each call site, so a constant head size (see paged_decode)
  * gives loops of known length over whole vectors. */
 static inline __attribute__((always_inline)) void item(const float *q, const float *k_cache, const float *v_cache, float *out,
-                 const int *table, int len, int group, int kv_heads, int dim, int block_size,
+                 const int *table, int end, int first, int group, int kv_heads, int dim, int block_size,
                  float scale, int h0, int h1, float *scores) {
     int rows = (h1 - h0) * group;   /* query heads of this item */
-    /* scores[r * len + t] = scale * q_r . k_t(head of r) */
-    for (int t = 0; t < len; t++) {
+    int len = end - first;          /* keys it sees: positions first..end-1 */
+    table += first / block_size;    /* positions from the block that holds `first` on */
+    first %= block_size;
+    end = first + len;
+    /* scores[r * len + t - first] = scale * q_r . k_t(head of r) */
+    for (int t = first; t < end; t++) {
         size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
         for (int r = 0; r < rows; r++) {
             const float *k = k_cache + (slot * kv_heads + h0 + r / group) * dim;
@@ -39,7 +46,7 @@ static inline __attribute__((always_inline)) void item(const float *q, const flo
             float dot = 0.f;
 #pragma omp simd reduction(+:dot)
             for (int d = 0; d < dim; d++) dot += qr[d] * k[d];
-            scores[(size_t)r * len + t] = dot * scale;
+            scores[(size_t)r * len + t - first] = dot * scale;
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -57,11 +64,11 @@ static inline __attribute__((always_inline)) void item(const float *q, const flo
         float *o = out + (size_t)r * dim;
         for (int d = 0; d < dim; d++) o[d] = 0.f;
     }
-    for (int t = 0; t < len; t++) {
+    for (int t = first; t < end; t++) {
         size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
         for (int r = 0; r < rows; r++) {
             const float *v = v_cache + (slot * kv_heads + h0 + r / group) * dim;
-            float p = scores[(size_t)r * len + t];
+            float p = scores[(size_t)r * len + t - first];
             float *o = out + (size_t)r * dim;
 #pragma omp simd
             for (int d = 0; d < dim; d++) o[d] += p * v[d];
@@ -72,9 +79,10 @@ static inline __attribute__((always_inline)) void item(const float *q, const flo
 /* Returns 0, or -1 when scratch memory could not be allocated. */
 int paged_decode(const float *q, const float *k_cache, const float *v_cache, float *out,
                  const int *tables, int max_blocks, const int *lens, int n, int heads,
-                 int kv_heads, int dim, int block_size, float scale, int threads) {
+                 int kv_heads, int dim, int block_size, float scale, int window, int threads) {
     int group = heads / kv_heads, longest = 0, failed = 0;
     for (int s = 0; s < n; s++) longest = lens[s] > longest ? lens[s] : longest;
+    if (window > 0 && longest > window) longest = window;
     if (threads < 1) threads = 1;
     /* A whole sequence per item when there are enough of them to keep every
      * thread busy, else one KV head per item. */
@@ -91,8 +99,9 @@ int paged_decode(const float *q, const float *k_cache, const float *v_cache, flo
             for (int i = 0; i < items; i++) {
                 int s = i / (kv_heads / per_item), h0 = i % (kv_heads / per_item) * per_item;
                 size_t row = (size_t)s * heads + (size_t)h0 * group;
+                int first = window > 0 && lens[s] > window ? lens[s] - window : 0;
 #define ITEM(d) item(q + row * (d), k_cache, v_cache, out + row * (d), tables + (size_t)s * max_blocks, \
-                     lens[s], group, kv_heads, d, block_size, scale, h0, h0 + per_item, scores)
+                     lens[s], first, group, kv_heads, d, block_size, scale, h0, h0 + per_item, scores)
                 switch (dim) {   /* the usual head sizes, specialised */
                 case 64: ITEM(64); break;
                 case 128: ITEM(128); break;

@@ -13,7 +13,7 @@
  * (`colsum`, computed at load). Each output is one vector of 16 partial sums
  * along k, added across its lanes at the end. Up to four weight rows stream
  * side by side (four for 1-4 rows of a, two for 5-8, one for 9-16, so the
- * accumulators stay in registers: BENCHMARKS.md section 19); each of their
+ * accumulators stay in registers: BENCHMARKS.md, "quant_kernels"); each of their
  * 64-byte lines is used by every row of a before the next is read. Rows of
  * the weight are split evenly over OpenMP threads (torch's libgomp, so both
  * share one thread team).

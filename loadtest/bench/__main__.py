@@ -30,6 +30,7 @@ BENCHMARKS = {
     "quant_quality": "quantization none / int8 / int4: perplexity, greedy agreement, offline tokens/s",
     "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
     "lora": "multi-LoRA at 32 streams: 0, 1, 4, 16 adapters of rank 8 and 64 against the base model",
+    "models": "per model family: decode-batch step time, ours against Hugging Face's forward",
 }
 NEEDS_CUDA = {"gpu"}
 # Each installs a client of its own from PyPI on first use: run them by name only.
@@ -43,6 +44,7 @@ QUICK_ARGS = {
     "peers": ["--quick", "--model", "tiny"],
     "contention": ["--quick", "--model", "tiny"],
     "fairness": ["--quick", "--model", "tiny"],
+    "models": ["--quick", "--hidden", "64", "--layers", "2"],
 }
 
 

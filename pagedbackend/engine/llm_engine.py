@@ -13,7 +13,6 @@ after it. The engine owns the tokenizer; the runner sees token ids only.
 """
 import dataclasses
 import logging
-import threading
 import time
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
@@ -22,51 +21,30 @@ import torch
 from ..config import EngineConfig
 from ..core.scheduler import Scheduler, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
-from ..lora import LoRAError, LoRARequest
+from ..lora import LoRARequest
 from ..models.default_model import resolve_model_path
 from ..sample import Sampler
 from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
-from .adapters import LoRAManager, lora_stats
+from .adapters import AdapterMethods, lora_manager, lora_stats, resolve_adapter, with_adapter
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .speculative import make_speculator
 from .step_sampler import StepSampler, isolated
-from .tokenizer import eos_token_ids, load_tokenizer
+from .tokenizer import eos_token_ids, TokenizerLoad
 
 logger = logging.getLogger("pagedbackend")
 
 
-class _Background:
-    """``work(*args)`` in a thread; ``result()`` waits and returns it, or raises its error."""
-
-    def __init__(self, work, *args):
-        self._value, self._error = None, None
-
-        def run():
-            try:
-                self._value = work(*args)
-            except BaseException as exc:   # raised again in result()
-                self._error = exc
-        self._thread = threading.Thread(target=run, name="pagedbackend-load", daemon=True)
-        self._thread.start()
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-class LLMEngine:
+class LLMEngine(AdapterMethods):
     def __init__(self, config: EngineConfig, runner=None, compile_in_background: bool = False):
         """``compile_in_background``: serve eager steps from the start and switch
         to the compiled step once it is built (``ModelRunner``); a server's choice."""
         model_path = resolve_model_path(config.model)
         self.config = config = dataclasses.replace(config, model=str(model_path))
         # The tokenizer (most of it importing transformers) loads beside the weights.
-        tokenizer = _Background(load_tokenizer, model_path)
+        tokenizer = TokenizerLoad(model_path)
         if runner is None:
             from ..worker import make_executor
             runner = make_executor(config, compile_in_background)
@@ -78,9 +56,7 @@ class LLMEngine:
         model_key = f"{model_path}|{config.dtype}|{config.quantization}".encode()
         self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config)
         self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key)
-        self.lora = _lora_manager(config, runner)   # None unless enable_lora
-        if self.lora is not None:
-            self.scheduler.adapter_room = self.lora.fits
+        self.lora = lora_manager(config, runner, self.scheduler)   # None unless enable_lora
         self.speculator = make_speculator(config, runner, compile_in_background)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
@@ -138,34 +114,9 @@ class LLMEngine:
         (``InputProcessor.make_group``), with its adapter, whose key joins the
         group's prefix-cache namespace. Changes no step state (a new adapter
         is read from its folder here), so any thread may call it."""
-        adapter = None
-        if lora_request is not None:   # first: a refused adapter leaves nothing behind
-            if self.lora is None:
-                raise LoRAError("LoRA is not enabled: start the engine with enable_lora=True to serve adapters")
-            if not isinstance(lora_request, LoRARequest):
-                raise LoRAError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-            adapter = self.lora.resolve(lora_request)
-        group = self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob)
-        if adapter is not None:
-            group.lora = adapter
-            group.cache_salt += adapter.key
-        return group
-
-    # ------------------------------------------------------------ adapters (vLLM's names)
-    def add_lora(self, lora_request: LoRARequest, replace: bool = False) -> bool:
-        """Load an adapter now (``replace``: read a registered one's folder
-        again, a new version for new requests); True once it is registered."""
-        if self.lora is None:
-            raise LoRAError("LoRA is not enabled: start the engine with enable_lora=True to serve adapters")
-        self.lora.add(lora_request, replace)
-        return True
-
-    def remove_lora(self, lora_id) -> bool:
-        """Unregister an adapter (by id or name); running requests finish with it."""
-        return self.lora is not None and self.lora.remove(lora_id)
-
-    def list_loras(self) -> List[LoRARequest]:
-        return [] if self.lora is None else self.lora.list()
+        adapter = resolve_adapter(self.lora, lora_request)   # first: a refused one leaves nothing behind
+        return with_adapter(self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob),
+                            adapter)
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:
@@ -255,9 +206,7 @@ class LLMEngine:
             self.runner.copy_blocks(sched.copy_pairs)
             if self.speculator is not None:
                 self.speculator.copy_blocks(sched.copy_pairs)
-        if self.lora is not None:   # adapters leave the pool and the host tier only between steps
-            self.lora.trim(g.lora for g in self.groups.values() if g.lora is not None)
-            self.lora.prepare_step(sched.scheduled, self.scheduler.running)
+        self._adapters_for_step(sched.scheduled)
         if sched.is_empty:
             self.last_step_seconds = time.perf_counter() - start
             return outputs
@@ -347,12 +296,3 @@ class LLMEngine:
             lora_stats(self.lora, sch, self.compiling, st)
         return EngineStats(**st.__dict__)
 
-
-def _lora_manager(config: EngineConfig, runner):
-    """The engine's adapters when ``enable_lora`` (the runner holds the pool)."""
-    if not config.enable_lora:
-        return None
-    model = getattr(runner, "lora", None)
-    if model is None:
-        raise ValueError(f"enable_lora: the {type(runner).__name__} executor does not serve adapters")
-    return LoRAManager(config, model.shapes(), model.write)

@@ -76,7 +76,7 @@ class LoRAModel:
         self.split_rows = LARGE_SEGMENT_ROWS if self.kernel_name == "c" else 0
         for names, linear in model.hf_projections():
             shards = []
-            for name, (offset, in_features, out_features) in zip(names, _layout(linear)):
+            for name, (offset, in_features, out_features) in zip(names, _layout(linear, len(names))):
                 module = name.removesuffix(".weight")
                 shard = Shard(module, module.rsplit(".", 1)[-1], offset, in_features, out_features,
                               torch.zeros((num_pages, in_features), dtype=dtype, device=device),
@@ -146,13 +146,16 @@ class LoRAModel:
                 kernels.sgmv_ref(out, x, shard.A, shard.B, mapping.rows, mapping.pages, segs)
 
 
-def _layout(linear: nn.Module) -> List[Tuple[int, int, int]]:
-    """(column offset, in features, out features) of each module merged into a
-    projection: a column-parallel one lists its shards' output sizes; a
-    row-parallel one has one module."""
+def _layout(linear: nn.Module, num_modules: int) -> List[Tuple[int, int, int]]:
+    """(column offset, in features, out features) of each of the
+    ``num_modules`` Hugging Face modules merged into a projection: a
+    column-parallel one lists its shards' output sizes; a row-parallel one,
+    or one the checkpoint stores fused (Phi-3's ``qkv_proj``), is one module."""
     matmul = linear.matmul
     in_features = linear.weight.shape[1] if linear.weight is not None else matmul.in_features
     sizes = getattr(linear, "output_sizes_per_rank", None)
+    if sizes is not None and num_modules == 1:
+        return [(0, in_features, sum(sizes))]
     if sizes is None:
         out_features = linear.weight.shape[0] if linear.weight is not None else matmul.out_features
         return [(0, in_features, out_features)]

@@ -46,6 +46,7 @@ REFUSED_FIELDS = {
 }
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>A|B)(?:\.[^.]+)?\.weight$")
 _EMBEDDING = re.compile(r"lora_embedding_[AB]")
+_LANGUAGE_MODEL = re.compile(r"^(?:model\.)?language_model\.(?:model\.)?")
 
 ModuleShapes = Mapping[str, Tuple[int, int]]   # HF module name -> (in features, out features)
 
@@ -142,9 +143,11 @@ def _pair_modules(tensors: Dict[str, torch.Tensor], shapes: ModuleShapes,
         module = match["module"]
         if module not in shapes and f"model.{module}" in shapes:
             module = f"model.{module}"
+        if module not in shapes:   # a multimodal checkpoint's text decoder (Gemma 3, Mistral 3)
+            module = _LANGUAGE_MODEL.sub("model.", module)
         if module not in shapes:
             raise LoRAError(f"{what}: it adapts {match['module']}, which is not a linear projection of "
-                            f"this model ({_kinds(shapes)})")
+                            f"this model's text decoder ({_kinds(shapes)})")
         parts.setdefault(module, {})[match["part"]] = tensor
     if not parts:
         raise LoRAError(f"{what}: {WEIGHTS_FILE} holds no LoRA weights")

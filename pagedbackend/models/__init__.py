@@ -1,20 +1,47 @@
 """Model implementations: our own torch forward passes over the paged KV cache.
 
-Every supported Hugging Face ``model_type`` maps to the class that serves it.
-Mistral and Qwen2 are Llama-shaped (Qwen2 adds q/k/v biases); a sliding-window
-model is served up to its window length (see ``LlamaArgs``). The classes (and
-torch with them) load on first use, so checking a model folder stays cheap.
+A registry maps every served Hugging Face ``model_type`` to the class that
+serves it, one module per family sharing ``decoder.py`` and ``layers.py``.
+The classes (and torch with them) load on first use, so checking a model
+folder stays cheap. A family's ``parse_config`` refuses, by field name, what
+it does not serve (``UnsupportedModelError``), and reads each layer's sliding
+window, which its attention honours at any context length.
 """
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+import importlib
 
-__all__ = ["LlamaArgs", "LlamaForCausalLM", "MODEL_CLASSES", "SUPPORTED_MODEL_TYPES"]
+from pagedbackend.models.model_args import ModelArgs, UnsupportedModelError
+
+# model_type -> "module:class" under pagedbackend.models.
+FAMILIES = {
+    "llama": "llama:LlamaForCausalLM",
+    "mistral": "llama:LlamaForCausalLM",
+    "qwen2": "llama:LlamaForCausalLM",
+    "qwen3": "qwen3:Qwen3ForCausalLM",
+    "gemma3_text": "gemma3:Gemma3ForCausalLM",
+    "gemma3": "gemma3:Gemma3ForConditionalGeneration",
+    "gemma2": "gemma3:Gemma2ForCausalLM",
+    "phi3": "phi3:Phi3ForCausalLM",
+    "mistral3": "mistral3:Mistral3ForConditionalGeneration",
+    "ministral3": "mistral3:Ministral3ForCausalLM",
+    "smollm3": "smollm3:SmolLM3ForCausalLM",
+    "granite": "granite:GraniteForCausalLM",
+}
+SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
+
+__all__ = ["FAMILIES", "ModelArgs", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "model_args",
+           "model_class"]
 
 
-def __getattr__(name):
-    if name in ("LlamaArgs", "LlamaForCausalLM"):
-        from pagedbackend.models import llama
-        return getattr(llama, name)
-    if name == "MODEL_CLASSES":
-        from pagedbackend.models.llama import LlamaForCausalLM
-        return dict.fromkeys(sorted(SUPPORTED_MODEL_TYPES), LlamaForCausalLM)
-    raise AttributeError(f"module 'pagedbackend.models' has no attribute {name!r}")
+def model_class(model_type: str) -> type:
+    """The class serving ``model_type`` (a ``decoder.CausalLM``)."""
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(f"unsupported model_type {model_type!r}; served model types: "
+                                    f"{', '.join(sorted(FAMILIES))}")
+    module, name = FAMILIES[model_type].split(":")
+    return getattr(importlib.import_module(f"pagedbackend.models.{module}"), name)
+
+
+def model_args(hf_config: dict) -> ModelArgs:
+    """The architecture of a config.json, read by its family (which refuses
+    any field it does not serve, by name)."""
+    return model_class(hf_config.get("model_type")).parse_config(hf_config)

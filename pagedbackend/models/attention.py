@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: store the step's K/V, then attend.
 
 Each layer calls one custom op, ``pagedbackend::paged_attention(q, k, v,
-layer, scale)``, registered with ``torch.library`` so that ``torch.compile``
+layer, scale, window)``, registered with ``torch.library`` so that ``torch.compile``
 keeps the whole forward in one graph and treats the op as opaque. The op finds
 the layer's KV cache, the step's metadata and the attention kernels in the
 step context (``step_context``) that the model runner opens around each
@@ -9,11 +9,17 @@ forward, as vLLM's ``unified_attention`` does: the cache is never a graph
 input, so the graph has no mutation to functionalise (and no cache copy), and
 the metadata's per-step shapes never trigger a recompile. The context is per
 thread, so tensor-parallel ranks running as threads of one process do not mix.
+
+A layer with a sliding window (``PagedAttention(..., sliding_window=N)``)
+passes N to the op, a constant of the graph; the kernels then read only
+its last N positions per query. Layers are grouped by attention kind (KV
+groups, ``core.kv_groups``): each group has its own block tables, slots and
+plan in the step context, and the op reads its layer's group's.
 """
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -41,23 +47,37 @@ class AttentionMetadata:
 
 @dataclass
 class StepContext:
-    """What the attention op of every layer reads during one forward."""
+    """What the attention op of every layer reads during one forward: the
+    metadata (and the backend's per-step function) of KV group 0, the only
+    group of a model whose layers all attend alike; with several groups,
+    ``layer_group`` names each layer's and ``metas`` / ``fasts`` hold every
+    group's."""
     kv_caches: List[KVCache]
     meta: AttentionMetadata
     ops: Any   # pagedbackend.kernels.AttentionOps
     fast: Optional[Callable] = None   # the backend's per-step function (AttentionOps.step), if any
+    layer_group: Optional[Sequence[int]] = None
+    metas: Sequence[AttentionMetadata] = ()
+    fasts: Sequence[Optional[Callable]] = ()
 
 
 _local = threading.local()
 
 
 @contextlib.contextmanager
-def step_context(kv_caches: List[KVCache], meta: AttentionMetadata, ops) -> Iterator[StepContext]:
-    """Make the caches, metadata and kernels of one step visible to the attention op."""
+def step_context(kv_caches: List[KVCache], meta: Union[AttentionMetadata, Sequence[AttentionMetadata]],
+                 ops, layer_group: Optional[Sequence[int]] = None) -> Iterator[StepContext]:
+    """Make the caches, metadata and kernels of one step visible to the
+    attention op. ``meta``: the step's metadata, or one per KV group with
+    ``layer_group`` giving each layer's group."""
     previous = getattr(_local, "step", None)
+    metas = [meta] if isinstance(meta, AttentionMetadata) else list(meta)
     make_fast = getattr(ops, "step", None)
-    fast = make_fast(meta.plan, kv_caches) if make_fast is not None and meta.plan is not None else None
-    _local.step = step = StepContext(kv_caches, meta, ops, fast)
+    fasts = [make_fast(m.plan, kv_caches) if make_fast is not None and m.plan is not None else None
+             for m in metas]
+    if layer_group is not None and len(metas) == 1:
+        layer_group = None   # every layer reads group 0's
+    _local.step = step = StepContext(kv_caches, metas[0], ops, fasts[0], layer_group, metas, fasts)
     try:
         yield step
     finally:
@@ -75,24 +95,31 @@ def current_step() -> StepContext:
 # per-call cost of ``torch.library.custom_op``'s wrapper is about twice this,
 # and a step pays it once per layer).
 _ops = torch.library.Library("pagedbackend", "FRAGMENT")
-_ops.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
+# ``window`` has no default: inductor's C++ wrapper passes the arguments a
+# call spells out, and the dispatcher then misses a defaulted one.
+_ops.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int window) -> Tensor")
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int) -> torch.Tensor:
     """Write ``k``/``v`` ``[T, kv_heads, d]`` into layer ``layer``'s cache
-    slots, then attend with ``q`` ``[T, heads, d]``; returns ``[T, heads, d]``
+    slots, then attend with ``q`` ``[T, heads, d]`` over each query's last
+    ``window`` positions (0: all of them); returns ``[T, heads, d]``
     (contiguous). The cache write is a side effect on the step context's
     cache, which is not an argument (see the module docstring)."""
     step = current_step()
-    if step.fast is not None:
-        out = step.fast(q, k, v, layer, scale)
+    if step.layer_group is None:
+        meta, fast = step.meta, step.fast
+    else:
+        group = step.layer_group[layer]
+        meta, fast = step.metas[group], step.fasts[group]
+    if fast is not None:
+        out = fast(q, k, v, layer, scale, window)
         if out is not None:
             return out
     k_cache, v_cache = step.kv_caches[layer]
-    meta = step.meta
     out = step.ops.forward(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                           meta.cu_seqlens_q, meta.seq_lens, scale, meta.plan)
+                           meta.cu_seqlens_q, meta.seq_lens, scale, meta.plan, window or None)
     return out.contiguous()
 
 
@@ -100,22 +127,39 @@ _ops.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pagedbackend::paged_attention")
-def _paged_attention_fake(q, k, v, layer, scale):
+def _paged_attention_fake(q, k, v, layer, scale, window):
     return q.new_empty(q.shape)
 
 
 class PagedAttention(nn.Module):
     """Writes the new tokens' K/V into their slots, then runs causal attention
-    of the queries against everything cached for their sequence."""
+    of the queries against everything cached for their sequence, or with a
+    ``sliding_window`` of N against its last N positions: a query at
+    position p sees keys q with ``p - N < q <= p``, as Hugging Face's
+    sliding-window mask."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer: int,
+                 sliding_window: Optional[int] = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive number of positions or None, "
+                             f"got {sliding_window!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer = layer
+        self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[T, heads, d]``, ``k``/``v`` ``[T, kv_heads, d]`` -> ``[T, heads, d]``."""
-        return torch.ops.pagedbackend.paged_attention(q, k, v, self.layer, self.scale)
+        return torch.ops.pagedbackend.paged_attention(q, k, v, self.layer, self.scale,
+                                                      self.sliding_window or 0)
+
+
+def layer_windows_of(model: nn.Module) -> List[Optional[int]]:
+    """Each layer's sliding window (None: full attention), read from the
+    model's ``PagedAttention`` modules in layer order."""
+    found = sorted((m.layer, m.sliding_window) for m in model.modules() if isinstance(m, PagedAttention))
+    return [window for _, window in found]

@@ -7,7 +7,7 @@ steps. Smoothing moves part of each input channel's range into the weight
 ``s_j = max|x_j|^alpha / max_i |W_ij|^(1 - alpha)``. The division by ``s`` is
 folded into what computes ``x``, so it costs nothing at run time:
 
-- qkv and gate_up: the RMSNorm weight in front of them;
+- qkv and gate_up: the gain of the RMSNorm in front of them (``divide_gain_``);
 - down: the rows of up (``silu(gate) * up`` is linear in up);
 - o: the rows of v (attention's output is linear in v). A query head reads
   the v of its KV group, so the channels of the query heads sharing a KV
@@ -110,9 +110,9 @@ def smooth(model: nn.Module, maxima: Dict[str, torch.Tensor], alpha: float = ALP
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         for norm, linear, name in ((layer.input_layernorm, attn.qkv_proj, "self_attn.qkv_proj"),
-                                   (layer.post_attention_layernorm, mlp.gate_up_proj, "mlp.gate_up_proj")):
+                                   (layer.pre_mlp_norm, mlp.gate_up_proj, "mlp.gate_up_proj")):
             s = _factors(maxima[f"layers.{i}.{name}"], linear.weight.abs().amax(0).float(), alpha)
-            norm.weight.div_(s.to(norm.weight.dtype))
+            norm.divide_gain_(s)
             linear.weight.mul_(s.to(linear.weight.dtype))
 
         # down: divide the rows of up (the second half of gate_up)
@@ -139,7 +139,7 @@ def smooth(model: nn.Module, maxima: Dict[str, torch.Tensor], alpha: float = ALP
 
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     s = _factors(maxima[HEAD], head.abs().amax(0).float(), alpha)
-    model.norm.weight.div_(s.to(model.norm.weight.dtype))
+    model.norm.divide_gain_(s)
     if model.lm_head is None:   # a tied head: the embedding keeps the loaded weight
         model.lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, dtype=head.dtype,
                                   device=head.device)

@@ -5,7 +5,7 @@ Built once per step on the host, checked (token ids in the vocabulary, block
 ids in the pool, tables long enough) before any tensor reaches the device.
 """
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -19,21 +19,34 @@ __all__ = ["SeqEntry", "StepBatch", "build_step_batch"]
 @dataclass
 class StepBatch:
     """One step's flat batch; ``logits_rows``: rows whose logits are returned
-    (per entry in order, ``SeqEntry.num_logit_rows`` of its last rows);
+    (per entry in order, ``SeqEntry.num_logit_rows`` of its last rows).
+    ``meta``: the attention metadata of KV group 0; ``groups``: every
+    group's, ``meta`` first, when the model has several (else empty);
     ``lora``: the rows' adapters (``lora.punica.LoRAMapping``; None: none)."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor
+    groups: List[AttentionMetadata] = field(default_factory=list)
     lora: Optional[Any] = None
 
     def to(self, device: torch.device) -> "StepBatch":
         to = dict(device=device, non_blocking=True)
-        meta = self.meta
-        return StepBatch(self.input_ids.to(**to), self.positions.to(**to), replace(
-            meta, slot_mapping=meta.slot_mapping.to(**to), block_tables=meta.block_tables.to(**to),
-            cu_seqlens_q=meta.cu_seqlens_q.to(**to), seq_lens=meta.seq_lens.to(**to)),
-            self.logits_rows.to(**to), None if self.lora is None else self.lora.to(device))
+        # Every group's query layout and lengths are the same tensors: moved once.
+        cu_seqlens_q, seq_lens = self.meta.cu_seqlens_q.to(**to), self.meta.seq_lens.to(**to)
+
+        def moved(meta: AttentionMetadata) -> AttentionMetadata:
+            return replace(meta, slot_mapping=meta.slot_mapping.to(**to), block_tables=meta.block_tables.to(**to),
+                           cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
+        groups = [moved(m) for m in self.groups]
+        return StepBatch(self.input_ids.to(**to), self.positions.to(**to),
+                         groups[0] if groups else moved(self.meta), self.logits_rows.to(**to), groups,
+                         None if self.lora is None else self.lora.to(device))
+
+    @property
+    def metas(self) -> List[AttentionMetadata]:
+        """The metadata of every KV group (one when the model has one group)."""
+        return self.groups or [self.meta]
 
 
 def build_step_batch(entries: Sequence[SeqEntry], block_size: int, max_model_len: int,

@@ -13,6 +13,7 @@ import pathlib
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_memory import KVModel
 from pagedbackend.kernels import get_attention_ops
-from pagedbackend.models import MODEL_CLASSES, LlamaArgs
+from pagedbackend.models import ModelArgs, model_args, model_class
 from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models.linear import Reduce
@@ -53,16 +54,20 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.model_path = resolve_model_path(config.model)
         hf_config = json.loads((self.model_path / "config.json").read_text())
-        args = LlamaArgs.from_hf_config(hf_config)
+        args = model_args(hf_config)
         self.vocab_size = args.vocab_size
-        self.max_model_len = _max_model_len(config.max_model_len, args.max_position_embeddings)
+        self.max_model_len = _max_model_len(config.max_model_len, args.served_positions)
 
         self.attention_ops = get_attention_ops(config.attention_backend, self.device)
-        model_class = MODEL_CLASSES[hf_config["model_type"]]
         with torch.device(self.device):
-            self.model = model_class(args, self.dtype, self.max_model_len, tp_rank, tp_size, reduce)
+            self.model = model_class(hf_config["model_type"])(args, self.dtype, self.max_model_len,
+                                                              tp_rank, tp_size, reduce)
         self.model.load_weights(_read_safetensors(self.model_path))
         self.num_heads = self.model.layers[0].self_attn.num_heads
+        # Layers by sliding window: each window's layers get a plan of their own.
+        windows = self.model.layer_windows
+        self.group_windows = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        self.layer_group = [self.group_windows.index(w) for w in windows]
         self._allocate_kv_cache(args)
         room = min((self.num_kv_blocks - 1) * self.block_size, self.max_model_len)
         calibration = quant.Calibration(self.model_path, room, self._calibration_prefill)
@@ -87,7 +92,8 @@ class ModelRunner:
         writes only KV blocks that no sequence holds yet (1 onwards)."""
         blocks = list(range(1, 1 + -(-len(ids) // self.block_size)))
         batch = self.prepare([SeqEntry(ids, 0, blocks, need_logits=False)]).to(self.device)
-        with torch.inference_mode(), step_context(self.kv_caches, batch.meta, self.attention_ops):
+        with torch.inference_mode(), step_context(self.kv_caches, batch.metas, self.attention_ops,
+                                                  self.layer_group):
             return self.model(batch.input_ids, batch.positions)
 
     def _compile_and_warm_up(self, background: bool = False) -> None:
@@ -162,7 +168,7 @@ class ModelRunner:
                 batch.lora = lora
                 self.execute_batch(batch, step=step, kv_caches=kv_caches)
 
-    def _allocate_kv_cache(self, args: LlamaArgs) -> None:
+    def _allocate_kv_cache(self, args: ModelArgs) -> None:
         self.block_size = self.config.block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         block_shape = (self.block_size, self.model.num_kv_heads, args.head_dim)
@@ -211,8 +217,8 @@ class ModelRunner:
             self.plan(batch)
         batch = batch.to(self.device)
         forward, logits_of = step or self.step_functions()
-        with torch.inference_mode(), step_context(kv_caches or self.kv_caches, batch.meta,
-                                                  self.attention_ops), lora_step(self.lora, batch.lora):
+        with torch.inference_mode(), step_context(kv_caches or self.kv_caches, batch.metas, self.attention_ops,
+                                                  self.layer_group), lora_step(self.lora, batch.lora):
             hidden = forward(batch.input_ids, batch.positions)
             if not compute_logits:
                 return None
@@ -240,12 +246,15 @@ class ModelRunner:
                                 self.num_kv_blocks)
 
     def plan(self, batch: StepBatch) -> None:
-        """Lay out the step for the attention kernels, once for every layer."""
-        meta = batch.meta
-        meta.plan = self.attention_ops.plan(
-            meta.cu_seqlens_q, meta.seq_lens, block_tables=meta.block_tables,
-            slot_mapping=meta.slot_mapping, block_size=self.block_size, num_heads=self.num_heads,
-            num_kv_heads=self.model.num_kv_heads, device=self.device)
+        """Lay out the step for the attention kernels, once for the layers of
+        each sliding window (every layer, when they all attend alike)."""
+        if len(self.group_windows) > 1 and not batch.groups:
+            batch.groups = [batch.meta] + [replace(batch.meta) for _ in self.group_windows[1:]]
+        for meta, window in zip(batch.metas, self.group_windows):
+            meta.plan = self.attention_ops.plan(
+                meta.cu_seqlens_q, meta.seq_lens, block_tables=meta.block_tables,
+                slot_mapping=meta.slot_mapping, block_size=self.block_size, num_heads=self.num_heads,
+                num_kv_heads=self.model.num_kv_heads, device=self.device, window=window)
 
     # ---- block moves ----------------------------------------------------
 
@@ -279,7 +288,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def kv_block_bytes(args: LlamaArgs, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(args: ModelArgs, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block on one rank: K and V, every layer, the rank's KV heads."""
     elem = torch.empty((), dtype=dtype).element_size()
     return KVModel(args.num_layers, num_kv_heads, args.head_dim, elem).kv_bytes_per_block(block_size)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pagedbackend.config import EngineConfig
-from pagedbackend.models import LlamaArgs
+from pagedbackend.models import model_args
 from pagedbackend.models.default_model import check_model_folder, resolve_model_path
 from pagedbackend.models.linear import even_split, kv_heads_of_rank, query_heads_of_rank
 from pagedbackend.worker.model_runner import DTYPES, ModelRunner, kv_block_bytes, resolve_device
@@ -109,7 +109,7 @@ class TensorParallelExecutor:
 def _plan_kv_blocks(config: EngineConfig, path, world: int) -> Optional[int]:
     """Check, before any process starts, that the model splits over ``world``
     ranks; then decide the pool size for every rank."""
-    args = LlamaArgs.from_hf_config(check_model_folder(path))
+    args = model_args(check_model_folder(path))
     for rank in range(world):
         kv_heads_of_rank(args.num_kv_heads, rank, world)
         query_heads_of_rank(args.num_heads, args.num_kv_heads, rank, world)

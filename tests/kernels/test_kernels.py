@@ -566,7 +566,7 @@ def test_a_decode_step_function_stores_and_attends_as_the_general_path_does():
                         outs.append(step.fast(q, k, v, layer, 0.25))
                         assert outs[-1] is not None
                     else:
-                        outs.append(torch.ops.pagedbackend.paged_attention(q, k, v, layer, 0.25))
+                        outs.append(torch.ops.pagedbackend.paged_attention(q, k, v, layer, 0.25, 0))
         finally:
             sa.USE_DECODE_STEP = saved
         results[fast] = outs, caches
@@ -608,4 +608,4 @@ def test_a_decode_step_function_leaves_what_it_does_not_fit_to_the_general_path(
         assert step.fast is not None and step.fast(q, k, v, 0, 0.25) is None
         assert all(bool(((c == b) | (c.isnan() & b.isnan())).all()) for c, b in zip(caches[0], before))
         with pytest.raises(IndexError):
-            torch.ops.pagedbackend.paged_attention(q, k, v, 0, 0.25)
+            torch.ops.pagedbackend.paged_attention(q, k, v, 0, 0.25, 0)

@@ -163,10 +163,14 @@ def runner(model_dir, **overrides) -> ModelRunner:
     return ModelRunner(EngineConfig(**{**settings, **overrides}))
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantised_model_computes_the_fp32_model_of_its_dequantised_weights(tiny_untied_model_dir, mode):
-    quantised = runner(tiny_untied_model_dir, quantization=mode)
-    reference = runner(tiny_untied_model_dir)
+@pytest.mark.parametrize("mode, model", [("int8", "llama"), ("int4", "llama"), ("int8", "phi3")])
+def test_quantised_model_computes_the_fp32_model_of_its_dequantised_weights(tiny_untied_model_dir, tiny_family,
+                                                                            mode, model):
+    # phi3: a family whose checkpoint fuses q/k/v and gate/up (the quant package
+    # reaches its projections through hf_projections like any other's).
+    model_dir = tiny_untied_model_dir if model == "llama" else tiny_family(model)
+    quantised = runner(model_dir, quantization=mode)
+    reference = runner(model_dir)
     with torch.no_grad():   # give the fp32 model exactly the weights the quantised one holds
         for name, module in quantised.model.named_modules():
             if getattr(module, "matmul", None) is not None:
@@ -193,20 +197,24 @@ def _prefill_and_decode(seed: int):
     return [SeqEntry(prompt, 0, [1, 2, 3])], [SeqEntry([prompt[0]], 40, [1, 2, 3])]
 
 
-@pytest.mark.parametrize("shape", ["tied", "untied_gqa3", "qwen2_biases"])
-def test_smoothing_keeps_the_float_model(shape, tiny_model_dir, tiny_untied_model_dir, tmp_path):
+@pytest.mark.parametrize("shape", ["tied", "untied_gqa3", "qwen2_biases", "gemma3_text"])
+def test_smoothing_keeps_the_float_model(shape, tiny_model_dir, tiny_untied_model_dir, tiny_family, tmp_path):
+    # gemma3_text: (1 + w) norms take the factors, and the MLP reads the norm before it, not the one after attention.
     model_dir = {"tied": tiny_model_dir, "untied_gqa3": tiny_untied_model_dir}.get(shape)
-    if model_dir is None:
+    if shape == "qwen2_biases":
         model_dir = build_tiny_llama(tmp_path / "qwen2", seed=2, model_type="qwen2")
+    elif model_dir is None:
+        model_dir = tiny_family(shape)
     fp32 = runner(model_dir)
     steps = _prefill_and_decode(5)
     want = [fp32.execute_model(entries) for entries in steps]
     embedding = fp32.model.embed_tokens.weight.clone()
-    calibration = smooth.calibration_token_ids(fp32.model_path, 200)
-    assert len(calibration) == 200
+    count = min(200, fp32.max_model_len)
+    calibration = smooth.calibration_token_ids(fp32.model_path, count)
+    assert len(calibration) == count
     batch = fp32.prepare([SeqEntry(calibration, 0, list(range(1, 14)), need_logits=False)])
     from pagedbackend.models.attention import step_context
-    with torch.inference_mode(), step_context(fp32.kv_caches, batch.meta, fp32.attention_ops):
+    with torch.inference_mode(), step_context(fp32.kv_caches, batch.metas, fp32.attention_ops, fp32.layer_group):
         maxima = smooth.input_maxima(fp32.model, lambda: fp32.model(batch.input_ids, batch.positions))
     assert len(maxima) == 4 * len(fp32.model.layers) + 1 and all((m > 0).all() for m in maxima.values())
     before = {name: p.clone() for name, p in fp32.model.named_parameters()}

@@ -561,3 +561,9 @@ def test_lora_peer_servers_name_the_adapters_for_vllm_and_in_our_multi_lora_json
     parameters = read_parameters((folder.parent / "config.pbtxt").read_text())
     assert parameters["enable_lora"] == "true" and parameters["max_loras"] == "2"
     shutil.rmtree(repo)
+
+
+def test_models_bench_times_our_decode_step_beside_transformers_forward(tiny_family):
+    from loadtest.bench import models
+    row = models.measure("gemma3", tiny_family("gemma3"), batch=2, context=8, steps=2, rounds=1)
+    assert row["ours_ms"] > 0 and row["hf_ms"] > 0 and row["params_m"] > 0

@@ -251,13 +251,19 @@ def test_a_worker_killed_mid_run_makes_generate_raise_naming_its_rank(tiny_model
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_default_model_on_two_ranks_generates_the_same_tokens_as_one(default_model_dir):
-    # 9 query / 3 KV heads: rank 0 holds 2 KV heads, rank 1 holds 1.
+def test_the_default_models_heads_split_unevenly_on_two_ranks_give_the_same_tokens_as_one(tmp_path,
+                                                                                         default_model_dir):
+    # SmolLM2's 9 query / 3 KV heads: rank 0 holds 2 KV heads, rank 1 holds 1.
+    # A tiny random model with that head layout: the split depends on the
+    # heads, not the weights (two loads of the default model took half a minute).
+    from tiny_model import build_tiny_llama
+    folder = str(build_tiny_llama(tmp_path / "nine_heads", seed=3, num_hidden_layers=2, hidden_size=288,
+                                  num_attention_heads=9, num_key_value_heads=3))
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    one = token_ids(LLM("default", num_kv_blocks=64, **CPU).generate(prompts, params))
+    one = token_ids(LLM(folder, num_kv_blocks=64, **CPU).generate(prompts, params))
     gc.collect()
-    with LLM("default", tensor_parallel_size=2, num_kv_blocks=64, **CPU) as llm:
+    with LLM(folder, tensor_parallel_size=2, num_kv_blocks=64, **CPU) as llm:
         assert token_ids(llm.generate(prompts, params)) == one
 
 

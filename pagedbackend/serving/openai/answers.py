@@ -9,6 +9,7 @@ from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from pagedbackend.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs,
                                                   completion_logprobs, join_logprobs, prompt_completion_logprobs)
+from pagedbackend.serving.openai.reasoning import Reasoning, ReasoningStream
 from pagedbackend.serving.openai.structured import ToolCallStream, Tools, parse_tool_calls
 from pagedbackend.serving.openai.triton_client import Update
 
@@ -181,10 +182,13 @@ class CompletionAnswer(Answer):
 class ChatAnswer(Answer):
     chunk_object, whole_object = "chat.completion.chunk", "chat.completion"
 
-    def __init__(self, req: ChatCompletionRequest, model: str, tools: Optional[Tools] = None):
+    def __init__(self, req: ChatCompletionRequest, model: str, tools: Optional[Tools] = None,
+                 reasoning: Optional[Reasoning] = None):
         super().__init__(req, model, "chatcmpl", (req.top_logprobs or 0) if req.logprobs else None)
         self.tools = tools if tools is not None and tools.calls else None
         self.tool_streams: Dict[int, ToolCallStream] = {}
+        self.reasoning = reasoning   # splits the thinking off (reasoning.py), or None
+        self.reasoning_streams: Dict[int, ReasoningStream] = {}
 
     def opening(self, run: Run) -> List[bytes]:
         return [self.chunk(run, [{"index": c.index, "delta": {"role": "assistant", "content": ""},
@@ -194,27 +198,47 @@ class ChatAnswer(Answer):
         if not (text or positions or finished):
             return None
         logprobs = None if self.top is None else {"content": chat_logprobs(positions, self.top)}
-        if self.tools is None:
+        if self.tools is None and self.reasoning is None:
             return self.chunk(run, [{"index": choice.index, "delta": {"content": text} if text else {},
                                      "logprobs": logprobs, "finish_reason": finished}])
-        stream = self.tool_streams.setdefault(choice.index, ToolCallStream())
-        items = [(d, None) for d in stream.feed(text) + (stream.finish() if finished else [])]
-        if finished:
-            items.append(({}, "tool_calls" if stream.calls and finished == "stop" else finished))
+        items = self._items(choice, text, finished)
         if not items and positions:
             items = [({}, None)]
         return b"".join(self.chunk(run, [{"index": choice.index, "delta": d, "finish_reason": reason,
                                           "logprobs": logprobs if i == 0 else None}])
                         for i, (d, reason) in enumerate(items)) or None
 
+    def _items(self, choice: Choice, text: str, finished: Optional[str]) -> List[Tuple[dict, Optional[str]]]:
+        """(delta, finish reason) of new text: reasoning, content and tool calls."""
+        pieces = [(None, text)]
+        if self.reasoning is not None:
+            stream = self.reasoning_streams.setdefault(choice.index, self.reasoning.stream())
+            pieces = stream.feed(text) + (stream.finish() if finished else [])
+        tools = self.tool_streams.setdefault(choice.index, ToolCallStream()) if self.tools is not None else None
+        items = []
+        for reasoning, content in pieces:
+            if reasoning and self.reasoning.include:
+                items.append(({"reasoning_content": reasoning}, None))
+            if content:
+                items += [(d, None) for d in (tools.feed(content) if tools is not None else [{"content": content}])]
+        if finished:
+            items += [(d, None) for d in (tools.finish() if tools is not None else [])]
+            items.append(({}, "tool_calls" if tools is not None and tools.calls and finished == "stop" else finished))
+        return items
+
     def whole_choice(self, choice: Choice, run: Run) -> dict:
-        message = {"role": "assistant", "content": choice.text}
+        reasoning, text = None, choice.text
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(choice.text)
+        message = {"role": "assistant", "content": text}
         reason = choice.finish_reason
         if self.tools is not None:
-            content, calls = parse_tool_calls(choice.text)
+            content, calls = parse_tool_calls(text or "")
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 reason = "tool_calls" if reason == "stop" else reason
+        if self.reasoning is not None and self.reasoning.include:
+            message["reasoning_content"] = reasoning
         return {"index": choice.index, "message": message,
                 "logprobs": None if self.top is None else {"content": chat_logprobs(choice.positions, self.top)},
                 "finish_reason": reason}

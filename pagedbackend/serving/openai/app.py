@@ -27,6 +27,7 @@ from pagedbackend.serving.openai.generations import OpenGenerations, answer
 from pagedbackend.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   OpenAIError, TokenizeChatRequest, TokenizeRequest,
                                                   parse_request, sampling_parameters)
+from pagedbackend.serving.openai.reasoning import Reasoning, template_kwargs
 from pagedbackend.serving.openai.structured import (Tools, messages_with_tools, structured_outputs,
                                                     template_knows_tools)
 from pagedbackend.serving.openai.triton_client import Triton, is_text_model
@@ -41,6 +42,7 @@ class Settings:
     tokenizer: str = "default"                 # folder of the served model's tokenizer
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_key: Optional[str] = None            # opens Triton's model index for /v1/models
+    reasoning_parser: Optional[str] = None     # vLLM's: qwen3 or deepseek_r1 (reasoning.py); None: off
 
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: Optional[Tools] = None) -> str:
@@ -50,7 +52,7 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: Optional[Tools] = 
         raise OpenAIError(400, "the model's tokenizer has no chat template; use /v1/completions", "messages")
     knows_tools = template_knows_tools(tokenizer)
     messages = messages_with_tools([m.for_template(i) for i, m in enumerate(req.messages)], tools, knows_tools)
-    extra = {"tools": tools.as_openai()} if tools is not None and knows_tools else {}
+    extra = {**template_kwargs(req), **({"tools": tools.as_openai()} if tools is not None and knows_tools else {})}
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt, **extra)
@@ -150,7 +152,8 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         model, adapter = await model_for(req.model, req.logprobs)
         tools = Tools.of(req)
         prompt = chat_prompt(tokenizer, req, tools)
-        shape = ChatAnswer(req, adapter or model, tools)
+        reasoning = Reasoning.of(settings.reasoning_parser, req, prompt)
+        shape = ChatAnswer(req, adapter or model, tools, reasoning)
         params = sampling_parameters(req, req.max_completion_tokens or req.max_tokens, shape.top)
         constraint = structured_outputs(req)
         if tools is not None and tools.calls:
@@ -158,6 +161,8 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
                 raise OpenAIError(400, "response_format and structured outputs do not combine with tools "
                                   "unless tool_choice is none", "tool_choice")
             constraint = {"structural_tag": json.dumps(tools.structural_tag())}
+        if reasoning is not None:   # the constraint starts after the reasoning
+            constraint = reasoning.constrain(constraint)
         if constraint is not None:
             params["structured_outputs"] = constraint
         if adapter is not None:

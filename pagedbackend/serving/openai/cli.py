@@ -10,6 +10,7 @@ import sys
 
 from pagedbackend.serving.constants import ADMIN_KEY_ENV, SERVED_MODEL
 from pagedbackend.serving.openai.app import DEFAULT_MAX_BODY_BYTES, Settings, create_app, serve
+from pagedbackend.serving.openai.reasoning import REASONING_PARSERS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -29,6 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the key of tritonserver's model repository API (python -m pagedbackend.serve "
                              f"--admin-key, ${ADMIN_KEY_ENV}): /v1/models then lists every ready text model, "
                              "not only --model-name")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="vLLM's: chat answers put the text up to </think> in reasoning_content, and "
+                             "structured outputs and tool calls apply after it")
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return parser.parse_args(argv)
 
@@ -36,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     settings = Settings(args.triton_url, args.model_name, args.tokenizer, args.max_body_bytes,
-                        args.triton_admin_key)
+                        args.triton_admin_key, args.reasoning_parser)
     try:
         app = create_app(settings)
     except (OSError, ValueError) as exc:

@@ -168,6 +168,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True  # vLLM's name
+    chat_template_kwargs: Optional[Dict[str, Any]] = None   # vLLM's: the chat template's variables
+    include_reasoning: bool = True      # vLLM's: reasoning_content is returned (with a reasoning parser)
 
     def check(self) -> None:
         super().check()
@@ -191,6 +193,7 @@ class TokenizeChatRequest(_Strict):
     model: Optional[str] = None
     messages: List[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
     add_special_tokens: bool = False   # the template writes its own special tokens
     return_token_strs: bool = False
 
