@@ -8,6 +8,7 @@ its executors), ``engine`` (the request lifecycle and text), ``serving``
 below its own.
 """
 from .config import EngineConfig
+from .lora import LoRARequest
 from .sampling_params import InvalidRequestError, SamplingParams
 from .structured_outputs import StructuredOutputsParams
 
@@ -22,4 +23,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'pagedbackend' has no attribute {name!r}")
 
 
-__all__ = ["EngineConfig", "SamplingParams", "StructuredOutputsParams", "InvalidRequestError", *_ENGINE]
+__all__ = ["EngineConfig", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "InvalidRequestError",
+           *_ENGINE]

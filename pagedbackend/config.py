@@ -182,6 +182,17 @@ class EngineConfig:
     # true, "endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events", ...}
     # (KVEventsConfig: every field; JSON text in config.pbtxt). None: off.
     kv_events_config: Optional[Any] = None
+    # Multi-LoRA, vLLM's names (docs/lora.md): serve PEFT LoRA adapters beside
+    # the base model, chosen per request. CPU or CUDA, tensor_parallel_size 1.
+    enable_lora: bool = False
+    # Adapters of rank max_lora_rank the device pool holds: max_loras x
+    # max_lora_rank rank pages, an adapter of rank r takes r of them, so a step
+    # mixes as many adapters as fit (at least max_loras).
+    max_loras: int = 1
+    # The largest adapter rank loaded; a higher one is refused at load.
+    max_lora_rank: int = 16
+    # Adapters whose weights stay in host memory, ready to page in (None: max_loras).
+    max_cpu_loras: Optional[int] = None
 
     def __post_init__(self):
         def choice(name, allowed):
@@ -241,12 +252,35 @@ class EngineConfig:
             raise ValueError(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        self._check_lora()
         self.speculative_config = SpeculativeConfig.build(self.speculative_config)
         self.kv_events_config = KVEventsConfig.build(self.kv_events_config)
         spec = self.speculative_config
         if spec is not None and spec.method not in ("ngram", "suffix") and self.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config.method {spec.method} does not support tensor_parallel_size > 1 "
                              "(ngram and suffix do)")
+
+    def _check_lora(self) -> None:
+        if isinstance(self.enable_lora, str):   # vllm_backend's model.json gives "true" or true
+            self.enable_lora = coerce("enable_lora", bool, self.enable_lora)
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and (isinstance(self.max_cpu_loras, bool) or not isinstance(
+                self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer >= max_loras "
+                             f"({self.max_loras}), or None")
+        if not self.enable_lora:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not support tensor_parallel_size > 1: adapters are served "
+                             "on one rank; use tensor_parallel_size=1")
+        if self.quantization == "w8a8":
+            raise ValueError("enable_lora does not combine with quantization=w8a8 (its smoothing rescales the "
+                             "projections' inputs that LoRA reads); use none, int8 or int4")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -31,8 +31,10 @@ MAX_LOGIT_BIAS = 100.0
 # is refused with the reason. Those marked with a default are accepted when
 # they carry vLLM's default value (so clients that always send them still work).
 UNSUPPORTED = {
-    "lora_name": "LoRA adapters are not supported",
-    "lora_request": "LoRA adapters are not supported",
+    "lora_name": "an adapter is chosen per request, not by SamplingParams: the Triton model reads "
+                 "lora_name beside the sampling parameters; LLM.generate takes lora_request=",
+    "lora_request": "an adapter is chosen per request, not by SamplingParams: LLM.generate and "
+                    "add_request take lora_request=",
     "logits_processors": "custom logits processors are not supported",
     "response_format": "response_format is an OpenAI API field; in sampling parameters use "
                        "structured_outputs (json, json_object, regex, choice, grammar)",

@@ -32,6 +32,7 @@ BENCHMARKS = {
     "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
     "fleet": "replicas behind Dynamo's KV router vs round-robin and random on multi-turn chat; the hop's cost",
     "moe": "mixture of experts: decode and prefill tok/s beside HF, a dense model and vLLM; expert bytes read",
+    "lora": "multi-LoRA at 32 streams: 0, 1, 4, 16 adapters of rank 8 and 64 against the base model",
     "models": "per model family: decode-batch step time, ours against Hugging Face's forward",
 }
 NEEDS_CUDA = {"gpu"}

@@ -24,6 +24,8 @@ class SeqEntry:
     verified token's and one per speculative token that ends ``token_ids``.
     ``block_tables``: every KV group's table, ``block_table`` (group 0's)
     first, for a model with several groups (``core.kv_groups``).
+    ``lora``: the pages of the adapter its rows run with (``lora.manager.StepLoRA``;
+    None: the base model).
     """
     token_ids: List[int]
     start_pos: int
@@ -32,6 +34,7 @@ class SeqEntry:
     prompt_logits: bool = False
     num_draft_tokens: int = 0
     block_tables: Optional[List[List[int]]] = None
+    lora: Optional[object] = None
 
     @property
     def num_logit_rows(self) -> int:

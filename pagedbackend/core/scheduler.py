@@ -38,7 +38,7 @@ generated tokens, reusing whatever prefix blocks are still cached.
 """
 import bisect
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ..config import EngineConfig
 from ..sampling_params import InvalidRequestError
@@ -88,6 +88,9 @@ class Scheduler:
         # Prompt tokens one sequence computes in the next step, when sized by
         # time (set by the engine: prefill_share.py); None: the configured chunk.
         self.prefill_chunk: Optional[int] = None
+        # With adapters: whether a group's adapter fits the adapter pool beside
+        # those of the running groups (set by the engine; lora.LoRAManager.fits).
+        self.adapter_room: Optional[Callable[[SequenceGroup, List[SequenceGroup]], bool]] = None
 
     @property
     def block_manager(self) -> BlockManager:
@@ -156,7 +159,8 @@ class Scheduler:
             group = self.swapped.peek()
             ids = [s.seq_id for s in group.seqs]
             needed = self.bm.blocks_to_swap_in(ids) + len(ids)
-            if len(ids) > min(room.tokens, room.seqs) or self.bm.num_free_blocks - needed < self.bm.watermark_blocks:
+            if len(ids) > min(room.tokens, room.seqs) or self.bm.num_free_blocks - needed < self.bm.watermark_blocks \
+                    or not self._adapter_fits(group):
                 break
             self.swapped.pop()
             out.swap_in_pairs += self.bm.swap_in(ids)
@@ -301,7 +305,8 @@ class Scheduler:
                 continue
             if blocker is None and self.priority:
                 status = self._preempt_for(group, token_lists, reserve, reuse, status, room, out)
-            fits = status == AllocStatus.OK and self.capacity.step_slots(group) <= room.seqs
+            fits = (status == AllocStatus.OK and self.capacity.step_slots(group) <= room.seqs
+                    and self._adapter_fits(group))
             if not fits or (blocker is not None and not self._may_pass(blocker, group)):
                 blocker = blocker or group
                 passed.append(group)
@@ -316,6 +321,9 @@ class Scheduler:
             self._schedule_group(group, room, out, crowded)
         for group in passed:
             self.waiting.push(group)
+
+    def _adapter_fits(self, group: SequenceGroup) -> bool:
+        return self.adapter_room is None or self.adapter_room(group, self.running)
 
     def _preempt_for(self, group, token_lists, reserve, reuse, status, room: _Room,
                      out: SchedulerOutput) -> AllocStatus:

@@ -129,8 +129,20 @@ class SequenceGroup:
         self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_sent = False
         # The request's prefix-cache namespace: blocks are shared only with equal salts.
+        # With an adapter, its key follows the salt (lora.manager.Adapter.key).
         self.cache_salt: bytes = (params.cache_salt or "").encode("utf-8", "surrogatepass")
         self.grammar = None                     # structured outputs: the grammar's compile
+        self.lora = None                        # the adapter it runs with (lora.manager.Adapter); None: base
+
+    @property
+    def lora_name(self) -> Optional[str]:
+        """Its adapter's name (None: the base model), for metrics and KV events."""
+        return None if self.lora is None else self.lora.request.lora_name
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id (0: the base model, as vLLM's KV events give it)."""
+        return 0 if self.lora is None else self.lora.request.lora_int_id
 
     @property
     def needs_prompt_logits(self) -> bool:

@@ -22,6 +22,7 @@ from .llm_engine import LLMEngine, Prompt
 from .outputs import CompletionOutput, EngineStats, RequestOutput
 from ..sampling_params import InvalidRequestError, SamplingParams
 from ..core.sequence import SequenceGroup
+from ..lora import LoRARequest
 
 _END = object()
 IDLE_STATS_S = 0.5   # how often an idle engine refreshes its statistics
@@ -130,16 +131,19 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ API
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    cumulative_logprob: bool = False, priority: Optional[int] = None) -> RequestStream:
+                    cumulative_logprob: bool = False, priority: Optional[int] = None,
+                    lora_request: Optional[LoRARequest] = None) -> RequestStream:
         """Queue a request; its stream yields output deltas. ``cumulative_logprob``:
         compute it even when the parameters do not need it (``LLMEngine.make_group``);
-        ``priority``: vLLM's argument (replaces ``params.priority``)."""
+        ``priority``: vLLM's argument (replaces ``params.priority``);
+        ``lora_request``: its adapter (read from its folder here when new)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine has failed: {self.error!r}")
         if self._stopping:
             raise EngineDeadError("the engine is shut down")
         group = self.engine.make_group(request_id, prompt, params,  # validates, may raise
-                                       cumulative_logprob=cumulative_logprob, priority=priority)
+                                       cumulative_logprob=cumulative_logprob, priority=priority,
+                                       lora_request=lora_request)
         stream = RequestStream(request_id)
         with self._lock:
             if request_id in self._streams:
@@ -148,6 +152,16 @@ class AsyncLLMEngine:
             self._new.append((group, stream))
         self._wakeup.set()
         return stream
+
+    # Adapters, vLLM's names; loading reads the folder in the calling thread.
+    def add_lora(self, lora_request: LoRARequest, replace: bool = False) -> bool:
+        return self.engine.add_lora(lora_request, replace)
+
+    def remove_lora(self, lora_id) -> bool:
+        return self.engine.remove_lora(lora_id)
+
+    def list_loras(self) -> List[LoRARequest]:
+        return self.engine.list_loras()
 
     def wait_for_compile(self, timeout: Optional[float] = None) -> bool:
         """Wait for the background compile of the model step (if any) to end;

@@ -3,6 +3,7 @@ import itertools
 from typing import Dict, List, Optional, Sequence, Union
 
 from ..config import EngineConfig
+from ..lora import LoRARequest
 from .llm_engine import LLMEngine, Prompt
 from .outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
@@ -33,10 +34,14 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
-                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> List[RequestOutput]:
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None,
+                 lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None
+                 ) -> List[RequestOutput]:
         """Generate for every prompt (strings or token id lists); outputs come back
         in prompt order with whole texts and token lists. ``priority``: one per
-        prompt, as vLLM's (lower first under ``scheduling_policy=priority``)."""
+        prompt, as vLLM's (lower first under ``scheduling_policy=priority``).
+        ``lora_request``: the adapter of every prompt, or a list with one per
+        prompt (None: the base model), as vLLM takes it (``enable_lora=True``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -45,11 +50,15 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(lora_request)} LoRA requests")
         order = []
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+        for i, (prompt, params, lora) in enumerate(zip(prompts, sampling_params, lora_request)):
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, prompt, params,
-                                    priority=None if priority is None else priority[i])
+                                    priority=None if priority is None else priority[i], lora_request=lora)
             order.append(request_id)
         merged: Dict[str, RequestOutput] = {}
         bar = None

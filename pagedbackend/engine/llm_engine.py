@@ -22,24 +22,26 @@ from ..config import EngineConfig
 from ..core.prefill_share import PrefillShare
 from ..core.scheduler import Scheduler, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
+from ..lora import LoRARequest
 from ..models.default_model import resolve_model_path
 from ..sample import Sampler
 from ..sample.grammar_worker import GrammarBudget, GrammarWorkers
 from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
+from .adapters import AdapterMethods, lora_manager, resolve_adapter, with_adapter
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
 from .kv_publisher import KVEventRelay
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .speculative import make_speculator
-from .stats import engine_stats
+from .stats import engine_description, engine_stats
 from .step_sampler import StepSampler, isolated
 from .tokenizer import eos_token_ids, TokenizerLoad
 
 logger = logging.getLogger("pagedbackend")
 
 
-class LLMEngine:
+class LLMEngine(AdapterMethods):
     def __init__(self, config: EngineConfig, runner=None, compile_in_background: bool = False):
         """``compile_in_background``: serve eager steps from the start and switch
         to the compiled step once it is built (``ModelRunner``); a server's choice."""
@@ -66,6 +68,7 @@ class LLMEngine:
                                       self.block_manager.pool)
         self.prefill_share = (PrefillShare(config.tpot_target_s, config.long_prefill_token_threshold
                                            or config.max_num_batched_tokens) if config.tpot_target_s else None)
+        self.lora = lora_manager(config, runner, self.scheduler)   # None unless enable_lora
         self.speculator = make_speculator(config, runner, compile_in_background)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
@@ -86,18 +89,8 @@ class LLMEngine:
         self.last_schedule_seconds = self.last_sample_seconds = 0.0
 
     def describe(self) -> Dict[str, object]:
-        """What serves, for a log line at start: model, dtype, quantisation, how
-        the linear layers multiply (and whether through the C++ operators),
-        attention, KV pool, context, speculation."""
-        from ..models.packed_linear import native_ops
-        backend = getattr(self.runner, "linear_backend", None)
-        spec = self.config.speculative_config
-        return {"model": self.config.model, "dtype": self.config.dtype, "quantization": self.config.quantization,
-                "linear_backend": backend,
-                "native_ops": bool(native_ops().use_native_ops) if backend == "packed" else False,
-                "attention_backend": type(getattr(self.runner, "attention_ops", None)).__name__,
-                "num_kv_blocks": self.runner.num_kv_blocks, "max_model_len": self.max_model_len,
-                "speculative": spec.method if spec is not None else None}
+        """What serves, for a log line at start (``engine_description``)."""
+        return engine_description(self)
 
     @property
     def block_manager(self):
@@ -107,29 +100,38 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, cumulative_logprob: bool = False,
-                    priority: Optional[int] = None) -> SequenceGroup:
+                    priority: Optional[int] = None,
+                    lora_request: Optional[LoRARequest] = None) -> SequenceGroup:
         """Validate and queue a request; raises InvalidRequestError if it can never be served.
         ``cumulative_logprob``: compute it even when the parameters do not need it;
-        ``priority``: vLLM's argument (replaces ``params.priority``)."""
+        ``priority``: vLLM's argument (replaces ``params.priority``);
+        ``lora_request``: the adapter it runs with (loaded now if it is new)."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        group = self.make_group(request_id, prompt, params, arrival_time, cumulative_logprob, priority)
+        group = self.make_group(request_id, prompt, params, arrival_time, cumulative_logprob, priority,
+                                lora_request)
         self.add_group(group)
         return group
 
     def make_group(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
                    arrival_time: Optional[float] = None, cumulative_logprob: bool = False,
-                   priority: Optional[int] = None) -> SequenceGroup:
+                   priority: Optional[int] = None,
+                   lora_request: Optional[LoRARequest] = None) -> SequenceGroup:
         """Check a request against the model and the pool and build its group
-        (``InputProcessor.make_group``). Touches no engine state, so any
-        thread may call it."""
-        return self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob, priority)
+        (``InputProcessor.make_group``), with its adapter, whose key joins the
+        group's prefix-cache namespace. Changes no step state (a new adapter
+        is read from its folder here), so any thread may call it."""
+        adapter = resolve_adapter(self.lora, lora_request)   # first: a refused one leaves nothing behind
+        return with_adapter(self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob,
+                                                   priority), adapter)
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:
             raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group
         self.stats.prompt_tokens += len(group.prompt_token_ids)
+        if group.lora is not None:
+            self.lora.count_request(group.lora)
         if group.grammar is not None:   # queued once parsed and compiled (_take_compiled)
             self.stats.structured_requests += 1
             self.compiling.append(group)
@@ -215,6 +217,7 @@ class LLMEngine:
             self.runner.copy_blocks(sched.copy_pairs)
             if self.speculator is not None:
                 self.speculator.copy_blocks(sched.copy_pairs)
+        self._adapters_for_step(sched.scheduled)
         if sched.is_empty:
             self.last_step_seconds = time.perf_counter() - start
             self.kv_events.flush()

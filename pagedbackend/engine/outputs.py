@@ -91,6 +91,19 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: List[int] = field(default_factory=list)
     propose_seconds: float = 0.0     # of the step time, proposing speculative tokens
+    # Adapters (enable_lora): those the running and the waiting requests use
+    # (vLLM's lora_requests_info), the device pool's size in adapters of
+    # max_lora_rank, requests admitted per adapter name, adapter folders read,
+    # adapters written into the pool and evicted from it, and adapters whose
+    # weights left the host tier (max_cpu_loras).
+    lora_running: List[str] = field(default_factory=list)
+    lora_waiting: List[str] = field(default_factory=list)
+    max_lora: int = 0
+    lora_requests: Dict[str, int] = field(default_factory=dict)
+    lora_loads: int = 0
+    lora_page_ins: int = 0
+    lora_evictions: int = 0
+    lora_host_evictions: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -73,7 +73,7 @@ def make_speculator(config: EngineConfig, target, compile_in_background: bool = 
         config, model=config.model if own else str(resolve_model_path(spec.model)), quantization=quantization,
         num_kv_blocks=target.num_kv_blocks, max_model_len=target.max_model_len, swap_space_blocks=0,
         linear_backend="auto" if quantization in ("int4", "w8a8") else config.linear_backend,
-        speculative_config=None)
+        speculative_config=None, enable_lora=False)   # drafts come from the base model
     return Speculator(spec, DraftModelProposer(draft_runner(draft, target, compile_in_background)))
 
 

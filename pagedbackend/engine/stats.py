@@ -1,5 +1,8 @@
 """The engine's statistics snapshot: its counters with the block pool's,
-the scheduler's queues and preemptions, speculation and the CPU governor."""
+the scheduler's queues and preemptions, speculation, the CPU governor and adapters."""
+from typing import Dict
+
+from .adapters import lora_stats
 from .outputs import EngineStats
 
 
@@ -30,4 +33,23 @@ def engine_stats(engine) -> EngineStats:
         engine.speculator.stats.copy_to(st)
     governor = getattr(engine.runner, "wait_governor", None)
     st.cpu_contended = governor is not None and governor.contended
+    if engine.lora is not None:
+        lora_stats(engine.lora, sch, engine.compiling, st)
     return EngineStats(**st.__dict__)
+
+
+def engine_description(engine) -> Dict[str, object]:
+    """What serves, for a log line at start: model, dtype, quantisation, how
+    the linear layers multiply (and whether through the C++ operators),
+    attention, KV pool, context, speculation, the LoRA kernel."""
+    from ..models.packed_linear import native_ops
+    runner, config = engine.runner, engine.config
+    backend = getattr(runner, "linear_backend", None)
+    spec = config.speculative_config
+    return {"model": config.model, "dtype": config.dtype, "quantization": config.quantization,
+            "linear_backend": backend,
+            "native_ops": bool(native_ops().use_native_ops) if backend == "packed" else False,
+            "attention_backend": type(getattr(runner, "attention_ops", None)).__name__,
+            "num_kv_blocks": runner.num_kv_blocks, "max_model_len": engine.max_model_len,
+            "speculative": spec.method if spec is not None else None,
+            "lora_kernel": getattr(getattr(runner, "lora", None), "kernel_name", None)}

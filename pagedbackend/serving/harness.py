@@ -11,7 +11,7 @@ import time
 import urllib.request
 from typing import Callable, Mapping, Optional, Sequence
 
-from pagedbackend.serving.constants import EXIT_TIMEOUT_S
+from pagedbackend.serving.constants import ADMIN_KEY_ENV, EXIT_TIMEOUT_S
 from pagedbackend.serving.process import (prepare_backend, server_command, server_env, start_server_process,
                                           stop_process_group)
 from pagedbackend.serving.repository import repository_models
@@ -142,7 +142,9 @@ class TritonServer(Started):
                                  self.exit_timeout_s, self.extra_args, admin_key=self.admin_key)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        self.process = start_server_process(command, server_env(overrides=self.env),
+        # The model sees the key too: loading adapters at run time needs it (serving/triton/lora.py).
+        env = {ADMIN_KEY_ENV: self.admin_key, **self.env}
+        self.process = start_server_process(command, server_env(overrides=env),
                                             stdin=subprocess.DEVNULL, stdout=self._log,
                                             stderr=subprocess.STDOUT)
 

@@ -13,6 +13,7 @@ and its readiness awaited as in ``harness``.
 """
 import argparse
 import os
+import secrets
 import signal
 import sys
 import time
@@ -102,9 +103,12 @@ def main(argv=None) -> int:
             return 1
     if args.prepare_only:
         return 1 if failures else 0
+    # The model reads the key too (loading adapters at run time); a random one opens nothing to anyone.
+    admin_key = args.admin_key or secrets.token_hex(16)
+    overrides[ADMIN_KEY_ENV] = admin_key
     command = server_command(repository, args.http_port, args.grpc_port, args.metrics_port,
                              args.host, args.log_verbose, args.exit_timeout, args.tritonserver_args,
-                             admin_key=args.admin_key)
+                             admin_key=admin_key)
     process = start_server_process(command, server_env(overrides=overrides))
     stop_requested = []   # monotonic times of SIGTERM / SIGINT
     drain_s = args.exit_timeout + DRAIN_MARGIN_S

@@ -6,7 +6,7 @@ ids in the pool, tables long enough) before any tensor reaches the device.
 """
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import List, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -21,12 +21,14 @@ class StepBatch:
     """One step's flat batch; ``logits_rows``: rows whose logits are returned
     (per entry in order, ``SeqEntry.num_logit_rows`` of its last rows).
     ``meta``: the attention metadata of KV group 0; ``groups``: every
-    group's, ``meta`` first, when the model has several (else empty)."""
+    group's, ``meta`` first, when the model has several (else empty);
+    ``lora``: the rows' adapters (``lora.punica.LoRAMapping``; None: none)."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor
     groups: List[AttentionMetadata] = field(default_factory=list)
+    lora: Optional[Any] = None
 
     def to(self, device: torch.device) -> "StepBatch":
         to = dict(device=device, non_blocking=True)
@@ -38,7 +40,8 @@ class StepBatch:
                            cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
         groups = [moved(m) for m in self.groups]
         return StepBatch(self.input_ids.to(**to), self.positions.to(**to),
-                         groups[0] if groups else moved(self.meta), self.logits_rows.to(**to), groups)
+                         groups[0] if groups else moved(self.meta), self.logits_rows.to(**to), groups,
+                         None if self.lora is None else self.lora.to(device))
 
     @property
     def metas(self) -> List[AttentionMetadata]:

@@ -28,6 +28,7 @@ from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models import moe
 from pagedbackend.models.linear import Reduce
 from pagedbackend import quant
+from pagedbackend.lora.punica import build_mapping, empty_mapping, lora_step
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
 from pagedbackend.worker import step_package
 from pagedbackend.worker.compiled import CompiledStep, compile_failure, compile_unavailable
@@ -83,6 +84,10 @@ class ModelRunner:
         self.linear_backend = self.linear_plan.backend   # what serves the float32 or int8 linear layers
         # What serves the experts of a mixture of experts (None: the model has none).
         self.moe_kernel = moe.use_kernel(self.model, config.moe_backend, self.device, self.dtype)
+        self.lora = None   # with enable_lora: the adapted projections and their pool (lora.layers)
+        if config.enable_lora:
+            from pagedbackend.lora.layers import LoRAModel
+            self.lora = LoRAModel(self.model, config.max_loras * config.max_lora_rank, self.dtype, self.device)
         self.model.eval()
         self.compiled: Optional[CompiledStep] = None
         self.graphs: Optional[DecodeGraphs] = None
@@ -207,10 +212,14 @@ class ModelRunner:
         holds no sequence yet). ``step``: the ``(forward, logits)`` pair to warm
         up (default ``step_functions()``). Layers that take another branch
         from some number of rows (a graph of its own: int8 weights in torch's
-        kernel) get one more step with that many sequences (``LinearPlan``)."""
+        kernel) get one more step with that many sequences (``LinearPlan``).
+        With adapters, each size runs again as a step with adapters (the
+        graph that calls the LoRA op; its empty mapping adds nothing)."""
         for size in (1, 2, *self.linear_plan.warm_up_rows):
-            self.execute_batch(self.prepare([SeqEntry([0], 0, [0]) for _ in range(size)]),
-                               step=step, kv_caches=kv_caches)
+            for lora in (None, empty_mapping()) if self.lora is not None else (None,):
+                batch = self.prepare([SeqEntry([0], 0, [0]) for _ in range(size)])
+                batch.lora = lora
+                self.execute_batch(batch, step=step, kv_caches=kv_caches)
 
     def _allocate_kv_cache(self, args: ModelArgs) -> None:
         self.block_size = self.config.block_size
@@ -245,9 +254,11 @@ class ModelRunner:
     def execute_model(self, entries: Sequence[SeqEntry]) -> torch.Tensor:
         """Run one step; float32 logits ``[entries needing logits, vocab]`` of
         each such entry's last token, in entry order. A decode step replays
-        its CUDA graph when there is one (``cuda_graphs``)."""
+        its CUDA graph when there is one (``cuda_graphs``) and no adapter."""
         batch = self._flat_batch(entries)
-        if self.graphs is not None and self.graphs.fits(batch):
+        if self.lora is not None:
+            batch.lora = build_mapping(entries, self.lora.split_rows)
+        if self.graphs is not None and batch.lora is None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         return self.execute_batch(batch)   # plans the batch
 
@@ -261,8 +272,8 @@ class ModelRunner:
             self.plan(batch)
         batch = batch.to(self.device)
         forward, logits_of = step or self.step_functions()
-        with torch.inference_mode(), step_context(kv_caches or self.kv_caches, batch.metas,
-                                                  self.attention_ops, self.layer_group):
+        with torch.inference_mode(), step_context(kv_caches or self.kv_caches, batch.metas, self.attention_ops,
+                                                  self.layer_group), lora_step(self.lora, batch.lora):
             hidden = forward(batch.input_ids, batch.positions)
             if not compute_logits:
                 return None

@@ -63,7 +63,7 @@ def test_invalid_values_are_refused_naming_the_parameter(fields, message):
     ({"temperature": "NaN"}, "temperature must be a finite number"),
     ({"max_tokens": "many"}, "sampling parameter max_tokens: expected int, got 'many'"),
     ({"stop": 5}, "stop must be a string or a list of strings"),
-    ({"lora_name": "adapter-1"}, "sampling parameter lora_name: LoRA adapters are not supported"),
+    ({"lora_name": "adapter-1"}, "sampling parameter lora_name: an adapter is chosen per request"),
     ({"guided_json": {"type": "object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs and the older guided_\\* fields must not both be set"),
     ({"response_format": {"type": "json_object"}}, "response_format is an OpenAI API field"),

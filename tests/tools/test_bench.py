@@ -6,6 +6,7 @@ import importlib
 import json
 import math
 import pathlib
+import shutil
 import subprocess
 
 import pytest
@@ -541,6 +542,43 @@ def test_structured_bench_compares_constrained_and_free_decoding(tiny_model_dir,
     assert pair["free"]["generated_tokens"] > 0 and pair["json_schema"]["generated_tokens"] > 0
     assert pair["json_schema"]["mask_ms_per_step"] >= 0 and result["compile_s_small"][0] > 0
     assert (tmp_path / "structured.json").exists()
+
+
+def test_lora_bench_compares_adapter_mixes_with_the_base_model(tiny_model_dir, tmp_path, monkeypatch):
+    from loadtest.bench import lora
+    monkeypatch.delenv("BENCH_VLLM_PYTHON", raising=False)
+    result = lora.main(["--model", str(tiny_model_dir), "--quick", "--no-compile", "--threads", "1",
+                        "--adapters", str(tmp_path / "adapters"), "--out", str(tmp_path)])
+    rows = {row["configuration"]: row for row in result["table"]}
+    assert set(rows) == {"base, LoRA off", "base, LoRA on", "1 x rank 8", "2 x rank 8", "half base + 2 x rank 8"}
+    assert rows["base, LoRA off"]["tok_s_vs_base"] == 1.0 and all(r["tok_s"] > 0 for r in rows.values())
+    assert rows["half base + 2 x rank 8"]["base_requests_tpot_vs_base_alone"] > 0
+    assert result["pool"]["rank_page_bytes"] > 0 and result["pool"]["page_in_ms_rank8"] >= 0
+    assert "skipped" in result["vllm"] and (tmp_path / "lora.json").exists()
+
+
+def test_lora_peer_servers_name_the_adapters_for_vllm_and_in_our_multi_lora_json(tiny_model_dir):
+    """vLLM gets --enable-lora with --max-loras set to the adapter count and each
+    adapter as a model; ours gets enable_lora and the adapters in multi_lora.json
+    (no peer needs to be installed to build them)."""
+    from argparse import Namespace
+    from loadtest.bench import lora_peers
+    from pagedbackend import LoRARequest
+    args = Namespace(streams=32, threads=2, max_tokens=8)
+    loras = [LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")]
+    server, _ = lora_peers.vllm(args, "/v/python", str(tiny_model_dir), loras, 8)
+    command = server.command
+    assert command[command.index("--max-loras") + 1] == "2" and "--enable-lora" in command
+    assert command[command.index("--max-lora-rank") + 1] == "8"
+    assert command[command.index("--lora-modules") + 1:][:2] == ["a=/adapters/a", "b=/adapters/b"]
+    ours, _ = lora_peers.ours(args, str(tiny_model_dir), loras, 8)
+    repo = ours.command[ours.command.index("--model-repository") + 1]
+    folder = pathlib.Path(repo) / "paged_llm" / "1"
+    assert json.loads((folder / "multi_lora.json").read_text()) == {"a": "/adapters/a", "b": "/adapters/b"}
+    from pagedbackend.serving.repository import read_parameters
+    parameters = read_parameters((folder.parent / "config.pbtxt").read_text())
+    assert parameters["enable_lora"] == "true" and parameters["max_loras"] == "2"
+    shutil.rmtree(repo)
 
 
 def test_models_bench_times_our_decode_step_beside_transformers_forward(tiny_family):

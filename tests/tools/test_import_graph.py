@@ -14,7 +14,8 @@ SOURCES = {ROOT / "pagedbackend": "pagedbackend", ROOT / "kernels": "pagedbacken
 # every module directly under pagedbackend/ (config, params, errors: plain
 # data) except the entry points, which sit on top.
 ENTRY_POINTS = {"pagedbackend", "pagedbackend.serve", "pagedbackend.accounting"}
-LAYERS = ["data", "kernels", "core", "sample", "models", "quant", "worker", "engine", "serving", "entry"]
+LAYERS = ["data", "kernels", "core", "sample", "models", "quant", "lora", "worker", "engine", "serving",
+          "entry"]
 
 # Imports that are not counted, each a compatibility name kept for importers
 # outside the package; drop the entry when they move to the new name. None

@@ -14,6 +14,7 @@ unloads itself, so Triton stops reporting it ready (``pagedbackend.serving.trito
 import asyncio
 import itertools
 import json
+import os
 import queue
 import threading
 import time
@@ -26,10 +27,12 @@ from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
 from pagedbackend.errors import InvalidRequestError
 from pagedbackend.serving.constants import SHUTTING_DOWN
 from pagedbackend.serving.triton.health import EngineFailurePolicy
-from pagedbackend.serving.triton.io import (FINAL, Job, accumulate, build_response, read_flags,
-                                            read_prompt_or_ids, read_sampling_params, send_error)
+from pagedbackend.serving.triton.io import (FINAL, Job, accumulate, build_response, read_flags, read_lora_name,
+                                            read_optional_text, read_prompt_or_ids, read_sampling_params,
+                                            send_error, send_json)
 from pagedbackend.serving.triton.lifecycle import (end_stub, log_to_stderr, on_sigterm, use_utf8_locale,
                                                    watch_listener, watch_server)
+from pagedbackend.serving.triton.lora import ControlError, TritonAdapters, read_multi_lora
 from pagedbackend.serving.triton.metrics import Metrics
 from pagedbackend.serving.triton.settings import ModelSettings
 
@@ -50,10 +53,19 @@ class TritonPythonModel:
         settings = ModelSettings.from_parameters(parameters)   # upper case: the model's own
         config = engine_config(parameters)                     # lower case: the engine's
         self.failure = EngineFailurePolicy(args["model_name"], settings.unload_on_engine_failure)
+        # vllm_backend's multi_lora.json beside this file: read (or missed) before the engine loads.
+        adapters = read_multi_lora(os.path.join(args["model_repository"], args["model_version"]),
+                                   config.enable_lora)
         self.engine = AsyncLLMEngine(config, on_failure=self.failure.engine_failed)
+        try:
+            self.adapters = TritonAdapters(self.engine, config.enable_lora, adapters)
+        except Exception:
+            self.engine.shutdown()
+            raise
         pb_utils.Logger.log_info("paged_llm: serving " + ", ".join(f"{k}={v}" for k, v in self.engine.describe().items()))
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                settings.metric_namespaces, self.engine.max_model_len)
+        self.metrics.lora(config.enable_lora, settings.metric_namespaces)
         self.jobs, self.lock = {}, threading.Lock()
         self.closing = None            # why new requests are refused, once draining
         self.drain_lock, self.drained = threading.Lock(), False
@@ -89,7 +101,14 @@ class TritonPythonModel:
         """Read, check and tokenise queued requests in arrival order, off Triton's execute thread."""
         for request, sender in iter(self.intake.get, None):
             try:
+                control = read_optional_text(request, "lora_control")
+                if control is not None:   # adapters listed, loaded or unloaded, no generation
+                    send_json(sender, self.adapters.control(control))
+                    continue
                 job = self._submit(request, sender)
+            except ControlError as exc:
+                send_error(sender, str(exc), pb_utils.TritonError.NOT_FOUND if exc.status == 404
+                           else pb_utils.TritonError.INVALID_ARG)
             except ValueError as exc:  # includes InvalidRequestError and bad UTF-8
                 send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
             except EngineDeadError as exc:
@@ -106,6 +125,7 @@ class TritonPythonModel:
     def _submit(self, request, sender) -> Job:
         if self.closing:
             raise EngineDeadError(self.closing)
+        lora_request = self.adapters.request_for(read_lora_name(request))   # vllm_backend's errors, first
         prompt = read_prompt_or_ids(request, self.engine.max_prompt_chars)
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)   # what echo shows
         job = Job(uuid.uuid4().hex, text, read_flags(request), sender, triton_id=request.request_id())
@@ -113,7 +133,8 @@ class TritonPythonModel:
         job.n, job.logprobs_requested = params.n, params.logprobs is not None
         # cumulative_logprob is computed only for requests that ask for it.
         job.stream = self.engine.add_request(job.request_id, prompt, params,
-                                             cumulative_logprob=bool(job.flags["return_cumulative_logprob"]))
+                                             cumulative_logprob=bool(job.flags["return_cumulative_logprob"]),
+                                             lora_request=lora_request)
         with self.lock:
             self.jobs[job.request_id] = job
             job.abort_reason = self.closing  # a drain that began meanwhile ends it too

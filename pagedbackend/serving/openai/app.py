@@ -3,7 +3,8 @@ FastAPI app and its routes, and uvicorn to serve it.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent events
 with ``stream``, else one JSON answer), ``GET /v1/models`` (Triton's ready text
-models), ``GET /health``, ``POST /tokenize``, ``POST /detokenize``. Chat
+models and the served model's LoRA adapters), ``GET /health``, ``POST
+/tokenize``, ``POST /detokenize``, and the adapters' routes (``adapters``). Chat
 messages become a prompt through the chat template of the served model's
 tokenizer. Each prompt is one gRPC stream to the Triton model
 (``triton_client``); a client that hangs up cancels its streams at once.
@@ -13,13 +14,14 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedbackend.serving.constants import SERVED_MODEL
+from pagedbackend.serving.openai import adapters as lora
 from pagedbackend.serving.openai.answers import ChatAnswer, CompletionAnswer
 from pagedbackend.serving.openai.asgi import BodySizeLimit, CatchAll
 from pagedbackend.serving.openai.generations import OpenGenerations, answer
@@ -62,6 +64,7 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: Optional[Tools] = 
 
 def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     triton = Triton(settings.triton_url, settings.admin_key)
+    adapters = lora.Adapters(triton, settings.model_name, settings.admin_key)
     if tokenizer is None:   # the engine's, from local files only ("default": the engine's default model)
         from pagedbackend.engine.tokenizer import load_tokenizer
         from pagedbackend.models.default_model import resolve_model_path
@@ -87,8 +90,12 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         return JSONResponse(OpenAIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
 
-    async def model_for(name: Optional[str], logprobs: bool) -> str:
-        name = name or settings.model_name
+    async def model_for(name: Optional[str], logprobs: bool) -> Tuple[str, Optional[str]]:
+        """The Triton model of a request's ``model``, and the adapter it names
+        (None: the model itself); an adapter's name wins over other models'."""
+        name, adapter = name or settings.model_name, None
+        if name != settings.model_name and await adapters.find(name):
+            name, adapter = settings.model_name, name
         config = await triton.config(name)
         if not is_text_model(config):
             raise OpenAIError(400, f"model {name} is not a text generation model "
@@ -96,7 +103,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         if logprobs and "logprobs" not in {o["name"] for o in config.get("output", [])}:
             raise OpenAIError(400, f"logprobs are not supported by model {name}: it has no logprobs output",
                               "logprobs")
-        return name
+        return name, adapter
 
     @app.get("/health")
     async def health():
@@ -107,11 +114,17 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": started,
-                                            "owned_by": "pagedbackend"} for name in await triton.text_models([settings.model_name])]}
+        names = await triton.text_models([settings.model_name])
+        cards = [{"id": name, "object": "model", "created": started, "owned_by": "pagedbackend"} for name in names]
+        if settings.model_name in names:
+            cards += lora.model_cards(await adapters.listed(), settings.model_name, started)
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
+        listed = await adapters.listed() if model_id != settings.model_name else {}
+        if model_id in listed:
+            return lora.model_cards({model_id: listed[model_id]}, settings.model_name, started)[0]
         if model_id not in await triton.text_models([model_id]):
             raise OpenAIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
         return {"id": model_id, "object": "model", "created": started, "owned_by": "pagedbackend"}
@@ -121,7 +134,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         body = await request.body()
         req = await run_sized(len(body), parse_request, CompletionRequest, body)
         prompts = req.prompts()
-        model = await model_for(req.model, req.logprobs is not None)
+        model, adapter = await model_for(req.model, req.logprobs is not None)
         # max_tokens 0 (score the prompt): one token is generated and not returned.
         params = sampling_parameters(req, max(req.max_tokens or 0, 1) if req.max_tokens is not None else None,
                                      req.logprobs)
@@ -130,7 +143,9 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
             params["structured_outputs"] = constraint
         if req.echo and req.logprobs is not None:
             params["prompt_logprobs"] = req.logprobs
-        shape = await run_sized(len(body), CompletionAnswer, req, model, prompts, tokenizer)   # echo's texts
+        if adapter is not None:
+            params["lora_name"] = adapter
+        shape = await run_sized(len(body), CompletionAnswer, req, adapter or model, prompts, tokenizer)   # echo's texts
         return await answer(request, triton, model, prompts, params, req.logprobs is not None,
                             shape, req.stream, open_generations)
 
@@ -138,11 +153,11 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     async def chat_completions(request: Request):
         body = await request.body()
         req = await run_sized(len(body), parse_request, ChatCompletionRequest, body)
-        model = await model_for(req.model, req.logprobs)
+        model, adapter = await model_for(req.model, req.logprobs)
         tools = Tools.of(req)
         prompt = await run_sized(len(body), chat_prompt, tokenizer, req, tools)
         reasoning = Reasoning.of(settings.reasoning_parser, req, prompt)
-        shape = ChatAnswer(req, model, tools, reasoning)
+        shape = ChatAnswer(req, adapter or model, tools, reasoning)
         params = sampling_parameters(req, req.max_completion_tokens or req.max_tokens, shape.top)
         constraint = structured_outputs(req)
         if tools is not None and tools.calls:
@@ -154,6 +169,8 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
             constraint = reasoning.constrain(constraint)
         if constraint is not None:
             params["structured_outputs"] = constraint
+        if adapter is not None:
+            params["lora_name"] = adapter
         return await answer(request, triton, model, [prompt], params, req.logprobs, shape, req.stream,
                             open_generations)
 
@@ -182,6 +199,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
                               "tokens")
         return {"prompt": await run_sized(len(req.tokens), tokenizer.decode, req.tokens)}
 
+    lora.add_routes(app, adapters)
     app.state.triton = triton
     app.state.open_generations = open_generations
     return app

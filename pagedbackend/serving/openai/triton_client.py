@@ -345,6 +345,21 @@ class Triton:
         return TritonStream(self.client.stream_infer(one_request()), model)
 
 
+    async def control(self, model: str, order: dict) -> dict:
+        """One ``lora_control`` request to ``model`` (adapters listed, loaded or
+        unloaded; serving/triton/lora.py) and its JSON answer; the model's
+        refusal is raised as OpenAIError (400)."""
+        request = {"model_name": model, "inputs": [_input("lora_control", json.dumps(order))],
+                   "request_id": uuid.uuid4().hex}
+
+        async def one_request():
+            yield request
+        texts = []
+        async for update in TritonStream(self.client.stream_infer(one_request()), model):
+            texts += update.texts
+        return json.loads("".join(texts))
+
+
 def is_text_model(config: dict) -> bool:
     return ("text_input" in {i["name"] for i in config.get("input", [])}
             and "text_output" in {o["name"] for o in config.get("output", [])})

@@ -66,6 +66,13 @@ def read_text(request, name: str, max_bytes: Optional[int] = None, limit: str = 
         raise ValueError(f"input {name} is not valid UTF-8: {exc}") from None
 
 
+def read_optional_text(request, name: str, max_bytes: int = 64 * 1024):
+    """An optional BYTES input as text (None when absent)."""
+    if pb_utils.get_input_tensor_by_name(request, name) is None:
+        return None
+    return read_text(request, name, max_bytes)
+
+
 def read_prompt(request, max_chars: int) -> str:
     """text_input, refused cheaply when longer than ``max_chars`` characters
     (a character is at most 4 UTF-8 bytes; the engine checks characters)."""
@@ -110,15 +117,41 @@ def read_flags(request) -> dict:
 
 
 def read_sampling_params(request) -> SamplingParams:
-    """The sampling_parameters tensor (JSON), else the request's parameters (generate endpoint)."""
+    """The sampling_parameters tensor (JSON), else the request's parameters
+    (generate endpoint); ``lora_name`` is the request's adapter (``read_lora_name``)."""
     if pb_utils.get_input_tensor_by_name(request, "sampling_parameters") is not None:
-        return SamplingParams.from_json(read_text(request, "sampling_parameters", MAX_PARAMETERS_BYTES))
+        text = read_text(request, "sampling_parameters", MAX_PARAMETERS_BYTES)
+        try:
+            params = json.loads(text) if text.strip() else {}
+        except (ValueError, RecursionError):
+            return SamplingParams.from_json(text)   # raises, naming the input
+        if isinstance(params, dict):
+            params.pop("lora_name", None)
+        return SamplingParams.from_dict(params)
     text = request.parameters() or "{}"
     if len(text) > MAX_PARAMETERS_BYTES:
         raise ValueError(f"request parameters have {len(text)} characters; the limit is {MAX_PARAMETERS_BYTES}")
     params = json.loads(text)
     return SamplingParams.from_dict({k: _from_json_text(k, v) for k, v in params.items()
-                                     if k not in TRITON_PARAMETERS and not k.startswith("triton_")})
+                                     if k not in TRITON_PARAMETERS and not k.startswith("triton_")
+                                     and k != "lora_name"})
+
+
+def read_lora_name(request):
+    """``lora_name`` of ``sampling_parameters`` or of the request parameters,
+    as vllm_backend reads it (None when absent, or when they are not a JSON
+    object: ``read_sampling_params`` then says what is wrong)."""
+    if pb_utils.get_input_tensor_by_name(request, "sampling_parameters") is not None:
+        text = read_text(request, "sampling_parameters", MAX_PARAMETERS_BYTES)
+    else:
+        text = request.parameters() or "{}"
+        if len(text) > MAX_PARAMETERS_BYTES:
+            return None
+    try:
+        params = json.loads(text) if text.strip() else {}
+    except (ValueError, RecursionError):
+        return None
+    return params.get("lora_name") if isinstance(params, dict) else None
 
 
 # Request parameters of the generate endpoints may only be scalars (tritonserver
@@ -143,6 +176,12 @@ def _from_json_text(name: str, value):
 
 def send_error(sender, message: str, code) -> None:
     sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), FINAL)
+
+
+def send_json(sender, answer) -> None:
+    """One final response whose text_output is ``answer`` as JSON (a control request's)."""
+    tensor = pb_utils.Tensor("text_output", np.array([json.dumps(answer).encode("utf-8")], dtype=np.object_))
+    sender.send(pb_utils.InferenceResponse(output_tensors=[tensor]), FINAL)
 
 
 def accumulate(job: Job, out) -> int:

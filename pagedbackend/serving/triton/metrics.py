@@ -8,6 +8,7 @@ false exports nothing) and ``METRIC_NAMES``: ``both`` (default),
 Latency histograms are observed from the engine's request metrics (one clock).
 Imported only inside Triton's Python backend stub.
 """
+import time
 from typing import Dict, List, Tuple
 
 import triton_python_backend_utils as pb_utils
@@ -90,6 +91,13 @@ FAMILIES: Dict[Tuple[str, str], tuple] = {
         PER_POSITION, "spec_accepted_per_pos", "Speculative tokens accepted at each draft position.", None),
     ("pagedbackend", "spec_decode_propose_seconds_total"): (COUNTER, "propose_seconds",
                                                             "Of the step time, proposing speculative tokens.", None),
+    ("pagedbackend", "lora_loads_total"): (COUNTER, "lora_loads", "LoRA adapter folders read.", None),
+    ("pagedbackend", "lora_page_ins_total"): (COUNTER, "lora_page_ins",
+                                              "LoRA adapters written into the device adapter pool.", None),
+    ("pagedbackend", "lora_evictions_total"): (COUNTER, "lora_evictions",
+                                               "LoRA adapters evicted from the device adapter pool.", None),
+    ("pagedbackend", "lora_host_evictions_total"): (COUNTER, "lora_host_evictions",
+                                                    "LoRA adapters whose weights left host memory.", None),
     ("pagedbackend", "time_to_first_token_seconds"): (HISTOGRAM, "ttft", "Time from arrival to the first token.",
                                                       TTFT_BUCKETS),
     ("pagedbackend", "time_per_output_token_seconds"): (HISTOGRAM, "tpot", "Time per output token after the first.",
@@ -163,9 +171,30 @@ class Metrics:
             pb_utils.Logger.log_warn(f"paged_llm: no custom metrics: {exc}")
             self.gauges, self.counters, self.histograms, self.per_position = [], [], {}, []
 
+    def lora(self, enabled: bool, namespaces=NAMESPACES) -> None:
+        """With adapters: vLLM's ``vllm:lora_requests_info`` (labels: running and
+        waiting adapters, max_lora; value: when they were last seen so) and
+        requests per adapter (``pagedbackend:lora_requests_total{lora_name}``).
+        Series are kept per label set, as vLLM keeps them: the current one
+        has the latest time."""
+        self.lora_families = {}
+        if not enabled or not (self.gauges or self.counters):
+            return
+        for space, name, kind, text in (
+                ("vllm", "lora_requests_info", pb_utils.MetricFamily.GAUGE,
+                 "Running and waiting LoRA adapters (labels) and max_lora; value: time of the latest change."),
+                ("pagedbackend", "lora_requests_total", pb_utils.MetricFamily.COUNTER,
+                 "Requests admitted per LoRA adapter.")):
+            if space in namespaces:
+                self.lora_families[name] = pb_utils.MetricFamily(name=f"{space}:{name}", description=text, kind=kind)
+                self.families.append(self.lora_families[name])
+        self.lora_info, self.lora_requests = {}, {}   # label values -> metric
+
     def update(self, stats):
         """Counters first, then gauges: a scrape that sees a gauge of this
         refresh also sees its counters."""
+        if getattr(self, "lora_families", None):
+            self._update_lora(stats)
         increments = {}
         for key, _ in self.counters:
             value = getattr(stats, key)
@@ -185,6 +214,23 @@ class Metrics:
                     metrics[position][1] = value
         for key, gauge in self.gauges:
             gauge.set(float(getattr(stats, key)))
+
+    def _update_lora(self, stats) -> None:
+        requests = self.lora_families.get("lora_requests_total")
+        for name, count in (stats.lora_requests.items() if requests is not None else ()):
+            metric, seen = self.lora_requests.get(name, (None, 0))
+            if count > seen:
+                metric = metric or requests.Metric(labels={**self.labels, "lora_name": name})
+                metric.increment(float(count - seen))
+                self.lora_requests[name] = (metric, count)
+        info = self.lora_families.get("lora_requests_info")
+        if info is not None:   # as vLLM: one series per label set, the current one set to now
+            labels = (",".join(stats.lora_running), ",".join(stats.lora_waiting), str(stats.max_lora))
+            if labels not in self.lora_info:
+                self.lora_info[labels] = info.Metric(labels={
+                    **self.labels, "running_lora_adapters": labels[0], "waiting_lora_adapters": labels[1],
+                    "max_lora": labels[2]})
+            self.lora_info[labels].set(time.time())
 
     def observe(self, key: str, value: float):
         for histogram in self.histograms.get(key, ()):
