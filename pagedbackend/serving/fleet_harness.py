@@ -57,8 +57,9 @@ class FleetProcess(Started):
         self.openai_port = free_port()
         self.base_port = free_port_block(10 * self.replicas)
         args = ["--work-dir", str(self.work / "fleet"), *self.extra]
-        if self.make_in is not None:   # -o: a test never reinstalls the environment
-            command = ["make", "-s", "-C", str(self.make_in), "-o", ".venv/.installed", "fleet",
+        if self.make_in is not None:   # -o: a test never reinstalls the environment or builds the step
+            command = ["make", "-s", "-C", str(self.make_in), "-o", ".venv/.installed", "-o", ".venv/.step-built",
+                       "fleet",
                        f"REPLICAS={self.replicas}", f"OPENAI_PORT={self.openai_port}",
                        f"FLEET_BASE_PORT={self.base_port}", "FLEET_ARGS=" + " ".join(map(shlex.quote, args))]
         else:

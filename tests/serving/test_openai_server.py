@@ -622,7 +622,7 @@ def test_make_serve_starts_triton_and_the_openai_api_and_sigterm_stops_both(tiny
     log_path = tmp_path / "make.log"
     with open(log_path, "wb") as log:
         # -o: a test never reinstalls the environment
-        make = subprocess.Popen(["make", "-s", "-C", str(REPO), "-o", ".venv/.installed", "serve",
+        make = subprocess.Popen(["make", "-s", "-C", str(REPO), "-o", ".venv/.installed", "-o", ".venv/.step-built", "serve",
                                  *(f"{k}={v}" for k, v in ports.items())],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{ports['OPENAI_PORT']}"

@@ -43,7 +43,7 @@ class Serve:
                "PAGEDBACKEND_DEVICE": "cpu", "PAGEDBACKEND_COMPILE": "false"}
         self.log_path = log_path
         with open(log_path, "wb") as log:
-            self.make = subprocess.Popen(["make", "-s", "-C", str(REPO), "-o", ".venv/.installed", "serve",
+            self.make = subprocess.Popen(["make", "-s", "-C", str(REPO), "-o", ".venv/.installed", "-o", ".venv/.step-built", "serve",
                                           *(f"{k}={v}" for k, v in self.ports.items())],
                                          env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.openai = f"http://127.0.0.1:{self.ports['OPENAI_PORT']}"
