@@ -1,10 +1,10 @@
 """vLLM's ``kv_events_config``: KV-cache events (blocks entering and leaving
 the prefix cache, ``core/kv_events.py``) published for KV-aware routers by
 ``engine/kv_publisher.py``. A field of ``EngineConfig``."""
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from .config_json import config_fields
 
 ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -59,20 +59,7 @@ class KVEventsConfig:
     @classmethod
     def build(cls, value: Any) -> Optional["KVEventsConfig"]:
         """From a dict, its JSON text (config.pbtxt), an instance, or None / "" (off)."""
+        value = config_fields(cls, "kv_events_config", value)
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_events_config must be a JSON object: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be an object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown field(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
         return cls(**value)

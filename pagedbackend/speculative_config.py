@@ -1,9 +1,9 @@
 """vLLM's ``speculative_config``: how drafts are proposed and how many tokens
 each step verifies (``engine/speculative.py``). A field of ``EngineConfig``."""
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from .config_json import config_fields
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "self_int4")
 DISABLE_BY_BATCH_SIZE = {"ngram": 8, "suffix": 8, "draft_model": 2, "self_int4": 2}
@@ -89,22 +89,9 @@ class SpeculativeConfig:
     @classmethod
     def build(cls, value: Any) -> Optional["SpeculativeConfig"]:
         """From a dict, its JSON text (config.pbtxt), an instance, or None / "" (off)."""
+        value = config_fields(cls, "speculative_config", value)
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be an object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
         if "method" not in value:
             raise ValueError("speculative_config.method is required")
         return cls(**value)
