@@ -16,6 +16,7 @@ import threading
 from typing import Dict, Mapping, Optional, Sequence
 
 from pagedbackend.serving.constants import ADMIN_HEADER, EXIT_TIMEOUT_S
+from pagedbackend.serving.repository import only_our_models
 
 # Without a GPU these silence CUDA probing (RECIPES.md); harmless with one.
 NO_GPU_FLAGS = ("--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
@@ -27,6 +28,10 @@ MODEL_CONTROL_FLAGS = ("--model-control-mode=explicit", "--load-model=*",
                        # A model that fails to load is reported (in the log and as
                        # not ready); the others serve: /v2/models/NAME/ready tells which.
                        "--exit-on-error=false", "--strict-readiness=false")
+# A repository of our models only has complete config.pbtxt files: without this,
+# the Python backend starts a stub per model only to ask model.py for its config
+# (seconds each: the stub imports torch). Other repositories keep auto-completion.
+NO_AUTO_COMPLETE_FLAGS = ("--disable-auto-complete-config",)
 # tritonserver 2.51's HTTP front end (libevhtp) parses a form-urlencoded body
 # into two stack buffers of its size: a body over half the thread stack kills
 # the server before any handler runs (docs/robustness.md). Threads get
@@ -113,6 +118,8 @@ def server_command(model_repository, http_port: int, grpc_port: int, metrics_por
                f"--log-verbose={log_verbose}"]
     if exit_timeout_s is not None:
         command.append(f"--exit-timeout-secs={exit_timeout_s}")
+    if only_our_models(model_repository):
+        command += NO_AUTO_COMPLETE_FLAGS
     # Options given in ``extra`` replace ours of the same name (tritonserver
     # would add up repeated --load-model options, or take either value).
     given = {option.split("=", 1)[0] for option in extra if option.startswith("--")}

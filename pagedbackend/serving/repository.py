@@ -64,6 +64,26 @@ def repository_models(model_repository) -> list:
     return sorted(path.parent.name for path in pathlib.Path(model_repository).glob("*/config.pbtxt"))
 
 
+def only_our_models(model_repository) -> bool:
+    """Whether every model of the repository is a copy of ours (its config.pbtxt
+    complete, each version's model.py the shipped one), so that tritonserver
+    need not start a Python stub per model only to ask it for its config."""
+    try:
+        shipped = (default_model_repository({}) / SERVED_MODEL / "1" / "model.py").read_bytes()
+    except OSError:
+        return False
+    folders = [path for path in pathlib.Path(model_repository).iterdir() if path.is_dir()]
+    for folder in folders:
+        versions = [path for path in folder.iterdir() if path.is_dir() and path.name.isdigit()]
+        if not (folder / "config.pbtxt").is_file() or not versions:
+            return False
+        for version in versions:
+            model = version / "model.py"
+            if not model.is_file() or model.read_bytes() != shipped:
+                return False
+    return bool(folders)
+
+
 def build_step_packages(model_repository, environ: Mapping[str, str] = os.environ) -> list:
     """Build the compiled step package (``worker/step_package.py``) of every
     repository model whose settings serve one; returns their paths."""

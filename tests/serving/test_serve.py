@@ -131,6 +131,22 @@ def test_server_command_lets_models_unload_themselves_but_keeps_the_repository_a
     assert not [flag for flag in other if flag.endswith("=k3y")]  # a random key otherwise
 
 
+def test_config_auto_completion_is_skipped_only_for_a_repository_of_our_own_models(tmp_path):
+    from pagedbackend.serving.repository import make_model_repository
+    ours = make_model_repository(tmp_path / "ours", {"compile": False})
+    make_model_repository(ours, {"compile": True}, name="second")
+    assert "--disable-auto-complete-config" in server_command(ours, 18000, 18001, 18002)
+
+    edited = make_model_repository(tmp_path / "edited", {})   # a model.py of its own: its config may come from it
+    with open(edited / "paged_llm" / "1" / "model.py", "a") as f:
+        f.write("\n# edited\n")
+    other = make_model_repository(tmp_path / "other", {})
+    (other / "onnx_model" / "1").mkdir(parents=True)   # no config.pbtxt: tritonserver completes one
+    for repository in (edited, other, tmp_path / "empty"):
+        repository.mkdir(exist_ok=True)
+        assert "--disable-auto-complete-config" not in server_command(repository, 18000, 18001, 18002)
+
+
 def test_tritonserver_options_after_a_double_dash_pass_through_and_replace_ours():
     from pagedbackend.serving.launcher import parse_args
     args = parse_args(["--http-port", "18000", "--", "--load-model=paged_llm", "--log-info=false",
