@@ -48,11 +48,12 @@ $(STEP_STAMP): $(STAMP)
 	touch $(STEP_STAMP)
 
 # Two passes: the suite on one process per core (files kept whole, so a module's
-# shared server stays in one process), then the few tests that measure the
-# machine's load (marked serial) alone. Exit code 5 is "no test selected".
+# shared server stays in one process; the slowest files first, tests/conftest.py),
+# then the few tests that measure the machine's load (marked serial) alone.
+# Exit code 5 is "no test selected".
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -p no:xdist -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # tritonserver and the OpenAI-compatible API in front of it (OPENAI_PORT); Ctrl-C
