@@ -10,16 +10,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# Under pytest-xdist each worker gets its share of the cores for torch's own
-# threads: with more threads than cores, OpenMP threads wait on one another
-# (two workers of two threads each on 2 cores took about a fifth longer, in
-# CPU and in wall time, than two workers of one). Servers the tests start keep
-# their own settings.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
-
-
 # The files that take longest (``make test PYTEST_ARGS=--durations=250`` on 2
 # cores, summed per file, longest first) go to the workers first, so that the run
 # does not end with one worker alone on one of them (``make test`` passes
