@@ -12,6 +12,16 @@ Each run: synthetic prompts of ``--isl`` tokens (AIPerf's own, seeded),
 streamed ``/v1/completions``, ``--request-count`` requests per concurrency
 after a warm-up. Our server is the shipped configuration (tritonserver and the
 OpenAI API of ``make serve``), measured once its compiled step serves.
+
+Where a first token's time goes: each server's Prometheus metrics are read
+before and after each AIPerf run (warm-up included) and the means of the
+run's requests reported beside AIPerf's TTFT: the engine's time from arrival
+to the first token (``vllm:time_to_first_token_seconds``, both servers) and
+its parts, waiting to be scheduled (``vllm:request_queue_time_seconds``) and
+prefill (``vllm:request_prefill_time_seconds``); for ours also Triton's queue
+before the model sees a request (``nv_inference_queue_duration_us``). What
+AIPerf sees beyond the engine's TTFT is the HTTP front end, the gateway and
+Triton, and the client itself.
 """
 import argparse
 import json
@@ -21,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import urllib.request
 from typing import Dict, List, Optional
 
 from . import peer_servers
@@ -64,15 +75,58 @@ def read_summary(data: dict) -> Dict[str, Optional[float]]:
     return out
 
 
+# Histograms (Prometheus sum and count) whose mean per request the run reports, and their scale to seconds.
+SERVER_TIMES = {"vllm:time_to_first_token_seconds": ("engine_ttft_s", 1.0),
+                "vllm:request_queue_time_seconds": ("engine_queue_s", 1.0),
+                "vllm:request_prefill_time_seconds": ("engine_prefill_s", 1.0)}
+TRITON_QUEUE = ("nv_inference_queue_duration_us", "nv_inference_request_success")
+
+
+def scrape(metrics_url: Optional[str]) -> Dict[str, float]:
+    """Every sample of the Prometheus text at ``metrics_url``, summed over labels ({} if unreachable)."""
+    if not metrics_url:
+        return {}
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    samples: Dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            try:
+                samples[name] = samples.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
+            except ValueError:
+                pass
+    return samples
+
+
+def server_times(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, Optional[float]]:
+    """Mean seconds per request of the server's own histograms over one run."""
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    out: Dict[str, Optional[float]] = {}
+    for metric, (key, scale) in SERVER_TIMES.items():
+        count = delta(metric + "_count")
+        out[key] = round(delta(metric + "_sum") * scale / count, 4) if count > 0 else None
+    queue_us, requests = delta(TRITON_QUEUE[0]), delta(TRITON_QUEUE[1])
+    out["triton_queue_s"] = round(queue_us / 1e6 / requests, 4) if requests > 0 and TRITON_QUEUE[0] in after else None
+    return out
+
+
 def run_system(name: str, start_server, url: str, model: str, tokenizer: str, aiperf: str, args,
-               out_dir: pathlib.Path) -> List[dict]:
+               out_dir: pathlib.Path, metrics_url=None) -> List[dict]:
     rows = []
-    with start_server():
+    with start_server() as server:
+        metrics = metrics_url(server) if callable(metrics_url) else metrics_url
         for concurrency in args.concurrency:
             requests = args.request_count or max(16, 3 * concurrency)
             try:
+                before = scrape(metrics)
                 row = run_aiperf(aiperf, url, model, tokenizer, concurrency, requests, args,
                                  out_dir / f"{name.replace(' ', '_')}-c{concurrency}")
+                row.update(server_times(before, scrape(metrics)))
             except Exception as exc:
                 row = {"concurrency": concurrency, "error": peer_servers.error_text(exc)}
             row["system"] = name
@@ -138,7 +192,8 @@ def main(argv=None):
     if "ours" in args.systems:
         port = free_port()
         rows += run_system("ours", lambda: _Ours("default", port, args.threads), f"http://127.0.0.1:{port}",
-                           "paged_llm", model_dir, aiperf, args, out_dir)
+                           "paged_llm", model_dir, aiperf, args, out_dir,
+                           metrics_url=lambda server: server.triton.metrics_url)
     if "vllm" in args.systems:
         python = args.vllm_python if args.vllm_python and os.access(args.vllm_python, os.X_OK) else None
         if python is None:
@@ -147,7 +202,8 @@ def main(argv=None):
             port = free_port()
             rows += run_system("vLLM CPU", lambda: peer_servers.vllm(python, model_dir, port, args.threads,
                                                                      args.max_num_seqs, args.vllm_env),
-                               f"http://127.0.0.1:{port}", model_dir, model_dir, aiperf, args, out_dir)
+                               f"http://127.0.0.1:{port}", model_dir, model_dir, aiperf, args, out_dir,
+                               metrics_url=f"http://127.0.0.1:{port}/metrics")
     for message in skipped:
         print(f"skipped: {message}", flush=True)
     ours = {r["concurrency"]: r for r in rows if r["system"] == "ours" and "error" not in r}

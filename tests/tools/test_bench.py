@@ -614,3 +614,48 @@ def test_moe_bench_reads_the_active_experts_once_per_step_and_generates_hugging_
     assert result["same_tokens_as_hf"] is True
     assert json.loads((tmp_path / "moe.json").read_text())["rows"] == result["rows"]
 
+
+
+def test_aiperf_bench_reads_the_servers_own_time_to_first_token_and_its_parts():
+    """Prometheus text served over loopback, read before and after a run:
+    means per request of the run's histograms, summed over labels."""
+    import http.server
+    import threading
+    from loadtest.bench import aiperf
+
+    pages = []
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = pages[-1].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    def text(ttft_sum, count, queue_sum, triton_us, success):
+        return (f"# TYPE vllm:time_to_first_token_seconds histogram\n"
+                f'vllm:time_to_first_token_seconds_sum{{model_name="a"}} {ttft_sum}\n'
+                f'vllm:time_to_first_token_seconds_count{{model_name="a"}} {count}\n'
+                f'vllm:request_queue_time_seconds_sum{{model_name="a"}} {queue_sum / 2}\n'
+                f'vllm:request_queue_time_seconds_sum{{model_name="b"}} {queue_sum / 2}\n'
+                f'vllm:request_queue_time_seconds_count{{model_name="a"}} {count}\n'
+                f'nv_inference_queue_duration_us{{model="paged_llm",version="1"}} {triton_us}\n'
+                f'nv_inference_request_success{{model="paged_llm",version="1"}} {success}\n')
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        pages.append(text(1.0, 2, 0.5, 1000, 2))
+        before = aiperf.scrape(url)
+        pages.append(text(5.0, 6, 2.5, 401000, 6))
+        times = aiperf.server_times(before, aiperf.scrape(url))
+    finally:
+        server.shutdown()
+    assert times["engine_ttft_s"] == 1.0 and times["engine_queue_s"] == 0.5
+    assert times["engine_prefill_s"] is None and times["triton_queue_s"] == 0.1
+    assert aiperf.scrape("http://127.0.0.1:1/metrics") == {}
