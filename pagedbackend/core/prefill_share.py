@@ -14,6 +14,14 @@ share of a step is what the target leaves after its decode tokens,
 are prefilling and the requests that wait (each gets at least MIN_CHUNK, so
 every prompt advances).
 
+The target holds on average, not step by step: a step that carries decode
+tokens and finishes under the target banks the time it left (at most
+CREDIT_TARGETS targets' worth), and the next prefill may spend it. Decode
+steps of a few streams are well under the target, so a newcomer's short
+prompt beside them is computed in one step (its time to first token is one
+step, not a handful of small chunks), while a long prompt spends the credit
+on its first chunk and then keeps to the target.
+
 The trade-off: a long prompt's time to first token grows while others
 decode (its chunks shrink), by about the ratio of the full chunk's step time
 to the target; the streams beside it keep
@@ -24,6 +32,7 @@ from typing import Optional
 MIN_CHUNK = 16       # prompt tokens a prefilling sequence computes per step at least
 FORGET = 0.9         # weight of the earlier steps in the fit, per step
 MIN_STEPS = 3        # steps measured before chunks are sized by time
+CREDIT_TARGETS = 2.0  # time left under the target that later steps may spend, in targets at most
 
 
 class PrefillShare:
@@ -32,11 +41,15 @@ class PrefillShare:
         # Weighted sums for the fit: weight, tokens, seconds, tokens^2, tokens*seconds.
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.steps = 0
+        self.credit = 0.0   # seconds banked by steps under the target
+        self._paced = False  # whether the step being observed kept pace for someone
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One step that ran the model: ``tokens`` computed in ``seconds``."""
         if tokens <= 0 or seconds <= 0:
             return
+        if self._paced:   # a step sized for the target: bank what it left, pay what it overran
+            self.credit = min(CREDIT_TARGETS * self.target_s, max(0.0, self.credit + self.target_s - seconds))
         f = FORGET
         self._w, self._x, self._y = f * self._w + 1, f * self._x + tokens, f * self._y + seconds
         self._xx, self._xy = f * self._xx + tokens * tokens, f * self._xy + tokens * seconds
@@ -56,10 +69,11 @@ class PrefillShare:
         """The most prompt tokens one sequence computes in the next step, or
         None (the configured chunk) when nothing decodes and nobody waits or
         too few steps were measured."""
-        if (decode_tokens == 0 and waiting == 0) or self.steps < MIN_STEPS:
+        self._paced = decode_tokens > 0 or waiting > 0
+        if not self._paced or self.steps < MIN_STEPS:
             return None
         a, b = self.cost()
-        share = (self.target_s - a) / b - decode_tokens
+        share = (self.target_s + self.credit - a) / b - decode_tokens
         per_sequence = int(share / max(1, prefilling + waiting))
         return max(MIN_CHUNK, min(self.max_chunk, per_sequence))
 

@@ -2,14 +2,15 @@
 per-token parts; while sequences decode or requests wait, a prompt's chunk is
 what the time-per-output-token target leaves, split among the prefilling and
 waiting requests (at least MIN_CHUNK); with nothing decoding and nobody
-waiting it is the configured chunk again. On the tiny model, a long prompt's
+waiting it is the configured chunk again; steps that keep pace under the
+target bank the time they leave, and the next prompt may spend it. On the tiny model, a long prompt's
 chunks shrink while another request decodes and grow back once it is done,
 and greedy tokens do not change."""
 import pytest
 
 from pagedbackend import LLM, SamplingParams
 from pagedbackend.engine.llm import merge_delta
-from pagedbackend.core.prefill_share import MIN_CHUNK, MIN_STEPS, PrefillShare
+from pagedbackend.core.prefill_share import CREDIT_TARGETS, MIN_CHUNK, MIN_STEPS, PrefillShare
 
 
 def fitted(a: float, b: float, sizes) -> PrefillShare:
@@ -41,6 +42,32 @@ def test_the_share_is_what_the_target_leaves_after_the_decodes_split_among_promp
     assert share.chunk(decode_tokens=0, prefilling=1, waiting=0) is None   # grows back: nothing to keep pace for
     assert fitted(0.001, 0.0001, [1, 50, 200]).chunk(1, 1, 0) == 256      # never above the configured chunk
     assert fitted(0.05, 0.001, [1] * (MIN_STEPS - 1)).chunk(1, 1, 0) is None
+
+
+def test_decode_steps_under_the_target_bank_time_that_a_newcomer_spends_at_once():
+    a, b = 0.05, 0.001   # a 50-token step takes the target of 0.1 s
+    share = fitted(a, b, [1, 50, 200, 3])
+    assert share.chunk(decode_tokens=8, prefilling=1, waiting=0) == 42 and share.credit == 0.0
+    share.observe(50, 0.1)           # a step at the target banks nothing
+    assert share.credit == 0.0
+    share.chunk(decode_tokens=8, prefilling=0, waiting=0)
+    share.observe(8, a + 8 * b)
+    assert share.credit == pytest.approx(0.042)
+    assert share.chunk(decode_tokens=8, prefilling=1, waiting=0) in (83, 84)   # 42 more tokens fit
+    for _ in range(5):               # 8 streams decoding alone: 0.058 s a step, 0.042 s banked each
+        share.chunk(decode_tokens=8, prefilling=0, waiting=0)
+        share.observe(8, a + 8 * b)
+    assert share.credit == pytest.approx(CREDIT_TARGETS * 0.1)   # at most two targets' worth
+    assert share.chunk(decode_tokens=8, prefilling=0, waiting=1) == 242   # a 200-token prompt in one step
+    share.observe(250, a + 250 * b)  # that step overran the target by 0.2 s: the credit is spent
+    assert share.credit == pytest.approx(0.0)
+    assert share.chunk(decode_tokens=8, prefilling=1, waiting=0) == 42
+    share.observe(50, 0.5)           # an overrun with nothing banked leaves no debt behind
+    assert share.credit == 0.0
+    alone = fitted(a, b, [1, 50, 200, 3])
+    assert alone.chunk(decode_tokens=0, prefilling=1, waiting=0) is None
+    alone.observe(8, 0.01)           # a step sized for nobody's pace banks nothing
+    assert alone.credit == 0.0
 
 
 def test_a_long_prompt_computes_small_chunks_while_another_request_decodes(tiny_model_dir):
