@@ -3,7 +3,11 @@
 A step's (token, slot) pairs are grouped by expert in C and each active
 expert multiplies its rows once, through the packed GEMM of
 ``csrc/packed_gemm.c``: a decode step of one sequence reads its top-k experts
-and nothing else. Expert weights are packed once, at load (``pack_gate_up``, ``pack_down``).
+and nothing else. Expert weights are packed once, at load (``pack_gate_up``, ``pack_down``),
+in float32 or, where every weight is a bfloat16 value (a checkpoint published
+in bfloat16), in bfloat16 (``exact_in_bfloat16``): the kernel widens them
+exactly in registers, so its sums are the float32 kernel's, bit for bit, for
+half the bytes that a step bound by memory bandwidth reads.
 The call is a ``torch.library`` operator, so a compiled step keeps it as one
 opaque call. Each call adds the bytes of expert weights it read to
 ``bytes_read`` (a benchmark's count against the active-parameter floor).
@@ -52,7 +56,7 @@ def load_library() -> ctypes.CDLL:
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
                                           + [ctypes.c_void_p] * 4
                                           + [ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_void_p,
-                                             ctypes.c_int, ctypes.c_void_p])
+                                             ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
             library.fused_moe.restype = ctypes.c_int
             library.fused_moe_block_cols.restype = ctypes.c_int
             _library = library
@@ -70,6 +74,12 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def exact_in_bfloat16(*weights: torch.Tensor) -> bool:
+    """Whether every value of ``weights`` is a bfloat16 value (widening the
+    bfloat16 copy gives it back exactly)."""
+    return all(torch.equal(w, w.to(torch.bfloat16).to(w.dtype)) for w in weights)
 
 
 def _pack(weight: torch.Tensor, cols: int) -> torch.Tensor:
@@ -140,11 +150,13 @@ def _fused_moe_cpu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     experts = w13.shape[0]
     padded = padded_intermediate(intermediate)
     if (x.dtype != torch.float32 or ids.dtype != torch.int32 or weights.dtype != torch.float32
+            or w13.dtype not in (torch.float32, torch.bfloat16) or w2.dtype != w13.dtype
             or ids.shape != weights.shape or ids.shape[0] != tokens or w13.shape[2] != hidden
             or w13.shape[1] * w13.shape[3] != 2 * padded or w2.shape[2] != padded):
         raise ValueError(f"fused_moe_cpu: float32 x [T, {w13.shape[2]}], int32 ids and float32 weights "
-                         f"[T, k] expected; got x {x.dtype} {tuple(x.shape)}, ids {ids.dtype} "
-                         f"{tuple(ids.shape)}, weights {weights.dtype} {tuple(weights.shape)}")
+                         f"[T, k] expected, experts float32 or bfloat16 (both alike); got x {x.dtype} "
+                         f"{tuple(x.shape)}, ids {ids.dtype} {tuple(ids.shape)}, weights {weights.dtype} "
+                         f"{tuple(weights.shape)}, experts {w13.dtype} and {w2.dtype}")
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     out = x.new_empty((tokens, hidden))
     read = ctypes.c_longlong(0)
@@ -152,7 +164,7 @@ def _fused_moe_cpu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         x.data_ptr(), tokens, hidden, intermediate, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
         experts, w13.data_ptr(), w2.data_ptr(), None if b13 is None else b13.data_ptr(),
         None if b2 is None else b2.data_ptr(), activation, alpha, limit, out.data_ptr(),
-        torch.get_num_threads(), ctypes.byref(read))
+        torch.get_num_threads(), ctypes.byref(read), int(w13.dtype == torch.bfloat16))
     if status:
         raise MemoryError("fused_moe_cpu: no memory for the step's scratch rows")
     bytes_read.add(read.value)
@@ -173,7 +185,7 @@ def fused_moe_cpu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13
                   limit: float = 7.0) -> torch.Tensor:
     """The experts' weighted sum for every token of ``x`` ``[T, H]``: ``w13``
     packed by ``pack_gate_up`` from ``[E, 2I, H]`` (gate rows, then up rows),
-    ``w2`` by ``pack_down`` from ``[E, H, I]``; biases ``[E, 2I]`` and
+    ``w2`` by ``pack_down`` from ``[E, H, I]``, both float32 or both bfloat16; biases ``[E, 2I]`` and
     ``[E, H]`` (unpacked) or None."""
     return torch.ops.pagedbackend.fused_moe_cpu(x, ids, weights, w13, w2, b13, b2, intermediate,
                                                 ACTIVATIONS[activation], alpha, limit)

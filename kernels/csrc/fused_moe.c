@@ -15,7 +15,9 @@
  * of its tokens go there: the step's (token, slot) pairs are sorted by expert,
  * each expert's rows are gathered into one block of rows, and that block
  * multiplies the expert's packed weight through packed_gemm.c's run_blocks
- * (rows in register chunks, column blocks kept in cache).
+ * (rows in register chunks, column blocks kept in cache). The packed weights
+ * are float32, or bfloat16 (bf16 != 0: a checkpoint's bfloat16 experts kept
+ * as published, widened exactly in registers; half the bytes, the same sums).
  *
  * Threads split columns, never experts: thread t multiplies its share of
  * every active expert's gate/up block pairs (then activates them), waits at
@@ -85,10 +87,11 @@ INLINE float swiglu_oai(float g, float u, float alpha, float limit) {
  * not NULL) receives the bytes of expert weights the step read. b13 is [E][2I]
  * (gate, then up), unpadded. */
 int fused_moe(const float *x, int T, int H, int I, const int *ids, const float *weights, int k, int E,
-              const float *w13p, const float *w2p, const float *b13, const float *b2, int act,
-              float alpha, float limit, float *out, int threads, long long *bytes) {
+              const void *w13p, const void *w2p, const float *b13, const float *b2, int act,
+              float alpha, float limit, float *out, int threads, long long *bytes, int bf16) {
     int pairs1 = (I + NB - 1) / NB, Ip = pairs1 * NB, N1 = 2 * Ip, B2 = (H + NB - 1) / NB;
-    size_t e13 = (size_t)N1 * H, e2 = (size_t)B2 * NB * Ip;   /* floats per packed expert */
+    size_t e13 = (size_t)N1 * H, e2 = (size_t)B2 * NB * Ip;   /* weights per packed expert */
+    size_t wb = bf16 ? 2 : sizeof(float);                      /* bytes per weight */
     if (bytes) *bytes = 0;
     if (T <= 0) return 0;
     if (grow((void **)&index_buf, &index_len, (size_t)3 * E + 2 + 2 * (size_t)T * k, sizeof(int))) return -1;
@@ -116,7 +119,7 @@ int fused_moe(const float *x, int T, int H, int I, const int *ids, const float *
     for (int e = 0; e < E; e++) {
         if (!count[e]) continue;
         active[nact++] = e;
-        if (bytes) *bytes += (long long)((e13 + e2) * sizeof(float));
+        if (bytes) *bytes += (long long)((e13 + e2) * wb);
     }
     if (threads < 1) threads = 1;
     int failed = 0;
@@ -141,7 +144,9 @@ int fused_moe(const float *x, int T, int H, int I, const int *ids, const float *
             for (int r = 0; r < n; r++)
                 memcpy(rows_buf + (size_t)r * H, x + (size_t)(order[offset[e] + r] / k) * H, sizeof(float) * H);
             float *g1 = h1 + (size_t)offset[e] * N1;
-            run_blocks(rows_buf, w13p + (size_t)e * e13, 0, NULL, g1, n, H, N1, 2 * p0, 2 * p1);
+            const void *we = (const char *)w13p + (size_t)e * e13 * wb;
+            if (bf16) run_blocks(rows_buf, we, W_BF16, NULL, g1, n, H, N1, 2 * p0, 2 * p1);
+            else run_blocks(rows_buf, we, W_F32, NULL, g1, n, H, N1, 2 * p0, 2 * p1);
             const float *bg = b13 ? b13 + (size_t)e * 2 * I : NULL;
             for (int r = 0; r < n; r++) {
                 const float *g = g1 + (size_t)r * N1;
@@ -176,8 +181,11 @@ int fused_moe(const float *x, int T, int H, int I, const int *ids, const float *
         /* Down blocks [c0, c1) of every active expert (whole activated rows are ready). */
         for (int a = 0; a < nact && c0 < c1; a++) {
             int e = active[a];
-            run_blocks(h2 + (size_t)offset[e] * Ip, w2p + (size_t)e * e2, 0, NULL,
-                       down + (size_t)offset[e] * H, count[e], Ip, H, c0, c1);
+            const void *we = (const char *)w2p + (size_t)e * e2 * wb;
+            if (bf16) run_blocks(h2 + (size_t)offset[e] * Ip, we, W_BF16, NULL,
+                                 down + (size_t)offset[e] * H, count[e], Ip, H, c0, c1);
+            else run_blocks(h2 + (size_t)offset[e] * Ip, we, W_F32, NULL,
+                            down + (size_t)offset[e] * H, count[e], Ip, H, c0, c1);
         }
         /* This thread's output columns: each token's slots summed. */
         int h0 = c0 * NB, hn = (c1 * NB < H ? c1 * NB : H) - h0;

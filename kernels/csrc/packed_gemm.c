@@ -25,9 +25,14 @@
  * fp32 sum over k in order, so results differ from a BLAS sgemm only by
  * rounding.
  *
+ * bfloat16 weights (packed_gemm_bf16) use the float layout with two bytes a
+ * weight: each is widened to float in registers (a shift: exact), so the sums
+ * are those of the float32 kernel on the same values, bit for bit, for half
+ * the bytes. A weight published in bfloat16 loses nothing kept this way.
+ *
  * Every function below takes the weight as `const void *` with `q` saying
- * whether it is int8; they are inlined into the two entry points, where `q`
- * is a constant, so each gets code of its own.
+ * its type (W_F32, W_I8, W_BF16); they are inlined into the entry points,
+ * where `q` is a constant, so each gets code of its own.
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -49,6 +54,9 @@
 #define PREFETCH_K 32    /* float rows of a block prefetched ahead */
 #define PREFETCH_QK 64   /* int8 rows */
 #define INLINE static inline __attribute__((always_inline))
+#define W_F32 0
+#define W_I8 1
+#define W_BF16 2
 
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 
@@ -66,9 +74,33 @@ INLINE vf widen(const signed char *p) {
 #endif
 }
 
+/* VW bfloat16 weights as a float vector: each one's 16 bits become the high
+ * half of a float (exact). */
+INLINE vf widen_bf16(const unsigned short *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#elif defined(__AVX2__)
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+    vf w;
+    for (int i = 0; i < VW; i++) {
+        unsigned u = (unsigned)p[i] << 16;
+        memcpy(&w[i], &u, sizeof u);
+    }
+    return w;
+#endif
+}
+
+/* Bytes of one packed weight of type q. */
+#define W_BYTES(q) ((q) == W_I8 ? 1 : (q) == W_BF16 ? 2 : (int)sizeof(float))
+
 /* Row k of a packed block: its two vectors of weights, as floats. */
 INLINE void load_row(const void *w, int q, int k, vf *w0, vf *w1) {
-    if (q) {
+    if (q == W_BF16) {
+        const unsigned short *p = (const unsigned short *)w + (size_t)k * NB;
+        *w0 = widen_bf16(p);
+        *w1 = widen_bf16(p + VW);
+    } else if (q == W_I8) {
         const signed char *p = (const signed char *)w + (size_t)k * NB;
         *w0 = widen(p);
         *w1 = widen(p + VW);
@@ -81,7 +113,7 @@ INLINE void load_row(const void *w, int q, int k, vf *w0, vf *w1) {
 
 /* Block b of the packed weight. */
 INLINE const void *block(const void *wp, int q, int b, int K) {
-    return (const char *)wp + (size_t)b * K * NB * (q ? 1 : sizeof(float));
+    return (const char *)wp + (size_t)b * K * NB * W_BYTES(q);
 }
 
 /* One output row of a block: ncols values, times the column scales when
@@ -121,8 +153,10 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
         acc[r][1] = (vf){0};
     }
     for (int k = 0; k < K; k++) {
-        if (q) {
+        if (q == W_I8) {
             __builtin_prefetch((const signed char *)w + (size_t)(k + PREFETCH_QK) * NB, 0, 3);
+        } else if (q == W_BF16) {   /* a row of NB bf16: at most one 64-byte line */
+            __builtin_prefetch((const unsigned short *)w + (size_t)(k + PREFETCH_K) * NB, 0, 3);
         } else if (C == 1 || !PREFETCH_NEXT_BLOCK) {
             __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_K) * NB, 0, 3);
             if (NB > 16)   /* a row of two 64-byte lines */
@@ -294,7 +328,7 @@ INLINE int run_blocks(const float *x, const void *wp, int q, const float *scales
                       int M, int K, int N, int first, int last) {
     int C = (M + MR - 1) / MR;
 #if HAVE_BF16
-    if (q && bf16_rows > 0 && M >= bf16_rows) {
+    if (q == W_I8 && bf16_rows > 0 && M >= bf16_rows) {
         int Kp = (K + 1) / 2 * 2;
         if (paired_len < (size_t)Kp * NB) {
             free(paired);
@@ -347,7 +381,7 @@ INLINE int run_blocks(const float *x, const void *wp, int q, const float *scales
         }
         return 0;
     }
-    int copy = q && C > 1;   /* int8 blocks widened once for all chunks */
+    int copy = q == W_I8 && C > 1;   /* int8 blocks widened once for all chunks */
     if (copy && widened_len < (size_t)K * NB) {
         free(widened);
         widened = aligned_alloc(64, ((size_t)K * NB * sizeof(float) + 63) / 64 * 64);
@@ -356,8 +390,8 @@ INLINE int run_blocks(const float *x, const void *wp, int q, const float *scales
     }
     for (int b = first; b < last; b++) {
         const void *wb = block(wp, q, b, K);
-        const float *sc = q ? scales + (size_t)b * NB : NULL;
-        const float *next = !q && b + 1 < last ? (const float *)block(wp, q, b + 1, K) : NULL;
+        const float *sc = q == W_I8 ? scales + (size_t)b * NB : NULL;
+        const float *next = q == W_F32 && b + 1 < last ? (const float *)block(wp, q, b + 1, K) : NULL;
         int ncols = N - b * NB;
         if (ncols > NB) ncols = NB;
         if (copy) {
@@ -416,14 +450,20 @@ INLINE int run(const float *x, const void *wp, int q, const float *scales, float
 }
 
 void packed_gemm(const float *x, const float *wp, float *y, int M, int K, int N, int threads) {
-    run(x, wp, 0, NULL, y, M, K, N, threads);   /* float weights allocate nothing */
+    run(x, wp, W_F32, NULL, y, M, K, N, threads);   /* float weights allocate nothing */
+}
+
+/* y = x . W^T for bfloat16 packed W (the float layout, two bytes a weight):
+ * the float kernel's sums on the widened weights. */
+void packed_gemm_bf16(const float *x, const unsigned short *wp, float *y, int M, int K, int N, int threads) {
+    run(x, wp, W_BF16, NULL, y, M, K, N, threads);
 }
 
 /* y = x . (q * scales)^T for int8 packed q (see the top). Returns 0, or -1
  * when a thread could not allocate its float copy of a block. */
 int packed_gemm_i8(const float *x, const signed char *qp, const float *scales, float *y,
                    int M, int K, int N, int threads) {
-    return run(x, qp, 1, scales, y, M, K, N, threads);
+    return run(x, qp, W_I8, scales, y, M, K, N, threads);
 }
 
 /* int8 steps of at least `rows` rows take the bfloat16 path from now on (0:

@@ -22,11 +22,14 @@ prompt's tokens over the time to its first token. The in-process systems run
 in paired rounds (each round: every system, every stream count); vLLM runs
 its rounds in a process of its own afterwards (it cannot share the memory).
 
+The checkpoint is written in bfloat16 and every system loads it in float32;
+our kernel keeps the experts in bfloat16 (every value is one: widened exactly
+in registers, the same sums, half the bytes), the others hold float32 copies.
 Bytes of expert weights read per decode step are counted by the C kernel
 (each active expert's packed weights, once per step; a run of N tokens minus
 a run of one, which reads exactly its prefill's) and set against the
 active-parameter floor: a step of one sequence needs its top-k experts of
-every layer, unpadded. Our MoE engine's greedy tokens are compared with
+every layer, unpadded, in the dtype the kernel holds them in. Our MoE engine's greedy tokens are compared with
 Hugging Face's (``same_tokens_as_hf``).
 """
 import argparse
@@ -252,7 +255,11 @@ def main(argv=None):
         model = HuggingFace.load(moe_dir)
         systems += [HuggingFace(model, experts) for experts in args.hf_experts.split(",")]
     results = run_in_process(systems, stream_prompts, prefill, args.decode_tokens, args.rounds)
-    kernel = systems[0].llm.engine.runner.moe_kernel
+    from pagedbackend.models.moe import experts_of
+    runner = systems[0].llm.engine.runner
+    kernel = runner.moe_kernel
+    layer = experts_of(runner.model)[0]
+    weight_bytes, expert_dtype = layer.w13.element_size(), str(layer.w13.dtype).removeprefix("torch.")
     for system in systems:
         system.close()
     systems = None
@@ -267,8 +274,10 @@ def main(argv=None):
     else:
         skipped.append("vLLM: no --vllm-python / BENCH_VLLM_PYTHON (or --quick)")
     counts = moe_model.parameter_counts(moe_cfg)
-    floor_one = moe_cfg["num_hidden_layers"] * moe_cfg["num_experts_per_tok"] * counts["expert_bytes_fp32"]
-    every = moe_cfg["num_hidden_layers"] * moe_cfg["num_experts"] * counts["expert_bytes_fp32"]
+    # The floor in the dtype the kernel holds the experts in (bfloat16 where the checkpoint's are), unpadded.
+    expert_bytes = counts["expert_bytes_fp32"] // 4 * weight_bytes
+    floor_one = moe_cfg["num_hidden_layers"] * moe_cfg["num_experts_per_tok"] * expert_bytes
+    every = moe_cfg["num_hidden_layers"] * moe_cfg["num_experts"] * expert_bytes
     rows = []
     for name, res in results.items():
         row = {"system": name, "prefill_tok_s": median(res["prefill"])}
@@ -290,7 +299,8 @@ def main(argv=None):
     read_one = ours.get(f"expert_bytes_per_step_{streams[0]}")
     result = {"model": {"moe": str(moe_dir), "dense": str(dense_dir), "moe_parameters": counts,
                         "dense_parameters": moe_model.parameter_counts(dense_cfg)},
-              "expert_kernel": kernel, "streams": streams, "decode_tokens": args.decode_tokens,
+              "expert_kernel": kernel, "expert_dtype": expert_dtype, "expert_bytes": expert_bytes,
+              "expert_bytes_fp32": counts["expert_bytes_fp32"], "streams": streams, "decode_tokens": args.decode_tokens,
               "prompt_tokens": args.prompt_tokens, "prefill_tokens": args.prefill_tokens, "rounds": args.rounds,
               "rows": rows, "ratios": ratios, "same_tokens_as_hf": same_tokens, "skipped": skipped,
               "active_expert_floor_bytes_one_stream": floor_one, "every_expert_bytes": every,
@@ -304,7 +314,7 @@ def main(argv=None):
     if result["read_over_floor_one_stream"]:
         print(f"expert bytes per one-stream decode step: {read_one / 1e6:.1f} MB, "
               f"{result['read_over_floor_one_stream']:.3f}x the active experts' {floor_one / 1e6:.1f} MB "
-              f"(every expert: {every / 1e6:.0f} MB)")
+              f"in {expert_dtype} (every expert: {every / 1e6:.0f} MB)")
     if same_tokens is not None:
         print(f"our MoE engine's greedy tokens {'equal' if same_tokens else 'differ from'} Hugging Face's")
     for line in skipped:

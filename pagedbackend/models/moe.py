@@ -142,8 +142,11 @@ class FusedMoE(nn.Module):
     def use_kernel(self, kernel: str) -> None:
         """Serve through ``kernel`` (``packed``, ``triton`` or ``torch``); packing happens here, once."""
         if kernel == "packed" and self.kernel != "packed":
-            self.w13 = moe_cpu.pack_gate_up(self.w13)
-            self.w2 = moe_cpu.pack_down(self.w2)
+            # Weights published in bfloat16 (every value exact in it) stay bfloat16: the
+            # kernel widens them exactly, the same sums for half the bytes.
+            held = torch.bfloat16 if moe_cpu.exact_in_bfloat16(self.w13, self.w2) else self.w13.dtype
+            self.w13 = moe_cpu.pack_gate_up(self.w13.to(held))
+            self.w2 = moe_cpu.pack_down(self.w2.to(held))
         if kernel == "triton":
             _register_grouped()
         self.kernel = kernel
@@ -151,8 +154,9 @@ class FusedMoE(nn.Module):
     def expert_weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` of this rank, unpacked."""
         if self.kernel == "packed":
-            return (moe_cpu.unpack_gate_up(self.w13, self.local_inter),
-                    moe_cpu.unpack_down(self.w2, self.config.hidden_size, self.local_inter))
+            dtype = self.router_weight.dtype if self.w13.dtype == torch.bfloat16 else self.w13.dtype
+            return (moe_cpu.unpack_gate_up(self.w13, self.local_inter).to(dtype),
+                    moe_cpu.unpack_down(self.w2, self.config.hidden_size, self.local_inter).to(dtype))
         return self.w13, self.w2
 
     def expert_bytes(self) -> int:

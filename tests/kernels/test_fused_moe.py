@@ -105,3 +105,27 @@ def test_packing_round_trips():
     w13, w2 = torch.randn(3, 2 * 37, 20), torch.randn(3, 20, 37)   # I = 37: a padded last block
     assert torch.equal(moe_cpu.unpack_gate_up(moe_cpu.pack_gate_up(w13), 37), w13)
     assert torch.equal(moe_cpu.unpack_down(moe_cpu.pack_down(w2), 20, 37), w2)
+
+
+@needs_c_kernel
+@pytest.mark.parametrize("tokens, activation, bias", [(1, "silu", False), (5, "swigluoai", True),
+                                                      (70, "silu", True)])
+def test_cpu_kernel_on_bfloat16_experts_sums_what_float32_sums_for_half_the_bytes(tokens, activation, bias):
+    """Weights that are bfloat16 values (as a checkpoint published in bfloat16
+    holds) give the same output, bit for bit, packed as bfloat16 or float32."""
+    x, ids, weights, w13, w2, b13, b2 = expert_case(tokens, 72, 37, 8, 3, bias=bias, seed=tokens)
+    w13, w2 = w13.bfloat16().float(), w2.bfloat16().float()
+    assert moe_cpu.exact_in_bfloat16(w13, w2) and not moe_cpu.exact_in_bfloat16(w13 * (1 + 2 ** -12))
+    packed = {dtype: (moe_cpu.pack_gate_up(w13.to(dtype)), moe_cpu.pack_down(w2.to(dtype)))
+              for dtype in (torch.float32, torch.bfloat16)}
+    out, read = {}, {}
+    for dtype, (w13p, w2p) in packed.items():
+        moe_cpu.bytes_read.reset()
+        out[dtype] = moe_cpu.fused_moe_cpu(x, ids, weights, w13p, w2p, b13, b2, 37, activation)
+        read[dtype] = moe_cpu.bytes_read.bytes
+    assert torch.equal(out[torch.bfloat16], out[torch.float32])
+    assert read[torch.bfloat16] * 2 == read[torch.float32] > 0
+    torch.testing.assert_close(out[torch.float32], fm.fused_experts_torch(x, ids, weights, w13, w2, b13, b2,
+                                                                        activation), atol=2e-6, rtol=2e-5)
+    with pytest.raises(ValueError, match="experts float32 or bfloat16"):
+        moe_cpu.fused_moe_cpu(x, ids, weights, packed[torch.bfloat16][0], packed[torch.float32][1], b13, b2, 37)

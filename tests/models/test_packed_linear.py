@@ -371,7 +371,8 @@ def test_layers_fall_back_to_the_python_operators_when_the_native_ones_cannot_bu
     assert relative_error(layer(x), F.linear(x, weight)) < 1e-5
 
 
-AVX2_TESTS = ["computes", "thread_count", "strided", "compiled_call", "decode_kernel", "subnormal", "c_kv_write"]
+AVX2_TESTS = ["computes", "thread_count", "strided", "compiled_call", "decode_kernel", "subnormal", "c_kv_write",
+              "cpu_kernel"]
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= set(native._cpu_flags().split()),
@@ -379,7 +380,7 @@ AVX2_TESTS = ["computes", "thread_count", "strided", "compiled_call", "decode_ke
 def test_kernels_built_for_avx2_only_compute_the_same():
     """``ATEN_CPU_CAPABILITY=avx2`` (torch's knob) builds the C kernels for
     x86-64-v3, the code a CPU without AVX-512 runs (16-column blocks, 6-row
-    chunks): the layer and decode-kernel tests pass again in a process held to it."""
+    chunks): the layer, decode-kernel and expert-kernel tests pass again in a process held to it."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}   # a build of its own: the flags key it
     probe = subprocess.run([sys.executable, "-c", "from pagedbackend.models import packed_linear as p; "
                             "from pagedbackend.kernels import native as n; print(p.block_cols(), *n.isa_flags())"],
@@ -389,6 +390,7 @@ def test_kernels_built_for_avx2_only_compute_the_same():
     tests = pathlib.Path(__file__).parents[1]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           str(tests / "models" / "test_packed_linear.py"), str(tests / "kernels" / "test_kernels.py"),
+                          str(tests / "kernels" / "test_fused_moe.py"),
                           "-k", f"({' or '.join(AVX2_TESTS)}) and not avx2_only"], env=env, capture_output=True, text=True,
                          timeout=1200, cwd=tests.parent)
     assert run.returncode == 0, run.stdout[-3000:]
