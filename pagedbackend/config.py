@@ -49,10 +49,10 @@ class EngineConfig:
     # Time per output token to keep while sequences decode or requests wait
     # (core/prefill_share.py): prompt chunks shrink below the threshold above
     # so that a step takes about this long on average, from measured step
-    # costs (steps under it bank the time left, up to two targets, for the next
-    # prompt: a short one beside a few decoding streams goes in one step); 0:
-    # off (fixed chunks). 0.1 s is about twice a decode step of the default
-    # model on 2 CPU cores.
+    # costs (steps under it bank the time left, up to two targets); prompts go
+    # shortest first, and one whose rest fits a step of four targets is
+    # finished at once; 0: off (fixed chunks). 0.1 s is about twice a decode
+    # step of the default model on 2 CPU cores.
     tpot_target_s: float = 0.1
     # Longest sequence (prompt + output); None means the model's context length.
     max_model_len: Optional[int] = None

@@ -10,9 +10,17 @@ The step's cost is modelled as ``seconds = a + b * tokens`` (a: the weights
 read once per step and the per-step overhead; b: per token), fitted by least
 squares over the measured steps, recent ones weighing most. The prefill
 share of a step is what the target leaves after its decode tokens,
-``(target - a) / b - decode_tokens``, split evenly among the sequences that
-are prefilling and the requests that wait (each gets at least MIN_CHUNK, so
-every prompt advances).
+``(target - a) / b - decode_tokens`` (with nothing decoding, at least the
+configured chunk: nobody's pace is at stake), given to the prompts that are
+prefilling or waiting shortest remainder first (under the priority policy,
+higher priority first, then shortest), each at least MIN_CHUNK (so
+every prompt advances) and at most the configured chunk; a prompt whose
+whole rest fits a step of FINISH_TARGETS targets is finished in this step.
+Shortest first, and finishing short prompts, give the least mean time to
+first token: requests that arrive together (closed-loop clients finish and
+return together) get their first tokens one after another instead of all at
+the end of an evenly shared prefill held to the decodes' pace, and a short
+prompt beside a long one is through in one step.
 
 The target holds on average, not step by step: a step that carries decode
 tokens and finishes under the target banks the time it left (at most
@@ -27,11 +35,12 @@ decode (its chunks shrink), by about the ratio of the full chunk's step time
 to the target; the streams beside it keep
 their pace instead of slowing to one token per full-chunk step.
 """
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 MIN_CHUNK = 16       # prompt tokens a prefilling sequence computes per step at least
 FORGET = 0.9         # weight of the earlier steps in the fit, per step
 MIN_STEPS = 3        # steps measured before chunks are sized by time
+FINISH_TARGETS = 4.0  # a step may take this many targets to finish prompts whose rest fits it
 CREDIT_TARGETS = 2.0  # time left under the target that later steps may spend, in targets at most
 
 
@@ -65,25 +74,44 @@ class PrefillShare:
             return 0.0, self._y / self._x
         return a, b
 
-    def chunk(self, decode_tokens: int, prefilling: int, waiting: int) -> Optional[int]:
-        """The most prompt tokens one sequence computes in the next step, or
-        None (the configured chunk) when nothing decodes and nobody waits or
-        too few steps were measured."""
+    def share(self, decode_tokens: int, targets: float = 1.0) -> int:
+        """Prompt tokens the next step may compute beside ``decode_tokens`` in
+        ``targets`` times the target."""
+        a, b = self.cost()
+        share = int(round((targets * self.target_s + self.credit - a) / b - decode_tokens, 6))
+        return share if decode_tokens else max(share, self.max_chunk)
+
+    def caps(self, decode_tokens: int, prompts: List[Tuple], waiting: int) -> Optional[Dict[int, int]]:
+        """The most prompt tokens each sequence computes in the next step, by
+        sequence id, for ``prompts`` (sequence id, prompt tokens left[, rank:
+        lower first]) of the sequences prefilling and the first waiting ones,
+        in scheduling order;
+        None (the configured chunk) when nothing decodes and nobody waits
+        (``waiting`` requests) or too few steps were measured."""
         self._paced = decode_tokens > 0 or waiting > 0
         if not self._paced or self.steps < MIN_STEPS:
             return None
-        a, b = self.cost()
-        share = (self.target_s + self.credit - a) / b - decode_tokens
-        per_sequence = int(share / max(1, prefilling + waiting))
-        return max(MIN_CHUNK, min(self.max_chunk, per_sequence))
+        left, finish, caps = self.share(decode_tokens), self.share(decode_tokens, FINISH_TARGETS), {}
+        for seq_id, tokens, *_ in sorted(prompts, key=lambda p: (p[2:], p[1])):   # stable: ties in order
+            if tokens <= min(self.max_chunk, finish):   # its whole rest fits: first token this step
+                cap = tokens
+            else:
+                cap = max(MIN_CHUNK, min(self.max_chunk, tokens, left))
+            caps[seq_id] = cap
+            left, finish = left - min(cap, tokens), finish - min(cap, tokens)
+        return caps
 
-    def chunk_for(self, scheduler) -> Optional[int]:
-        """``chunk`` for the scheduler's queues as they stand before a step."""
-        decode = prefilling = 0
+    def caps_for(self, scheduler) -> Optional[Dict[int, int]]:
+        """``caps`` for the scheduler's queues as they stand before a step (the
+        waiting requests that could be admitted: at most ``max_num_seqs``)."""
+        decode, prompts = 0, []
+        rank = (lambda group: group.priority) if scheduler.priority else (lambda group: 0)
         for group in scheduler.running:
             for seq in group.seqs:
                 if seq.num_uncomputed_tokens > 1:
-                    prefilling += 1
+                    prompts.append((seq.seq_id, seq.num_uncomputed_tokens, rank(group)))
                 else:
                     decode += 1 + scheduler.num_lookahead
-        return self.chunk(decode, prefilling, len(scheduler.waiting))
+        for group in scheduler.waiting.first(scheduler.config.max_num_seqs):
+            prompts += [(seq.seq_id, seq.num_uncomputed_tokens, rank(group)) for seq in group.seqs]
+        return self.caps(decode, prompts, len(scheduler.waiting))

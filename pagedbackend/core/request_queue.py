@@ -59,5 +59,9 @@ class RequestQueue:
     def __contains__(self, group: SequenceGroup) -> bool:
         return id(group) in self._entries
 
+    def first(self, count: int) -> List[SequenceGroup]:
+        """The first ``count`` groups in order (O(n log count))."""
+        return [entry[2] for entry in heapq.nsmallest(count, self._entries.values())]
+
     def __iter__(self) -> Iterator[SequenceGroup]:
         return (entry[2] for entry in sorted(self._entries.values()))

@@ -38,12 +38,13 @@ generated tokens, reusing whatever prefix blocks are still cached.
 """
 import bisect
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from ..config import EngineConfig
 from ..sampling_params import InvalidRequestError
 from .block_manager import AllocStatus, BlockManager
 from .capacity import Capacity
+from .prefill_share import MIN_CHUNK
 from .request_queue import RequestQueue
 from .scheduled import ScheduledSeq, SchedulerOutput, StepUpdate
 from .sequence import GroupStatus, Sequence, SequenceGroup
@@ -85,9 +86,10 @@ class Scheduler:
         # Speculative slots per decoding sequence for the next steps (set by
         # the engine, which decides how many tokens to propose).
         self.num_lookahead = 0
-        # Prompt tokens one sequence computes in the next step, when sized by
-        # time (set by the engine: prefill_share.py); None: the configured chunk.
-        self.prefill_chunk: Optional[int] = None
+        # Prompt tokens each sequence computes in the next step, by sequence
+        # id, when sized by time (set by the engine: prefill_share.py); None:
+        # the configured chunk. A sequence it does not name gets MIN_CHUNK.
+        self.prefill_caps: Optional[Dict[int, int]] = None
         # With adapters: whether a group's adapter fits the adapter pool beside
         # those of the running groups (set by the engine; lora.LoRAManager.fits).
         self.adapter_room: Optional[Callable[[SequenceGroup, List[SequenceGroup]], bool]] = None
@@ -221,10 +223,11 @@ class Scheduler:
         seqs = group.seqs if prefilling else self._decode_seqs(group, crowded)
         if not seqs or len(seqs) > room.seqs or room.tokens < (1 if prefilling else len(seqs)):
             return
-        cap = self.prefill_chunk or self.config.long_prefill_token_threshold or room.tokens
+        cap = self.config.long_prefill_token_threshold or room.tokens
+        caps = self.prefill_caps
         tokens, plan = room.tokens, []
         for seq in seqs:
-            chunk = min(seq.num_uncomputed_tokens, tokens, cap)
+            chunk = min(seq.num_uncomputed_tokens, tokens, cap if caps is None else caps.get(seq.seq_id, MIN_CHUNK))
             if chunk > 0:
                 plan.append([seq, chunk, 0])
                 tokens -= chunk

@@ -204,7 +204,7 @@ class LLMEngine(AdapterMethods):
             self.scheduler.num_lookahead = self.speculator.lookahead(
                 sum(len(g.seqs) for g in self.scheduler.running))
         if self.prefill_share is not None:
-            self.scheduler.prefill_chunk = self.prefill_share.chunk_for(self.scheduler)
+            self.scheduler.prefill_caps = self.prefill_share.caps_for(self.scheduler)
         sched = self.scheduler.schedule()
         self.last_schedule_seconds = time.perf_counter() - start
         outputs += [self._end_with_error(group, msg, ran=False) for group, msg in sched.rejected]
