@@ -29,8 +29,8 @@ Bytes of expert weights read per decode step are counted by the C kernel
 (each active expert's packed weights, once per step; a run of N tokens minus
 a run of one, which reads exactly its prefill's) and set against the
 active-parameter floor: a step of one sequence needs its top-k experts of
-every layer, unpadded, in the dtype the kernel holds them in. Our MoE engine's greedy tokens are compared with
-Hugging Face's (``same_tokens_as_hf``).
+every layer, unpadded, in the dtype the kernel holds them in. Our MoE
+engine's greedy tokens are compared with Hugging Face's (``same_tokens_as_hf``).
 """
 import argparse
 import dataclasses
@@ -300,7 +300,7 @@ def main(argv=None):
     result = {"model": {"moe": str(moe_dir), "dense": str(dense_dir), "moe_parameters": counts,
                         "dense_parameters": moe_model.parameter_counts(dense_cfg)},
               "expert_kernel": kernel, "expert_dtype": expert_dtype, "expert_bytes": expert_bytes,
-              "expert_bytes_fp32": counts["expert_bytes_fp32"], "streams": streams, "decode_tokens": args.decode_tokens,
+              "streams": streams, "decode_tokens": args.decode_tokens,
               "prompt_tokens": args.prompt_tokens, "prefill_tokens": args.prefill_tokens, "rounds": args.rounds,
               "rows": rows, "ratios": ratios, "same_tokens_as_hf": same_tokens, "skipped": skipped,
               "active_expert_floor_bytes_one_stream": floor_one, "every_expert_bytes": every,

@@ -154,9 +154,8 @@ class FusedMoE(nn.Module):
     def expert_weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` of this rank, unpacked."""
         if self.kernel == "packed":
-            dtype = self.router_weight.dtype if self.w13.dtype == torch.bfloat16 else self.w13.dtype
-            return (moe_cpu.unpack_gate_up(self.w13, self.local_inter).to(dtype),
-                    moe_cpu.unpack_down(self.w2, self.config.hidden_size, self.local_inter).to(dtype))
+            return (moe_cpu.unpack_gate_up(self.w13, self.local_inter).float(),   # the kernel is float32
+                    moe_cpu.unpack_down(self.w2, self.config.hidden_size, self.local_inter).float())
         return self.w13, self.w2
 
     def expert_bytes(self) -> int:
