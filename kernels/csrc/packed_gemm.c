@@ -3,8 +3,9 @@
  * W is packed once, at load, into column blocks of NB outputs: wp[N / NB][K][NB]
  * (the last block zero-padded). One block is read from memory once per call
  * and kept in cache while every MR-row chunk of x multiplies it, with MR x 2
- * vector accumulators held in registers; with AVX-512 the next block is
- * prefetched while one is in use (see chunk_times_block). Blocks are split
+ * vector accumulators held in registers; with several chunks, a block goes
+ * panel by panel and the next panel is prefetched while one is in use (see
+ * chunk_times_panel). Blocks are split
  * evenly over OpenMP threads (the same libgomp as torch's, so both share one
  * thread team).
  *
@@ -134,19 +135,13 @@ INLINE void store_row(vf a0, vf a1, const float *sc, float *y, int ncols) {
     }
 }
 
-/* One MR-row chunk (m rows) of x times one packed block. With AVX-512 and
- * float weights, chunk c of C also prefetches its share of the next block, so
- * all C chunks together fetch it while this one is in use. Otherwise (a single
- * chunk, an int8 block, which is always a single chunk here, or AVX2) a chunk
- * prefetches ahead in its own block, a line at a time. An AVX2 block (16
- * columns) nearly fills L1 by itself, and fetching the next one there evicts
- * it before the later chunks read it: at 16-32 rows that costs 1.3-1.8x the
- * time of prefetching within the block (BENCHMARKS.md, "cpu_kernels"). Reads past
- * the end of the weight are prefetches only, which never fault. */
-#define PREFETCH_NEXT_BLOCK (VW == 16)
+/* One MR-row chunk (m rows) of x times one packed block, as a step of one
+ * chunk (or of bfloat16 weights) multiplies it: the chunk prefetches ahead in
+ * its own block, a line at a time (reads past the end of the weight are
+ * prefetches only, which never fault). Float blocks of several chunks go
+ * panel by panel instead (chunk_times_panel). */
 INLINE void chunk_times_block(const float *x, const void *w, int q, const float *sc,
-                              const float *next, float *y, int m, int K, int ldy, int ncols,
-                              int c, int C) {
+                              float *y, int m, int K, int ldy, int ncols) {
     vf acc[MR][2];
     for (int r = 0; r < MR; r++) {
         acc[r][0] = (vf){0};
@@ -157,12 +152,10 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
             __builtin_prefetch((const signed char *)w + (size_t)(k + PREFETCH_QK) * NB, 0, 3);
         } else if (q == W_BF16) {   /* a row of NB bf16: at most one 64-byte line */
             __builtin_prefetch((const unsigned short *)w + (size_t)(k + PREFETCH_K) * NB, 0, 3);
-        } else if (C == 1 || !PREFETCH_NEXT_BLOCK) {
+        } else {
             __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_K) * NB, 0, 3);
             if (NB > 16)   /* a row of two 64-byte lines */
                 __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_K) * NB + 16, 0, 3);
-        } else if (next) {
-            __builtin_prefetch(next + ((size_t)c * K + k) * NB / C, 0, 3);
         }
         vf w0, w1;
         load_row(w, q, k, &w0, &w1);
@@ -177,6 +170,57 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
     }
     for (int r = 0; r < m; r++)
         store_row(acc[r][0], acc[r][1], sc, y + (size_t)r * ldy, ncols);
+}
+
+/* Rows k0..k1-1 of one float block (a panel) times one MR-row chunk, added
+ * to the partial sums the earlier panels left in y (k0 > 0). Steps of several
+ * chunks walk a block panel by panel, every chunk over one panel before the
+ * next: a panel (KP rows: 24 KB with AVX-512, 12 KB with AVX2) and the chunks' slices of x stay
+ * in L1 for all chunks, where a whole block (K x NB floats, 72-192 KB for
+ * SmolLM2's layers) went through L1 once per chunk from L2. Meanwhile chunk c
+ * of C prefetches its share of the next KP rows of the weight, which follow
+ * in memory (the rest of this block, then the next block). Each output is
+ * still one float sum over k in order, so results are unchanged bit for bit. */
+#define KP 192
+INLINE void chunk_times_panel(const float *x, const float *w, float *y, int m, int K, int ldy,
+                              int ncols, int k0, int k1, int c, int C) {
+    vf acc[MR][2];
+    for (int r = 0; r < MR; r++) {
+        if (r < m && k0 > 0) {
+            const float *yr = y + (size_t)r * ldy;
+            if (ncols == NB) {
+                acc[r][0] = *(const vf *)yr;
+                acc[r][1] = *(const vf *)(yr + VW);
+            } else {
+                float tmp[NB] = {0};
+                memcpy(tmp, yr, (size_t)ncols * sizeof(float));
+                acc[r][0] = *(const vf *)tmp;
+                acc[r][1] = *(const vf *)(tmp + VW);
+            }
+        } else {
+            acc[r][0] = (vf){0};
+            acc[r][1] = (vf){0};
+        }
+    }
+    /* chunk c's share of the next panel, KP x NB / C floats, one step of
+     * NB / C floats (in 1/256ths) per k: spread over the pass, no division */
+    const float *next = w + (size_t)k1 * NB + (size_t)c * KP * NB / C;
+    unsigned step = (NB << 8) / C, at = 0;
+    for (int k = k0; k < k1; k++, at += step) {
+        __builtin_prefetch(next + (at >> 8), 0, 3);
+        const float *p = w + (size_t)k * NB;
+        vf w0 = *(const vf *)p, w1 = *(const vf *)(p + VW);
+#pragma GCC unroll 12
+        for (int r = 0; r < MR; r++) {
+            if (r < m) {
+                float xs = x[(size_t)r * K + k];
+                acc[r][0] += xs * w0;
+                acc[r][1] += xs * w1;
+            }
+        }
+    }
+    for (int r = 0; r < m; r++)
+        store_row(acc[r][0], acc[r][1], NULL, y + (size_t)r * ldy, ncols);
 }
 
 /* Decode steps of a few rows are bound by memory bandwidth, and one
@@ -391,7 +435,6 @@ INLINE int run_blocks(const float *x, const void *wp, int q, const float *scales
     for (int b = first; b < last; b++) {
         const void *wb = block(wp, q, b, K);
         const float *sc = q == W_I8 ? scales + (size_t)b * NB : NULL;
-        const float *next = q == W_F32 && b + 1 < last ? (const float *)block(wp, q, b + 1, K) : NULL;
         int ncols = N - b * NB;
         if (ncols > NB) ncols = NB;
         if (copy) {
@@ -404,21 +447,29 @@ INLINE int run_blocks(const float *x, const void *wp, int q, const float *scales
                 *(vf *)(widened + (size_t)k * NB + VW) = w1 * s1;
             }
         }
-        for (int c = 0; c < C; c++) {
-            /* C chunks of as even sizes as can be (16 rows: 8 + 8, not 12 + 4) */
-            int m = M / C + (c < M % C), r0 = c * (M / C) + (c < M % C ? c : M % C);
-            const float *xc = x + (size_t)r0 * K;
-            float *yc = y + (size_t)r0 * N + (size_t)b * NB;
-            /* A constant row count per case lets the compiler keep the
-             * accumulators in registers. */
-            switch (m) {
-#define ROWS(n) case n: { if (copy) chunk_times_block(xc, widened, 0, NULL, NULL, yc, n, K, N, ncols, c, C); \
-                          else chunk_times_block(xc, wb, q, sc, next, yc, n, K, N, ncols, c, C); } break;
-            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
+        /* float blocks of several chunks: panel by panel (chunk_times_panel;
+         * the widened int8 copy, already in L2, gains nothing from it: 1.04-1.14x
+         * the time at 16-64 rows) */
+        int panels = q == W_F32 && C > 1;
+        for (int k0 = 0; k0 < K; k0 += panels ? KP : K) {
+            int k1 = panels && k0 + KP < K ? k0 + KP : K;
+            for (int c = 0; c < C; c++) {
+                /* C chunks of as even sizes as can be (16 rows: 8 + 8, not 12 + 4) */
+                int m = M / C + (c < M % C), r0 = c * (M / C) + (c < M % C ? c : M % C);
+                const float *xc = x + (size_t)r0 * K;
+                float *yc = y + (size_t)r0 * N + (size_t)b * NB;
+                /* A constant row count per case lets the compiler keep the
+                 * accumulators in registers. */
+                switch (m) {
+#define ROWS(n) case n: { if (panels) chunk_times_panel(xc, (const float *)wb, yc, n, K, N, ncols, k0, k1, c, C); \
+                          else if (copy) chunk_times_block(xc, widened, 0, NULL, yc, n, K, N, ncols); \
+                          else chunk_times_block(xc, wb, q, sc, yc, n, K, N, ncols); } break;
+                ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
 #if MR > 6
-            ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
+                ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
 #endif
 #undef ROWS
+                }
             }
         }
     }

@@ -67,6 +67,22 @@ def test_packed_linear_computes_x_times_w_transposed(rows, out_features, in_feat
         assert relative_error(got, F.linear(x, weight)) < 1e-5
 
 
+# Each output is one float sum over k in order whatever the row count, so a
+# step of many rows (several chunks, walked panel by panel over K, partial
+# sums kept in y between panels) gives each row exactly what that row alone
+# gives (one row: blocks side by side, no panels). K: one panel and a ragged
+# rest, several whole panels.
+@pytest.mark.parametrize("rows", [13, 25, 32, 64])
+@pytest.mark.parametrize("out_features,in_features", [(300, 200), (77, 1536)])
+def test_packed_linear_rows_equal_each_row_alone(rows, out_features, in_features):
+    torch.manual_seed(rows)
+    weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
+    layer = packed_linear.PackedLinear(weight)
+    together = layer(x)
+    assert torch.equal(together, torch.cat([layer(x[i:i + 1]) for i in range(rows)]))
+    assert relative_error(together, F.linear(x, weight)) < 1e-5
+
+
 # int8: one to four rows (blocks side by side), one chunk of rows (widened in
 # registers), several chunks (each block widened once into a float copy),
 # both sides of KERNEL_MAX_ROWS.
@@ -371,7 +387,7 @@ def test_layers_fall_back_to_the_python_operators_when_the_native_ones_cannot_bu
     assert relative_error(layer(x), F.linear(x, weight)) < 1e-5
 
 
-AVX2_TESTS = ["computes", "thread_count", "strided", "compiled_call", "decode_kernel", "subnormal", "c_kv_write",
+AVX2_TESTS = ["computes", "each_row_alone", "thread_count", "strided", "compiled_call", "decode_kernel", "subnormal", "c_kv_write",
               "cpu_kernel"]
 
 
