@@ -26,8 +26,8 @@
  * fp32 sum over k in order, so results differ from a BLAS sgemm only by
  * rounding.
  *
- * bfloat16 weights (W_BF16: fused_moe.c's experts) use the float layout with two bytes a
- * weight: each is widened to float in registers (a shift: exact), so the sums
+ * bfloat16 weights (packed_gemm_bf16, and fused_moe.c's experts) use the float
+ * layout with two bytes a weight: each is widened to float in registers (a shift: exact), so the sums
  * are those of the float32 kernel on the same values, bit for bit, for half
  * the bytes. A weight published in bfloat16 loses nothing kept this way.
  *
@@ -502,6 +502,12 @@ INLINE int run(const float *x, const void *wp, int q, const float *scales, float
 
 void packed_gemm(const float *x, const float *wp, float *y, int M, int K, int N, int threads) {
     run(x, wp, W_F32, NULL, y, M, K, N, threads);   /* float weights allocate nothing */
+}
+
+/* y = x . W^T for W held in bfloat16 (see the top): float32 sums, bit for bit
+ * those of packed_gemm on the same values. */
+void packed_gemm_bf16(const float *x, const unsigned short *wp, float *y, int M, int K, int N, int threads) {
+    run(x, wp, W_BF16, NULL, y, M, K, N, threads);
 }
 
 /* y = x . (q * scales)^T for int8 packed q (see the top). Returns 0, or -1

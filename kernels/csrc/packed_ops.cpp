@@ -26,12 +26,14 @@
 namespace {
 
 using gemm_f32 = void (*)(const float *, const float *, float *, int, int, int, int);
+using gemm_bf16 = void (*)(const float *, const uint16_t *, float *, int, int, int, int);
 using gemm_i8 = int (*)(const float *, const signed char *, const float *, float *, int, int, int, int);
 
 using gemm_w8a8 = int (*)(const int8_t *, const float *, const int8_t *, const int32_t *, const float *,
                           float *, int, int, int, int);
 
 gemm_f32 kernel_f32 = nullptr;
+gemm_bf16 kernel_bf16 = nullptr;
 gemm_i8 kernel_i8 = nullptr;
 using rescale_w8a8 = void (*)(const int32_t *, const float *, const float *, float *, int, int, int);
 gemm_w8a8 kernel_w8a8 = nullptr;
@@ -52,16 +54,21 @@ at::Tensor unpack(const at::Tensor &packed, int64_t out_features) {
 }
 
 at::Tensor packed_linear(const at::Tensor &x_in, const at::Tensor &packed, int64_t out_features) {
+    bool bf16 = packed.scalar_type() == at::kBFloat16;
     TORCH_CHECK_VALUE(x_in.dim() == 2 && packed.dim() == 3 && x_in.scalar_type() == at::kFloat &&
-                      packed.scalar_type() == at::kFloat && packed.size(1) == x_in.size(1),
+                      (packed.scalar_type() == at::kFloat || bf16) && packed.size(1) == x_in.size(1),
                       "packed_linear takes float32 [rows, ", packed.dim() == 3 ? packed.size(1) : -1,
                       "] inputs for this weight; got ", x_in.scalar_type(), " ", shape_of(x_in));
-    TORCH_CHECK(kernel_f32 != nullptr, "packed_linear_native: the GEMM kernel was not handed over");
+    TORCH_CHECK(kernel_f32 != nullptr && kernel_bf16 != nullptr,
+                "packed_linear_native: the GEMM kernels were not handed over");
     int64_t rows = x_in.size(0), k = x_in.size(1);
-    if (rows > kernel_max_rows) return at::linear(x_in, unpack(packed, out_features));
+    if (rows > kernel_max_rows) return at::linear(x_in, unpack(packed, out_features).to(at::kFloat));
     at::Tensor x = x_in.contiguous();
     at::Tensor y = at::empty({rows, out_features}, x.options());
-    if (rows)
+    if (rows && bf16)
+        kernel_bf16(x.data_ptr<float>(), reinterpret_cast<const uint16_t *>(packed.data_ptr()),
+                    y.data_ptr<float>(), (int)rows, (int)k, (int)out_features, at::get_num_threads());
+    else if (rows)
         kernel_f32(x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), (int)rows,
                    (int)k, (int)out_features, at::get_num_threads());
     return y;
@@ -128,8 +135,9 @@ extern "C" void packed_ops_set_w8a8(void *kernel, void *rescale, long long max_r
     w8a8_max_rows = max_rows;
 }
 
-extern "C" void packed_ops_set_kernels(void *f32, void *i8, long long max_rows) {
+extern "C" void packed_ops_set_kernels(void *f32, void *bf16, void *i8, long long max_rows) {
     kernel_f32 = reinterpret_cast<gemm_f32>(f32);
+    kernel_bf16 = reinterpret_cast<gemm_bf16>(bf16);
     kernel_i8 = reinterpret_cast<gemm_i8>(i8);
     kernel_max_rows = max_rows;
 }

@@ -22,6 +22,12 @@ torch) that calls the same C function. A compiled step calls the C++ kernel
 straight from its C++ wrapper, without entering Python: a step makes 121 such
 calls for SmolLM2. The layers use the C++ operators wherever they build
 (``EngineConfig.native_ops`` false keeps the Python ones).
+
+A weight whose every value is a bfloat16 value (a checkpoint published in
+bfloat16, loaded as float32) is held packed in bfloat16: the kernel widens
+each value exactly in registers, so every sum is the float32 kernel's, bit
+for bit, from half the bytes; decode steps, bound by memory bandwidth, read
+half as much (BENCHMARKS.md, "moe").
 """
 import ctypes
 import logging
@@ -33,6 +39,7 @@ from torch import nn
 
 from pagedbackend.config import EngineConfig
 from pagedbackend.kernels import native
+from pagedbackend.kernels.moe_cpu import exact_in_bfloat16
 
 logger = logging.getLogger("pagedbackend")
 
@@ -93,7 +100,8 @@ class NativeOps:
         self.settings = (EngineConfig.native_ops, EngineConfig.int8_bf16)
         self.fixed = False
         self.int8_bf16_min_rows = int8_bf16_rows(EngineConfig.int8_bf16)   # reads /proc/cpuinfo
-        self.gemm = self.gemm_i8 = None   # the kernel's packed_gemm and packed_gemm_i8, once loaded
+        # the kernel's packed_gemm, packed_gemm_bf16 and packed_gemm_i8, once loaded
+        self.gemm = self.gemm_bf16 = self.gemm_i8 = None
         self.use_native_ops: Optional[bool] = None   # whether layers call the C++ operators (decided at first layer)
         self.native_ops_failure: Optional[str] = None   # why they could not be built, when they could not
         self.w8a8_kernel_failure: Optional[str] = None   # why w8a8's small-step kernel is not used, when it is not
@@ -156,7 +164,7 @@ def load_library() -> ctypes.CDLL:
     library = native.load("packed_gemm")
     if state.gemm is None:
         declare(library)
-        state.gemm, state.gemm_i8 = library.packed_gemm, library.packed_gemm_i8
+        state.gemm, state.gemm_bf16, state.gemm_i8 = library.packed_gemm, library.packed_gemm_bf16, library.packed_gemm_i8
     return library
 
 
@@ -167,6 +175,9 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.packed_gemm_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     library.packed_gemm_i8.restype = ctypes.c_int
     library.packed_gemm_block_cols.restype = ctypes.c_int
+    if hasattr(library, "packed_gemm_bf16"):   # (builds of older trees lack it)
+        library.packed_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+        library.packed_gemm_bf16.restype = None
     if hasattr(library, "packed_gemm_set_bf16_rows"):   # (builds of older trees lack it)
         library.packed_gemm_set_bf16_rows.argtypes = [ctypes.c_int]
         library.packed_gemm_set_bf16_rows.restype = ctypes.c_int
@@ -206,9 +217,10 @@ def load_native_ops() -> None:
     ops = native.load_op_library("packed_ops")
     with state.register_lock:
         if not state.registered:
-            ops.packed_ops_set_kernels.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
+            ops.packed_ops_set_kernels.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_longlong]
             ops.packed_ops_set_kernels.restype = None
             ops.packed_ops_set_kernels(ctypes.cast(library.packed_gemm, ctypes.c_void_p),
+                                       ctypes.cast(library.packed_gemm_bf16, ctypes.c_void_p),
                                        ctypes.cast(library.packed_gemm_i8, ctypes.c_void_p), KERNEL_MAX_ROWS)
             torch.library.register_fake("pagedbackend::packed_linear_native")(_packed_linear_fake)
             torch.library.register_fake("pagedbackend::packed_linear_int8_native")(_packed_linear_int8_fake)
@@ -300,17 +312,19 @@ _ops.define("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor"
 
 
 def _packed_linear_cpu(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x @ W^T`` for a 2-D float32 ``x`` and ``packed = pack(W)``."""
+    """``x @ W^T`` for a 2-D float32 ``x`` and ``packed = pack(W)`` (W float32 or bfloat16)."""
     rows, k = x.shape
-    if x.dtype != torch.float32 or packed.dtype != torch.float32 or packed.shape[1] != k:
+    if (x.dtype != torch.float32 or packed.dtype not in (torch.float32, torch.bfloat16)
+            or packed.shape[1] != k):
         raise ValueError(f"packed_linear takes float32 [rows, {packed.shape[1]}] inputs for this "
                          f"weight; got {x.dtype} {tuple(x.shape)}")
     if rows > KERNEL_MAX_ROWS:   # a prefill: torch's GEMM on the weight unpacked for this call
-        return torch.nn.functional.linear(x, unpack(packed, out_features))
+        return torch.nn.functional.linear(x, unpack(packed, out_features).float())
     x = x.contiguous()
     y = x.new_empty((rows, out_features))
     if rows:
-        gemm = native_ops().gemm or load_library().packed_gemm
+        load_library()
+        gemm = native_ops().gemm_bf16 if packed.dtype == torch.bfloat16 else native_ops().gemm
         gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), rows, k, out_features,
              torch.get_num_threads())
     return y
@@ -325,7 +339,9 @@ def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, out_features: int
 
 
 class PackedLinear(nn.Module):
-    """``x W^T`` (no bias: the caller adds it) with W held packed (``pack``)."""
+    """``x W^T`` (no bias: the caller adds it) with W held packed (``pack``):
+    in bfloat16 where all of W's values are bfloat16 values (the same sums
+    from half the bytes), else in float32."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -333,7 +349,10 @@ class PackedLinear(nn.Module):
             raise ValueError(f"PackedLinear takes a 2-D float32 CPU weight; got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", pack(weight.detach()))
+        weight = weight.detach()
+        if exact_in_bfloat16(weight):
+            weight = weight.to(torch.bfloat16)
+        self.register_buffer("packed", pack(weight))
         self.ops = native_ops()
         self.ops.decide()
 
@@ -346,8 +365,8 @@ class PackedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The ``[N, K]`` weight (same name as the quantised layers' for tests)."""
-        return unpack(self.packed, self.out_features)
+        """The ``[N, K]`` float32 weight (same name as the quantised layers' for tests)."""
+        return unpack(self.packed, self.out_features).float()
 
 
 # ---------------------------------------------------------------- int8

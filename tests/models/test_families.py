@@ -14,6 +14,7 @@ from pagedbackend import LLM, SamplingParams
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.models import model_args
+from pagedbackend.models.packed_linear import PackedLinear
 from pagedbackend.worker.model_runner import ModelRunner
 from runner_reference import greedy_hf, greedy_paged, random_prompts
 
@@ -104,13 +105,16 @@ def test_engine_batch_with_prefix_cache_preemption_and_n_generates_what_transfor
     assert (WINDOW in llm.engine.block_manager.windows) == windowed
 
 
-def test_a_bfloat16_checkpoint_is_served_in_float32(tiny_family, tmp_path):
+def test_a_bfloat16_checkpoint_is_served_in_float32_with_bfloat16_held_weights(tiny_family, tmp_path):
     from safetensors.torch import load_file, save_file
     folder = shutil.copytree(tiny_family("gemma3"), tmp_path / "bf16")
     tensors = {name: t.to(torch.bfloat16) for name, t in load_file(folder / "model.safetensors").items()}
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    runner = make_runner(folder)
+    runner = make_runner(folder, linear_backend="packed")
     assert {p.dtype for p in runner.model.parameters()} == {runner.kv_cache.dtype} == {torch.float32}
+    # its linear layers and LM head are held in bfloat16 (the same float32 sums, half the bytes)
+    held = [m.packed.dtype for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    assert len(held) > 4 and set(held) == {torch.bfloat16}
     prompts = random_prompts([5, 20], VOCAB, seed=3)
     assert greedy_paged(runner, prompts) == greedy_hf(load_hf(folder, "gemma3"), prompts)
 

@@ -83,6 +83,34 @@ def test_packed_linear_rows_equal_each_row_alone(rows, out_features, in_features
     assert relative_error(together, F.linear(x, weight)) < 1e-5
 
 
+# A weight whose values are all bfloat16 values (a checkpoint published in
+# bfloat16) is held in bfloat16, half the bytes, and gives the sums of the
+# same weight held in float32 bit for bit at every row count: rows side by
+# side, one chunk, several chunks, and unpacked above KERNEL_MAX_ROWS.
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 13, 32, 64, packed_linear.KERNEL_MAX_ROWS + 1])
+@pytest.mark.parametrize("out_features,in_features", [(300, 200), (77, 1536)])
+def test_packed_linear_holds_bfloat16_weights_in_bfloat16(rows, out_features, in_features, ops):
+    torch.manual_seed(rows)
+    weight, x = torch.randn(out_features, in_features).bfloat16().float(), torch.randn(rows, in_features)
+    held = packed_linear.PackedLinear(weight)
+    assert held.packed.dtype == torch.bfloat16
+    assert torch.equal(held.dequantized(), weight)
+    in_float32 = packed_linear.PackedLinear(weight)
+    in_float32.packed = packed_linear.pack(weight)
+    assert in_float32.packed.dtype == torch.float32
+    assert held.packed.nbytes * 2 == in_float32.packed.nbytes
+    got = held(x)
+    assert torch.equal(got, in_float32(x))
+    assert relative_error(got, F.linear(x, weight)) < 1e-5
+
+
+def test_packed_linear_keeps_other_weights_in_float32():
+    weight = torch.randn(64, 32)
+    weight[0, 0] = 1 + 2 ** -10   # not a bfloat16 value
+    assert packed_linear.PackedLinear(weight.bfloat16().float()).packed.dtype == torch.bfloat16
+    assert packed_linear.PackedLinear(weight).packed.dtype == torch.float32
+
+
 # int8: one to four rows (blocks side by side), one chunk of rows (widened in
 # registers), several chunks (each block widened once into a float copy),
 # both sides of KERNEL_MAX_ROWS.
@@ -387,7 +415,7 @@ def test_layers_fall_back_to_the_python_operators_when_the_native_ones_cannot_bu
     assert relative_error(layer(x), F.linear(x, weight)) < 1e-5
 
 
-AVX2_TESTS = ["computes", "each_row_alone", "thread_count", "strided", "compiled_call", "decode_kernel", "subnormal", "c_kv_write",
+AVX2_TESTS = ["computes", "each_row_alone", "holds_bfloat16", "thread_count", "strided", "compiled_call", "decode_kernel", "subnormal", "c_kv_write",
               "cpu_kernel"]
 
 
