@@ -12,12 +12,11 @@ parameters, 0.19 B active per token: top-8 of 64 experts, 12 layers, hidden
   ``BENCH_VLLM_PYTHON`` names its Python (skipped with a message otherwise).
 
 Every system runs the same seeded prompts (token ids), greedy, EOS ignored,
-every request at once, float32, the same threads. Decode tok/s of the
-in-process systems is ``streams x (N - 1)`` tokens over the time from the
-first token to the last within one run of N tokens (every prompt is
-prefilled in one step): the engine's request metrics for ours, a logits
-processor's timestamps for Hugging Face's. vLLM's is ``streams x (N - 1) /
-(t(N) - t(1))``, a run of N tokens minus a run of one. Prefill tok/s is one
+every request at once, float32, the same threads. Decode tok/s is, for
+every system, ``streams x (N - 1) / (t(N) - t(1))``: a run of N tokens minus
+a run of one, so the prefill is left out however a system schedules it (ours
+computes 32 waiting prompts in two or more steps to give first tokens
+sooner, Hugging Face's and vLLM's in one). Prefill tok/s is one
 prompt's tokens over the time to its first token. The in-process systems run
 in paired rounds (each round: every system, every stream count); vLLM runs
 its rounds in a process of its own afterwards (it cannot share the memory).
@@ -74,7 +73,6 @@ def checkpoint(name: str, cfg: dict, seed: int) -> pathlib.Path:
 class Run:
     """One timed ``generate`` of every stream at once."""
     seconds: float          # the whole call
-    decode_seconds: float   # from the first token sampled to the last
     tokens: List[List[int]]  # each stream's generated tokens
 
 
@@ -93,9 +91,7 @@ class Ours:
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params)
         seconds = time.perf_counter() - start
-        first = min(o.metrics.first_token_time for o in outputs)
-        last = max(o.metrics.last_token_time for o in outputs)
-        return Run(seconds, last - first, [list(o.outputs[0].token_ids) for o in outputs])
+        return Run(seconds, [list(o.outputs[0].token_ids) for o in outputs])
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -121,29 +117,22 @@ class HuggingFace:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     def run(self, prompts, tokens: int) -> Run:
-        from transformers import LogitsProcessorList
         self.model.set_experts_implementation(self.experts)
         ids = torch.tensor(prompts)
-        stamps: List[float] = []
-
-        def stamp(input_ids, scores):   # called once per forward, after it
-            stamps.append(time.perf_counter())
-            return scores
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                      min_new_tokens=tokens, do_sample=False, pad_token_id=0,
-                                      logits_processor=LogitsProcessorList([stamp]))
+                                      min_new_tokens=tokens, do_sample=False, pad_token_id=0)
         seconds = time.perf_counter() - start
-        return Run(seconds, stamps[-1] - stamps[0], out[:, ids.shape[1]:].tolist())
+        return Run(seconds, out[:, ids.shape[1]:].tolist())
 
     def close(self) -> None:
         self.model = None
 
 
 def decode_rate(streams: int, tokens: int, t_n: float, t_1: float) -> Optional[float]:
-    """vLLM's decode tok/s: a run of ``tokens`` minus a run of one (None when
-    noise made the longer run no slower)."""
+    """Decode tok/s: a run of ``tokens`` minus a run of one (None when noise
+    made the longer run no slower)."""
     return streams * (tokens - 1) / (t_n - t_1) if t_n > t_1 else None
 
 
@@ -161,15 +150,16 @@ def run_in_process(systems, stream_prompts: Dict[int, List[List[int]]], prefill:
                 moe_cpu.bytes_read.reset()
                 run = system.run(prompts, tokens)
                 read_n = moe_cpu.bytes_read.bytes
-                rate = streams * (tokens - 1) / run.decode_seconds
+                moe_cpu.bytes_read.reset()
+                one = system.run(prompts, 1)   # the prefill alone
+                rate = decode_rate(streams, tokens, run.seconds, one.seconds)
                 results[system.name]["decode"][streams].append(rate)
                 results[system.name]["tokens"][streams] = run.tokens
-                if read_n:   # the experts' bytes of the decode steps alone: minus a run of the prefill
-                    moe_cpu.bytes_read.reset()
-                    system.run(prompts, 1)
+                if read_n:   # the experts' bytes of the decode steps alone: minus the prefill's
                     results[system.name]["bytes_per_step"].setdefault(streams, []).append(
                         (read_n - moe_cpu.bytes_read.bytes) / (tokens - 1))
-                print(f"round {r + 1} {system.name}: {streams} streams {rate:.1f} tok/s", flush=True)
+                print(f"round {r + 1} {system.name}: {streams} streams "
+                      f"{'-' if rate is None else f'{rate:.1f}'} tok/s", flush=True)
             seconds = system.run([prefill], 1).seconds
             results[system.name]["prefill"].append(len(prefill) / seconds)
             print(f"round {r + 1} {system.name}: prefill {len(prefill) / seconds:.0f} tok/s", flush=True)
