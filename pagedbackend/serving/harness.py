@@ -174,7 +174,11 @@ class TritonServer(Started):
 
     def _step_compiled(self) -> bool:
         name = "pagedbackend:model_step_compiled{"
-        values = [line.rsplit(" ", 1)[-1] for line in self.metrics().splitlines() if line.startswith(name)]
+        try:
+            text = self.metrics()
+        except OSError:   # tritonserver starts its metrics service after HTTP: not up yet
+            return "the model step runs eager" in self.log_tail()
+        values = [line.rsplit(" ", 1)[-1] for line in text.splitlines() if line.startswith(name)]
         if values and all(float(v) == 1.0 for v in values):
             return True
         return "the model step runs eager" in self.log_tail()

@@ -306,3 +306,14 @@ def test_use_utf8_locale_makes_text_io_utf8_in_a_process_started_in_the_c_locale
     before, after, read = out.stdout.split()
     assert before.lower().replace("-", "") != "utf8"   # the C locale really was in effect
     assert after.lower().replace("-", "") == "utf8" and read == "True"
+
+
+def test_waiting_for_the_compiled_step_survives_the_metrics_service_starting_after_http(tmp_path):
+    # tritonserver answers ready on HTTP before its metrics service listens:
+    # the compiled-step probe then meets a refused connection, which means "not yet".
+    server = TritonServer(tmp_path, metrics_port=free_port("127.0.0.1"), log_path=tmp_path / "server.log",
+                          wait_for_compiled_step=True)
+    server.log_path.write_text("")
+    assert server._step_compiled() is False
+    server.log_path.write_text("pagedbackend: the model step runs eager\n")
+    assert server._step_compiled() is True
