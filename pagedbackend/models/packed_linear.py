@@ -23,11 +23,9 @@ straight from its C++ wrapper, without entering Python: a step makes 121 such
 calls for SmolLM2. The layers use the C++ operators wherever they build
 (``EngineConfig.native_ops`` false keeps the Python ones).
 
-A weight whose every value is a bfloat16 value (a checkpoint published in
-bfloat16, loaded as float32) is held packed in bfloat16: the kernel widens
-each value exactly in registers, so every sum is the float32 kernel's, bit
-for bit, from half the bytes; decode steps, bound by memory bandwidth, read
-half as much (BENCHMARKS.md, "moe").
+A weight whose values are all bfloat16 values (a bfloat16 checkpoint) is held
+in bfloat16, widened exactly in registers: the float32 sums bit for bit, from
+half the bytes (BENCHMARKS.md, "moe").
 """
 import ctypes
 import logging
@@ -100,8 +98,7 @@ class NativeOps:
         self.settings = (EngineConfig.native_ops, EngineConfig.int8_bf16)
         self.fixed = False
         self.int8_bf16_min_rows = int8_bf16_rows(EngineConfig.int8_bf16)   # reads /proc/cpuinfo
-        # the kernel's packed_gemm, packed_gemm_bf16 and packed_gemm_i8, once loaded
-        self.gemm = self.gemm_bf16 = self.gemm_i8 = None
+        self.gemm = self.gemm_bf16 = self.gemm_i8 = None   # the kernel's functions, once loaded
         self.use_native_ops: Optional[bool] = None   # whether layers call the C++ operators (decided at first layer)
         self.native_ops_failure: Optional[str] = None   # why they could not be built, when they could not
         self.w8a8_kernel_failure: Optional[str] = None   # why w8a8's small-step kernel is not used, when it is not
@@ -164,7 +161,8 @@ def load_library() -> ctypes.CDLL:
     library = native.load("packed_gemm")
     if state.gemm is None:
         declare(library)
-        state.gemm, state.gemm_bf16, state.gemm_i8 = library.packed_gemm, library.packed_gemm_bf16, library.packed_gemm_i8
+        state.gemm, state.gemm_bf16, state.gemm_i8 = (library.packed_gemm, library.packed_gemm_bf16,
+                                                      library.packed_gemm_i8)
     return library
 
 
@@ -304,9 +302,8 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(blocks * cols, k)[:out_features]
 
 
-# A plain ``torch.library`` definition with a CPU kernel: about half the
-# per-call cost of ``torch.library.custom_op``'s wrapper, which a step pays
-# five times per layer.
+# A plain ``torch.library`` definition: about half the per-call cost of
+# ``torch.library.custom_op``'s wrapper.
 _ops = torch.library.Library("pagedbackend", "FRAGMENT")
 _ops.define("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor")
 
@@ -314,8 +311,7 @@ _ops.define("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor"
 def _packed_linear_cpu(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x @ W^T`` for a 2-D float32 ``x`` and ``packed = pack(W)`` (W float32 or bfloat16)."""
     rows, k = x.shape
-    if (x.dtype != torch.float32 or packed.dtype not in (torch.float32, torch.bfloat16)
-            or packed.shape[1] != k):
+    if x.dtype != torch.float32 or packed.dtype not in (torch.float32, torch.bfloat16) or packed.shape[1] != k:
         raise ValueError(f"packed_linear takes float32 [rows, {packed.shape[1]}] inputs for this "
                          f"weight; got {x.dtype} {tuple(x.shape)}")
     if rows > KERNEL_MAX_ROWS:   # a prefill: torch's GEMM on the weight unpacked for this call
@@ -350,9 +346,7 @@ class PackedLinear(nn.Module):
                              f"{tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
         weight = weight.detach()
-        if exact_in_bfloat16(weight):
-            weight = weight.to(torch.bfloat16)
-        self.register_buffer("packed", pack(weight))
+        self.register_buffer("packed", pack(weight.to(torch.bfloat16) if exact_in_bfloat16(weight) else weight))
         self.ops = native_ops()
         self.ops.decide()
 
