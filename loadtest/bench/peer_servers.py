@@ -193,16 +193,29 @@ ENGINE_COUNTERS = ("engine_steps_total", "engine_step_seconds_total", "engine_fo
                    "engine_sample_seconds_total", "generation_tokens_total")
 
 
-def engine_counters(url: str) -> Dict[str, float]:
-    """Our engine's step counters from tritonserver's ``/metrics``, summed over models."""
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    values = dict.fromkeys(ENGINE_COUNTERS, 0.0)
-    for line in text.splitlines():
-        name, _, rest = line.partition("{")
-        name = name.removeprefix("pagedbackend:")
-        if name in values and line.startswith("pagedbackend:"):
-            values[name] += float(rest.rsplit(" ", 1)[-1])
+def engine_counters(url: str, settle_s: float = 5.0) -> Dict[str, float]:
+    """Our engine's step counters from tritonserver's ``/metrics``, summed over
+    models, once two scrapes 0.2 s apart agree (at most ``settle_s``): the
+    model reports its counters one after another, and a scrape between two of
+    them (a step's time counted, its forward not yet) would put that step's
+    forward into the next difference without its step."""
+    def scrape() -> Dict[str, float]:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        values = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+        for line in text.splitlines():
+            name, _, rest = line.partition("{")
+            name = name.removeprefix("pagedbackend:")
+            if name in values and line.startswith("pagedbackend:"):
+                values[name] += float(rest.rsplit(" ", 1)[-1])
+        return values
+    deadline, values = time.monotonic() + settle_s, scrape()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        again = scrape()
+        if again == values:
+            break
+        values = again
     return values
 
 
