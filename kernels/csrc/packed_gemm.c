@@ -135,6 +135,18 @@ INLINE void store_row(vf a0, vf a1, const float *sc, float *y, int ncols) {
     }
 }
 
+/* acc[r] += x[r, k] * (w0, w1) for the chunk's m rows: row k of a block. */
+INLINE void rows_times_row(vf acc[MR][2], const float *x, int m, int K, int k, vf w0, vf w1) {
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; r++) {
+        if (r < m) {
+            float xs = x[(size_t)r * K + k];
+            acc[r][0] += xs * w0;
+            acc[r][1] += xs * w1;
+        }
+    }
+}
+
 /* One MR-row chunk (m rows) of x times one packed block, as a step of one
  * chunk (or of bfloat16 weights) multiplies it: the chunk prefetches ahead in
  * its own block, a line at a time (reads past the end of the weight are
@@ -159,14 +171,7 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
         }
         vf w0, w1;
         load_row(w, q, k, &w0, &w1);
-#pragma GCC unroll 12
-        for (int r = 0; r < MR; r++) {
-            if (r < m) {
-                float xs = x[(size_t)r * K + k];
-                acc[r][0] += xs * w0;
-                acc[r][1] += xs * w1;
-            }
-        }
+        rows_times_row(acc, x, m, K, k, w0, w1);
     }
     for (int r = 0; r < m; r++)
         store_row(acc[r][0], acc[r][1], sc, y + (size_t)r * ldy, ncols);
@@ -210,14 +215,7 @@ INLINE void chunk_times_panel(const float *x, const float *w, float *y, int m, i
         __builtin_prefetch(next + (at >> 8), 0, 3);
         const float *p = w + (size_t)k * NB;
         vf w0 = *(const vf *)p, w1 = *(const vf *)(p + VW);
-#pragma GCC unroll 12
-        for (int r = 0; r < MR; r++) {
-            if (r < m) {
-                float xs = x[(size_t)r * K + k];
-                acc[r][0] += xs * w0;
-                acc[r][1] += xs * w1;
-            }
-        }
+        rows_times_row(acc, x, m, K, k, w0, w1);
     }
     for (int r = 0; r < m; r++)
         store_row(acc[r][0], acc[r][1], NULL, y + (size_t)r * ldy, ncols);

@@ -319,8 +319,9 @@ def _packed_linear_cpu(x: torch.Tensor, packed: torch.Tensor, out_features: int)
     x = x.contiguous()
     y = x.new_empty((rows, out_features))
     if rows:
-        load_library()
-        gemm = native_ops().gemm_bf16 if packed.dtype == torch.bfloat16 else native_ops().gemm
+        state = native_ops()
+        state.gemm or load_library()   # loads the kernel's functions once
+        gemm = state.gemm_bf16 if packed.dtype == torch.bfloat16 else state.gemm
         gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), rows, k, out_features,
              torch.get_num_threads())
     return y
