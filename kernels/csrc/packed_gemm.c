@@ -53,6 +53,13 @@
 #endif
 #define NB (2 * VW)
 #define PREFETCH_K 32    /* float rows of a block prefetched ahead */
+/* Float rows prefetched into L2 only (prefetcht1: no L1 fill buffer held),
+ * 32 KB ahead, by the passes of 3 to 24 rows, whose FMAs used to hold the
+ * weights' stream up: SmolLM2's decode-step walk at 4-16 rows in 0.86-0.95x
+ * the time on AVX-512 (0.83x at 4 rows on AVX2), 1-2 rows unchanged (already
+ * at the bandwidth bound), 32 and more compute-bound and left alone
+ * (BENCHMARKS.md, "cpu_kernels"). */
+#define PREFETCH_L2 256
 #define PREFETCH_QK 64   /* int8 rows */
 #define INLINE static inline __attribute__((always_inline))
 #define W_F32 0
@@ -168,6 +175,9 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
             __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_K) * NB, 0, 3);
             if (NB > 16)   /* a row of two 64-byte lines */
                 __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_K) * NB + 16, 0, 3);
+            __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_L2) * NB, 0, 2);
+            if (NB > 16)
+                __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_L2) * NB + 16, 0, 2);
         }
         vf w0, w1;
         load_row(w, q, k, &w0, &w1);
@@ -213,6 +223,8 @@ INLINE void chunk_times_panel(const float *x, const float *w, float *y, int m, i
     unsigned step = (NB << 8) / C, at = 0;
     for (int k = k0; k < k1; k++, at += step) {
         __builtin_prefetch(next + (at >> 8), 0, 3);
+        if (C <= 2)   /* below 25 rows (AVX-512), where the weights' bandwidth still bounds */
+            __builtin_prefetch(next + (size_t)PREFETCH_L2 * NB + (at >> 8), 0, 2);
         const float *p = w + (size_t)k * NB;
         vf w0 = *(const vf *)p, w1 = *(const vf *)(p + VW);
         rows_times_row(acc, x, m, K, k, w0, w1);
@@ -248,6 +260,11 @@ INLINE void rows_times_blocks(const float *x, const void *wp, int q, const float
 #pragma GCC unroll 4
         for (int j = 0; j < GB; j++) {
             if (j < count) {
+                if (q == W_F32 && rows > 2) {
+                    __builtin_prefetch((const float *)w[j] + (size_t)(k + PREFETCH_L2) * NB, 0, 2);
+                    if (NB > 16)
+                        __builtin_prefetch((const float *)w[j] + (size_t)(k + PREFETCH_L2) * NB + 16, 0, 2);
+                }
                 vf w0, w1;
                 load_row(w[j], q, k, &w0, &w1);
                 for (int r = 0; r < rows; r++) {
