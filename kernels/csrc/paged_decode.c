@@ -27,30 +27,155 @@
 #include <omp.h>
 #endif
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#define VECTOR_PATH 1
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vzero _mm512_setzero_ps
+#define vset1 _mm512_set1_ps
+#define vfma _mm512_fmadd_ps
+#define vadd _mm512_add_ps
+#define vmul _mm512_mul_ps
+/* sums[j] = the sum of p[j]'s lanes, for 16 vectors: three levels of pairwise
+ * shuffles and adds, about three instructions a sum instead of a reduction
+ * of its own each. */
+static inline __attribute__((always_inline)) vec lane_sums(vec *p) {
+    vec c[8], g[4], w[2];
+    for (int i = 0; i < 8; i++)   /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                             _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 4; i++)   /* per 128-bit lane: four vectors' partial sums */
+        g[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)   /* 128-bit lanes added in pairs */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(g[2 * i], g[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(g[2 * i], g[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#else
+#define LANES 8
+typedef __m256 vec;
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vzero _mm256_setzero_ps
+#define vset1 _mm256_set1_ps
+#define vfma _mm256_fmadd_ps
+#define vadd _mm256_add_ps
+#define vmul _mm256_mul_ps
+/* sums[j] = the sum of p[j]'s lanes, for 8 vectors (as above, two lanes of 128 bits). */
+static inline __attribute__((always_inline)) vec lane_sums(vec *p) {
+    vec c[4], g[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm256_add_ps(_mm256_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                             _mm256_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        g[i] = _mm256_add_ps(_mm256_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(g[0], g[1], 0x20), _mm256_permute2f128_ps(g[0], g[1], 0x31));
+}
+#endif
+/* Accumulators the value pass keeps in registers: rows x (dim / LANES), half
+ * the vector registers (32 with AVX-512, 16 with AVX2). */
+#if defined(__AVX512F__)
+#define ACCUMULATORS 16
+#else
+#define ACCUMULATORS 8
+#endif
+
+/* Query rows [r0, r0 + R) (R a constant, R * dim / LANES <= ACCUMULATORS):
+ * o_r = norms[r] * sum_t p_r[t] v_t, every output vector held in a register across all
+ * keys and each value row loaded once for the R rows. */
+static inline __attribute__((always_inline)) void weigh_values(
+        const float *v_cache, float *out, const int *table, int first, int end, int group,
+        int kv_heads, int dim, int block_size, int h0, int r0, int R, const float *scores,
+        const float *norms, int len) {
+    vec acc[ACCUMULATORS];
+    int chunks = dim / LANES;
+    if (R * chunks > ACCUMULATORS) __builtin_unreachable();   /* the caller's runs fit */
+    for (int i = 0; i < R * chunks; i++) acc[i] = vzero();
+    for (int t = first; t < end; t++) {
+        size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
+        for (int r = 0; r < R; r++) {
+            const float *v = v_cache + (slot * kv_heads + h0 + (r0 + r) / group) * dim;
+            vec p = vset1(scores[(size_t)(r0 + r) * len + t - first]);
+            for (int c = 0; c < chunks; c++) acc[r * chunks + c] = vfma(p, vload(v + c * LANES), acc[r * chunks + c]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        vec norm = vset1(norms[r0 + r]);
+        for (int c = 0; c < chunks; c++)
+            vstore(out + (size_t)(r0 + r) * dim + c * LANES, vmul(acc[r * chunks + c], norm));
+    }
+}
+#endif
+
 /* Query heads [h0 * group, h1 * group) of one sequence against its keys
  * (KV heads h0..h1-1): every cache row of a position is read once, whole.
  * Inlined into each call site, so a constant head size (see paged_decode)
- * gives loops of known length over whole vectors. */
+ * gives loops of known length over whole vectors. With AVX-512 or AVX2, a
+ * constant head size (vector_dim) a multiple of the vector's, the scores come LANES keys at a
+ * time (one row of partial sums per key, added across lanes for all of them
+ * at once) and the weighted sum of values is held in registers. */
 static inline __attribute__((always_inline)) void item(const float *q, const float *k_cache, const float *v_cache, float *out,
                  const int *table, int end, int first, int group, int kv_heads, int dim, int block_size,
-                 float scale, int h0, int h1, const float *sinks, float *scores) {
+                 float scale, int h0, int h1, const float *sinks, float *scores, int vector_dim) {
     int rows = (h1 - h0) * group;   /* query heads of this item */
     int len = end - first;          /* keys it sees: positions first..end-1 */
+    float *norms = scores + (size_t)rows * len;   /* 1 / each row's softmax total */
     table += first / block_size;    /* positions from the block that holds `first` on */
     first %= block_size;
     end = first + len;
+#ifdef VECTOR_PATH
+    int vectorised = vector_dim && dim % LANES == 0 && dim >= LANES && dim / LANES <= ACCUMULATORS;
+#else
+    int vectorised = 0;
+    (void)vector_dim;
+#endif
     /* scores[r * len + t - first] = scale * q_r . k_t(head of r) */
-    for (int t = first; t < end; t++) {
-        size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
-        for (int r = 0; r < rows; r++) {
-            const float *k = k_cache + (slot * kv_heads + h0 + r / group) * dim;
-            const float *qr = q + (size_t)r * dim;
-            float dot = 0.f;
+    if (!vectorised) {
+        for (int t = first; t < end; t++) {
+            size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
+            for (int r = 0; r < rows; r++) {
+                const float *k = k_cache + (slot * kv_heads + h0 + r / group) * dim;
+                const float *qr = q + (size_t)r * dim;
+                float dot = 0.f;
 #pragma omp simd reduction(+:dot)
-            for (int d = 0; d < dim; d++) dot += qr[d] * k[d];
-            scores[(size_t)r * len + t - first] = dot * scale;
+                for (int d = 0; d < dim; d++) dot += qr[d] * k[d];
+                scores[(size_t)r * len + t - first] = dot * scale;
+            }
         }
     }
+#ifdef VECTOR_PATH
+    else {
+        int chunks = dim / LANES;
+        for (int t0 = first; t0 < end; t0 += LANES) {
+            int count = end - t0 < LANES ? end - t0 : LANES;
+            const float *keys[LANES];   /* a last, partial tile repeats its first key */
+            for (int j = 0; j < LANES; j++) {
+                int t = t0 + (j < count ? j : 0);
+                keys[j] = k_cache + ((size_t)table[t / block_size] * block_size + t % block_size) * kv_heads * dim;
+            }
+            for (int r = 0; r < rows; r++) {
+                const float *qr = q + (size_t)r * dim;
+                size_t head = (size_t)(h0 + r / group) * dim;
+                vec part[LANES];
+                for (int j = 0; j < LANES; j++) {
+                    vec a = vzero();
+                    for (int c = 0; c < chunks; c++) a = vfma(vload(qr + c * LANES), vload(keys[j] + head + c * LANES), a);
+                    part[j] = a;
+                }
+                float sums[LANES];
+                vstore(sums, lane_sums(part));
+                for (int j = 0; j < count; j++) scores[(size_t)r * len + t0 + j - first] = sums[j] * scale;
+            }
+        }
+    }
+#endif
     for (int r = 0; r < rows; r++) {
         float *s = scores + (size_t)r * len;
         float top = s[0];
@@ -64,7 +189,32 @@ static inline __attribute__((always_inline)) void item(const float *q, const flo
             total += s[t];
         }
         float inv = 1.f / total;
-        for (int t = 0; t < len; t++) s[t] *= inv;
+        if (vectorised)
+            norms[r] = inv;   /* applied to the weighted sum instead */
+        else
+            for (int t = 0; t < len; t++) s[t] *= inv;
+    }
+#ifdef VECTOR_PATH
+    if (vectorised) {
+        /* rows in runs of as many as the accumulators hold (at most four) */
+        int per = ACCUMULATORS / (dim / LANES);
+        per = per > 4 ? 4 : per;
+        for (int r0 = 0; r0 < rows;) {
+            int run = rows - r0 < per ? rows - r0 : per;
+#define WEIGH(R) weigh_values(v_cache, out, table, first, end, group, kv_heads, dim, block_size, h0, r0, R, scores, norms, len)
+            switch (run) {
+            case 4: WEIGH(4); break;
+            case 3: WEIGH(3); break;
+            case 2: WEIGH(2); break;
+            default: WEIGH(1);
+            }
+#undef WEIGH
+            r0 += run;
+        }
+        return;
+    }
+#endif
+    for (int r = 0; r < rows; r++) {
         float *o = out + (size_t)r * dim;
         for (int d = 0; d < dim; d++) o[d] = 0.f;
     }
@@ -97,7 +247,7 @@ int paged_decode(const float *q, const float *k_cache, const float *v_cache, flo
     if (threads > items) threads = items;
 #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)per_item * group * (longest > 0 ? longest : 1));
+        float *scores = malloc(sizeof(float) * (size_t)per_item * group * ((longest > 0 ? longest : 1) + 1));
         if (!scores) {
             failed = 1;
         } else {
@@ -106,13 +256,15 @@ int paged_decode(const float *q, const float *k_cache, const float *v_cache, flo
                 int s = i / (kv_heads / per_item), h0 = i % (kv_heads / per_item) * per_item;
                 size_t row = (size_t)s * heads + (size_t)h0 * group;
                 int first = window > 0 && lens[s] > window ? lens[s] - window : 0;
-#define ITEM(d) item(q + row * (d), k_cache, v_cache, out + row * (d), tables + (size_t)s * max_blocks, \
+#define ITEM(d, vector) item(q + row * (d), k_cache, v_cache, out + row * (d), tables + (size_t)s * max_blocks, \
                      lens[s], first, group, kv_heads, d, block_size, scale, h0, h0 + per_item, \
-                     sinks ? sinks + (size_t)h0 * group : NULL, scores)
-                switch (dim) {   /* the usual head sizes, specialised */
-                case 64: ITEM(64); break;
-                case 128: ITEM(128); break;
-                default: ITEM(dim);
+                     sinks ? sinks + (size_t)h0 * group : NULL, scores, vector)
+                switch (dim) {   /* the usual head sizes, specialised (and vectorised by hand) */
+                case 32: ITEM(32, 1); break;
+                case 64: ITEM(64, 1); break;
+                case 128: ITEM(128, 1); break;
+                case 256: ITEM(256, 1); break;
+                default: ITEM(dim, 0);
                 }
 #undef ITEM
             }

@@ -18,10 +18,11 @@ share the machine's drift; figures are medians over rounds):
   gives the LM head only the last N rows, as a prefill of N prompts does;
   ``--unpacked`` adds torch's GEMM on each weight unpacked for the call (what
   a layer does above ``KERNEL_MAX_ROWS``), to place that threshold.
-- ``attention``: decode attention of one layer for N sequences with context
-  lengths drawn (seeded) up to twice the given mean: the gather path
+- ``attention``: decode attention of a step's 30 layers for N sequences with
+  context lengths drawn (seeded) up to twice the given mean: the gather path
   (``index_select`` + batched matmuls) against the C kernel
-  (``kernels/csrc/paged_decode.c``).
+  (``kernels/csrc/paged_decode.c``); ``--against REV`` adds that kernel as
+  it was at REV.
 - ``steps``: whole decode steps of the real engine (default model) with N
   sequences running, 100 tokens past their prompts: ``linear_backend=torch``
   with the gather path (before), ``packed`` with the gather path, and
@@ -60,13 +61,12 @@ def interleaved(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def kernel_at(rev: str) -> ctypes.CDLL:
-    """``kernels/csrc/packed_gemm.c`` as of git revision ``rev``, built with
-    the flags of this tree's kernel."""
+def source_at(rev: str, name: str) -> ctypes.CDLL:
+    """``kernels/csrc/<name>.c`` as of git revision ``rev``, built with the
+    flags of this tree's kernel and loaded."""
     from pagedbackend.kernels import native
-    from pagedbackend.models import packed_linear
     root = pathlib.Path(__file__).resolve().parents[2]
-    shown = subprocess.run(["git", "show", f"{rev}:kernels/csrc/packed_gemm.c"], cwd=root,
+    shown = subprocess.run(["git", "show", f"{rev}:kernels/csrc/{name}.c"], cwd=root,
                            capture_output=True, text=True)
     if shown.returncode != 0:
         raise SystemExit(f"--against {rev}: {shown.stderr.strip()}")
@@ -74,10 +74,16 @@ def kernel_at(rev: str) -> ctypes.CDLL:
     if cc is None:
         raise SystemExit("--against needs a C compiler (gcc or cc) on PATH")
     with tempfile.TemporaryDirectory() as scratch:
-        source = pathlib.Path(scratch) / "packed_gemm.c"
+        source = pathlib.Path(scratch) / f"{name}.c"
         source.write_text(shown.stdout)
-        library = ctypes.CDLL(str(native.build("packed_gemm", cc, source)))
-    return packed_linear.declare(library)
+        return ctypes.CDLL(str(native.build(name, cc, source)))
+
+
+def kernel_at(rev: str) -> ctypes.CDLL:
+    """``kernels/csrc/packed_gemm.c`` as of git revision ``rev``, declared as
+    this tree's is."""
+    from pagedbackend.models import packed_linear
+    return packed_linear.declare(source_at(rev, "packed_gemm"))
 
 
 def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False,
@@ -179,9 +185,15 @@ def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False,
 
 
 def bench_attention(seq_counts: List[int], mean_lens: List[int], rounds: int,
-                    seed: int) -> List[dict]:
+                    seed: int, against: Optional[str] = None) -> List[dict]:
+    """Each variant over all 30 layers' caches in turn (as a step reads
+    them: from memory, not from a cache the previous call left warm)."""
     from pagedbackend.kernels import sdpa_attention as sa
     heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    before = None
+    if against:   # the C kernel at REV, called as this tree's is
+        before = source_at(against, "paged_decode").paged_decode
+        before.argtypes, before.restype = sa._SIGNATURES["paged_decode"], ctypes.c_int
     rows = []
     for n in seq_counts:
         for mean_len in mean_lens:
@@ -191,8 +203,9 @@ def bench_attention(seq_counts: List[int], mean_lens: List[int], rounds: int,
             num_blocks = n * max_blocks + 1
             tables = (torch.randperm(num_blocks - 1, generator=gen)[: n * max_blocks] + 1)
             tables = tables.view(n, max_blocks).to(torch.int32)
-            k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
-            v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+            caches = [(torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen),
+                       torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen))
+                      for _ in range(LAYERS)]
             q = torch.randn(n, heads, dim, generator=gen)
             plan = sa.plan_sdpa_attention(torch.arange(n + 1, dtype=torch.int32), lens,
                                           block_tables=tables,
@@ -203,15 +216,37 @@ def bench_attention(seq_counts: List[int], mean_lens: List[int], rounds: int,
             def run(native: bool):
                 sa.USE_NATIVE_DECODE = native
                 try:
-                    return sa._decodes(q, k_cache, v_cache, plan, dim ** -0.5)
+                    return [sa._decodes(q, k, v, plan, dim ** -0.5) for k, v in caches]
                 finally:
                     sa.USE_NATIVE_DECODE = True
 
-            error = (run(True) - run(False)).abs().max().item()
-            medians = interleaved({"gather": lambda: run(False), "C kernel": lambda: run(True)}, rounds)
-            rows.append({"seqs": n, "mean_len": mean_len, "keys": int(lens.sum()),
+            def run_before():
+                outs = []
+                for k_cache, v_cache in caches:
+                    out = torch.empty_like(q)
+                    before(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                           tables.data_ptr(), max_blocks, lens.data_ptr(), n, heads, kv_heads, dim,
+                           block_size, dim ** -0.5, 0, None, torch.get_num_threads())
+                    outs.append(out)
+                return outs
+
+            def error(a, b):
+                return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+            fns = {"gather": lambda: run(False), "C kernel": lambda: run(True)}
+            if before is not None:
+                fns[f"C kernel@{against}"] = run_before
+            medians = interleaved(fns, rounds)
+            kv_bytes = 2 * int(lens.sum()) * kv_heads * dim * 4 * LAYERS
+            rows.append({"seqs": n, "mean_len": mean_len, "keys": int(lens.sum()), "layers": LAYERS,
                          "gather_us": medians["gather"] * 1e6, "kernel_us": medians["C kernel"] * 1e6,
-                         "speedup": medians["gather"] / medians["C kernel"], "max_abs_error": error})
+                         "speedup": medians["gather"] / medians["C kernel"],
+                         "kernel_kv_gb_s": kv_bytes / medians["C kernel"] / 1e9,
+                         "max_abs_error": error(run(True), run(False))})
+            if before is not None:   # this tree's kernel / REV's: below 1, faster now
+                rows[-1].update({"before_us": medians[f"C kernel@{against}"] * 1e6,
+                                 "against_ratio": medians["C kernel"] / medians[f"C kernel@{against}"],
+                                 "before_max_abs_error": error(run(True), run_before())})
     return rows
 
 
@@ -273,7 +308,8 @@ def main(argv=None):
                     help="matmuls: also torch's GEMM on each packed weight unpacked for the call "
                          "(what a layer does above KERNEL_MAX_ROWS rows)")
     ap.add_argument("--against", metavar="REV",
-                    help="matmuls: also this tree's C kernel against the one at git revision REV")
+                    help="matmuls and attention: also this tree's C kernel against the one at git "
+                         "revision REV")
     add_common_args(ap, threads=2)
     args = ap.parse_args(argv)
     if args.quick:
@@ -316,11 +352,13 @@ def main(argv=None):
                 for r in result["matmuls"]))
     if "attention" in parts:
         result["attention"] = bench_attention(seqs, [int(s) for s in args.mean_lens.split(",")],
-                                              args.rounds, args.seed)
-        print(f"{'seqs':>4s} {'mean len':>8s} {'gather us':>10s} {'kernel us':>10s} {'x':>6s}")
+                                              args.rounds, args.seed, args.against)
+        print(f"30 layers: {'seqs':>4s} {'mean len':>8s} {'gather us':>10s} {'kernel us':>10s} {'x':>6s} "
+              f"{'KV GB/s':>8s}" + (f" {'kernel@' + args.against + ' us':>18s} {'ratio':>6s}" if args.against else ""))
         for r in result["attention"]:
-            print(f"{r['seqs']:>4d} {r['mean_len']:>8d} {r['gather_us']:10.0f} {r['kernel_us']:10.0f} "
-                  f"{r['speedup']:6.2f}")
+            print(f"           {r['seqs']:>4d} {r['mean_len']:>8d} {r['gather_us']:10.0f} {r['kernel_us']:10.0f} "
+                  f"{r['speedup']:6.2f} {r['kernel_kv_gb_s']:8.1f}"
+                  + (f" {r['before_us']:18.0f} {r['against_ratio']:6.2f}" if args.against else ""))
     if "steps" in parts:
         result["steps"] = bench_steps(seqs, args.rounds, not args.no_compile, args.seed)
         for r in result["steps"]:

@@ -210,11 +210,15 @@ def test_decode_batch_attends_to_whole_cached_sequence(block_size, num_heads, nu
     assert_matches_sdpa(batch)
 
 
-@pytest.mark.parametrize("head_dim", [32, 80])
-def test_decodes_of_other_head_sizes_match_sdpa(head_dim):
-    # The C decode kernel is specialised for head sizes 64 and 128; others take its generic loop.
+@pytest.mark.parametrize("head_dim", [32, 80, 128, 256])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (14, 2)])
+def test_decodes_of_other_head_sizes_match_sdpa(head_dim, num_heads, num_kv_heads):
+    # The C decode kernel is specialised (vectorised by hand) for head sizes 32, 64,
+    # 128 and 256; others take its generic loop. Query groups of 3 and of 7 heads take
+    # the value pass's runs of rows whole and split (4 + 3, or 2 + 2 + 2 + 1).
     lens = random_lens("decode", 5, seed=30 + head_dim)
-    batch = make_batch(lens, block_size=16, num_heads=6, num_kv_heads=2, head_dim=head_dim, seed=6)
+    batch = make_batch(lens, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, seed=6)
     assert_matches_sdpa(batch)
 
 

@@ -415,8 +415,8 @@ def test_layers_fall_back_to_the_python_operators_when_the_native_ones_cannot_bu
     assert relative_error(layer(x), F.linear(x, weight)) < 1e-5
 
 
-AVX2_TESTS = ["computes", "each_row_alone", "holds_bfloat16", "thread_count", "strided", "compiled_call", "decode_kernel", "subnormal", "c_kv_write",
-              "cpu_kernel"]
+AVX2_TESTS = ["computes", "each_row_alone", "holds_bfloat16", "thread_count", "strided", "compiled_call",
+              "decode_kernel", "other_head_sizes", "subnormal", "c_kv_write", "cpu_kernel"]
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= set(native._cpu_flags().split()),

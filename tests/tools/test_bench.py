@@ -464,15 +464,18 @@ def test_cpu_kernels_bench_sets_the_kernel_beside_its_version_at_a_git_revision(
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout: there is no revision to build the kernel of")
     from loadtest.bench import cpu_kernels
-    result = cpu_kernels.main(["--parts", "matmuls", "--ms", "3,13", "--rounds", "1", "--int8",
+    result = cpu_kernels.main(["--parts", "matmuls,attention", "--ms", "3,13", "--rounds", "1", "--int8",
                                "--against", "HEAD", "--head-rows", "2", "--unpacked", "--threads", "1",
-                               "--out", str(tmp_path)])
+                               "--seqs", "3", "--mean-lens", "40", "--out", str(tmp_path)])
     assert result["against"] == "HEAD" and result["head_rows"] == 2
     for r in result["matmuls"]:
         assert r["kernel_ms"] > 0 and r["kernel@HEAD_ms"] > 0 and r["against_ratio"] > 0
         assert r["max_rel_error_lm_head"] < 1e-5
         assert r["unpacked_ms"] > 0 and r["kernel_vs_unpacked"] > 0
         assert r["kernel int8@HEAD_ms"] > 0 and r["against_ratio_int8"] > 0
+    (attention,) = result["attention"]   # the decode kernel at HEAD, the same product
+    assert attention["before_us"] > 0 and attention["against_ratio"] > 0
+    assert attention["before_max_abs_error"] < 1e-5 and attention["max_abs_error"] < 1e-4
     with pytest.raises(SystemExit, match="no-such-revision"):
         cpu_kernels.main(["--parts", "matmuls", "--ms", "1", "--rounds", "1",
                           "--against", "no-such-revision", "--out", str(tmp_path)])
