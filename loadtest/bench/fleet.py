@@ -14,7 +14,8 @@ round to round; every mode-round has its own cache salt, so no run finds
 another's blocks (salts hash apart in the engines and in the router).
 
 Figures per mode: prefix-cache hit rate (``cached_tokens / prompt_tokens``
-from each response's usage), TTFT p50/p99 and output tok/s; and the oracle
+from each response's usage), prompt tokens computed per request (what TTFT
+grows with), TTFT p50/p99 and output tok/s; and the oracle
 hit rate (every earlier turn of every chat cached: full blocks of the longest
 prefix shared with any earlier prompt plus its answer). Then what the
 frontend and worker hop costs: single short requests, one at a time, straight
@@ -128,6 +129,8 @@ def summarise(records, seconds: float) -> dict:
     pick = lambda q: 1000 * ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None
     return {"requests": len(records), "errors": len(records) - len(done),
             "hit_rate": sum(r["cached_tokens"] for r in done) / prompt if prompt else 0.0,
+            # what a request's TTFT grows with: the prompt tokens it computes
+            "uncached_tokens_mean": (prompt - sum(r["cached_tokens"] for r in done)) / len(done) if done else None,
             "ttft_p50_ms": 1000 * statistics.median(ttfts) if ttfts else None, "ttft_p99_ms": pick(0.99),
             "output_tok_s": sum(r["completion_tokens"] for r in done) / seconds, "seconds": round(seconds, 1),
             # chat, turn, prompt tokens, cached tokens, TTFT (ms)
@@ -152,6 +155,7 @@ def oracle_hit_rate(tokenizer, records, block: int) -> dict:
         prompt += len(ids)
         rows.append([r["chat"], r["turn"], len(ids), r["cached_tokens"], hit])
     return {"hit_rate": cached / prompt if prompt else 0.0, "template_length_mismatches": mismatched,
+            "uncached_tokens_mean": (prompt - cached) / len(rows) if rows else None,
             "requests": sorted(rows)}   # chat, turn, prompt tokens, cached (kv), cached (oracle)
 
 
@@ -297,6 +301,11 @@ def main(argv=None):
         args.model, args.conversations, args.turns, args.rounds, args.hop_requests = "tiny", 4, 3, 1, 8
         args.set = ["compile=false"] + args.set
     started = time.perf_counter()
+
+    def interrupted(signum, frame):   # SIGTERM stops the run as Ctrl-C does: the fleet is taken down
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
     from transformers import AutoTokenizer
 
     from pagedbackend.models.default_model import resolve_model_path
@@ -346,12 +355,20 @@ def main(argv=None):
                     print(f"round {r} {mode:11s} " + json.dumps(row[mode]), flush=True)
                 row["kv_hit_over_oracle"] = row["kv"]["hit_rate"] / row["oracle"]["hit_rate"]
                 row["kv_ttft_p50_over_round_robin"] = row["kv"]["ttft_p50_ms"] / row["round-robin"]["ttft_p50_ms"]
+                # Prompt tokens computed per request, set against round-robin's: kv's, and
+                # the oracle's (the least any routing computes: the floor under kv's TTFT ratio).
+                for who, summary in (("kv", row["kv"]), ("oracle", row["oracle"])):
+                    row[f"{who}_uncached_over_round_robin"] = (summary["uncached_tokens_mean"]
+                                                               / row["round-robin"]["uncached_tokens_mean"])
                 print(f"round {r}: oracle hit rate {row['oracle']['hit_rate']:.3f}; kv/oracle "
                       f"{row['kv_hit_over_oracle']:.3f}; kv/round-robin TTFT p50 "
-                      f"{row['kv_ttft_p50_over_round_robin']:.3f}", flush=True)
+                      f"{row['kv_ttft_p50_over_round_robin']:.3f}; uncached tokens / round-robin's: kv "
+                      f"{row['kv_uncached_over_round_robin']:.3f}, oracle {row['oracle_uncached_over_round_robin']:.3f}",
+                      flush=True)
                 rounds.append(row)
             result["rounds_detail"] = rounds
-            for key in ("kv_hit_over_oracle", "kv_ttft_p50_over_round_robin") if rounds else ():
+            for key in ("kv_hit_over_oracle", "kv_ttft_p50_over_round_robin", "kv_uncached_over_round_robin",
+                        "oracle_uncached_over_round_robin") if rounds else ():
                 result[key] = statistics.median(row[key] for row in rounds)
             # Every round's requests together, per mode (the figures of the table).
             result["pooled"] = {}
@@ -387,7 +404,9 @@ def main(argv=None):
     if args.rounds:
         print(f"kv hit rate / oracle {result['kv_hit_over_oracle']:.3f} (>= 0.9 wanted); kv TTFT p50 / "
               f"round-robin {result['kv_ttft_p50_over_round_robin']:.3f}, all rounds pooled "
-              f"{result['pooled_kv_ttft_p50_over_round_robin']:.3f} (<= 0.6 wanted)")
+              f"{result['pooled_kv_ttft_p50_over_round_robin']:.3f} (<= 0.6 wanted); uncached prompt tokens "
+              f"/ round-robin's: kv {result['kv_uncached_over_round_robin']:.3f}, oracle "
+              f"{result['oracle_uncached_over_round_robin']:.3f}")
         print("pooled: " + json.dumps(result["pooled"]))
     print(f"wrote {write_result(args.out, 'fleet', result)}")
     return result

@@ -36,6 +36,17 @@ def test_the_oracle_holds_only_what_finished_before_a_request_started():
     # "abcdefgh|ijkl" was seen: 12 tokens of later's "abcdefgh|ijkl|mnop|" in full blocks of 4
     assert result["requests"] == [[0, 0, 9, 0, 0], [0, 1, 19, 12, 12], [1, 0, 9, 0, 0]]
     assert result["hit_rate"] == 12 / (9 + 9 + 19) and result["template_length_mismatches"] == 0
+    assert result["uncached_tokens_mean"] == (9 + 9 + 19 - 12) / 3   # prompt tokens it computes
+
+
+def test_a_summary_counts_the_prompt_tokens_each_request_computes():
+    from loadtest.bench.fleet import summarise
+    records = [{"chat": 0, "turn": t, "error": None, "ttft": 0.1 * (t + 1), "prompt_tokens": 20 * (t + 1),
+                "cached_tokens": 16 * t, "completion_tokens": 4} for t in range(3)]
+    records.append({**records[0], "turn": 3, "error": "APIError: gone", "prompt_tokens": None})
+    summary = summarise(records, seconds=2.0)
+    assert summary["errors"] == 1 and summary["hit_rate"] == 48 / 120
+    assert summary["uncached_tokens_mean"] == (120 - 48) / 3 and summary["ttft_p50_ms"] == 200.0
 
 
 def test_chats_resend_their_history_with_capped_lengths():
