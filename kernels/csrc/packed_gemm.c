@@ -60,6 +60,13 @@
  * at the bandwidth bound), 32 and more compute-bound and left alone
  * (BENCHMARKS.md, "cpu_kernels"). */
 #define PREFETCH_L2 256
+/* Prefetch row k of float block w (two 64-byte lines when NB is 32) into L1
+ * (locality 3) or L2 (2). */
+#define PREFETCH_ROW(w, k, locality) do { \
+        const float *row_ = (const float *)(w) + (size_t)(k) * NB; \
+        __builtin_prefetch(row_, 0, locality); \
+        if (NB > 16) __builtin_prefetch(row_ + 16, 0, locality); \
+    } while (0)
 #define PREFETCH_QK 64   /* int8 rows */
 #define INLINE static inline __attribute__((always_inline))
 #define W_F32 0
@@ -172,12 +179,8 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
         } else if (q == W_BF16) {   /* a row of NB bf16: at most one 64-byte line */
             __builtin_prefetch((const unsigned short *)w + (size_t)(k + PREFETCH_K) * NB, 0, 3);
         } else {
-            __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_K) * NB, 0, 3);
-            if (NB > 16)   /* a row of two 64-byte lines */
-                __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_K) * NB + 16, 0, 3);
-            __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_L2) * NB, 0, 2);
-            if (NB > 16)
-                __builtin_prefetch((const float *)w + (size_t)(k + PREFETCH_L2) * NB + 16, 0, 2);
+            PREFETCH_ROW(w, k + PREFETCH_K, 3);
+            PREFETCH_ROW(w, k + PREFETCH_L2, 2);
         }
         vf w0, w1;
         load_row(w, q, k, &w0, &w1);
@@ -260,11 +263,8 @@ INLINE void rows_times_blocks(const float *x, const void *wp, int q, const float
 #pragma GCC unroll 4
         for (int j = 0; j < GB; j++) {
             if (j < count) {
-                if (q == W_F32 && rows > 2) {
-                    __builtin_prefetch((const float *)w[j] + (size_t)(k + PREFETCH_L2) * NB, 0, 2);
-                    if (NB > 16)
-                        __builtin_prefetch((const float *)w[j] + (size_t)(k + PREFETCH_L2) * NB + 16, 0, 2);
-                }
+                if (q == W_F32 && rows > 2)
+                    PREFETCH_ROW(w[j], k + PREFETCH_L2, 2);
                 vf w0, w1;
                 load_row(w[j], q, k, &w0, &w1);
                 for (int r = 0; r < rows; r++) {
