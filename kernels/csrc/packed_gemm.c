@@ -60,6 +60,11 @@
  * at the bandwidth bound), 32 and more compute-bound and left alone
  * (BENCHMARKS.md, "cpu_kernels"). */
 #define PREFETCH_L2 256
+/* bfloat16 rows prefetched into L2, 8 KB ahead, at every row count: the
+ * fused MoE kernel's expert slices (24-64 KB blocks, a new expert every few
+ * hundred KB) in 0.89-0.92x the time at 1-64 tokens; 16 KB ahead was
+ * 1.02x that, 32 KB 1.05x, 4 KB the same (BENCHMARKS.md, "moe"). */
+#define PREFETCH_L2_BF16 128
 /* Prefetch row k of float block w (two 64-byte lines when NB is 32) into L1
  * (locality 3) or L2 (2). */
 #define PREFETCH_ROW(w, k, locality) do { \
@@ -178,6 +183,7 @@ INLINE void chunk_times_block(const float *x, const void *w, int q, const float 
             __builtin_prefetch((const signed char *)w + (size_t)(k + PREFETCH_QK) * NB, 0, 3);
         } else if (q == W_BF16) {   /* a row of NB bf16: at most one 64-byte line */
             __builtin_prefetch((const unsigned short *)w + (size_t)(k + PREFETCH_K) * NB, 0, 3);
+            __builtin_prefetch((const unsigned short *)w + (size_t)(k + PREFETCH_L2_BF16) * NB, 0, 2);
         } else {
             PREFETCH_ROW(w, k + PREFETCH_K, 3);
             PREFETCH_ROW(w, k + PREFETCH_L2, 2);
@@ -265,6 +271,8 @@ INLINE void rows_times_blocks(const float *x, const void *wp, int q, const float
             if (j < count) {
                 if (q == W_F32 && rows > 2)
                     PREFETCH_ROW(w[j], k + PREFETCH_L2, 2);
+                if (q == W_BF16)
+                    __builtin_prefetch((const unsigned short *)w[j] + (size_t)(k + PREFETCH_L2_BF16) * NB, 0, 2);
                 vf w0, w1;
                 load_row(w[j], q, k, &w0, &w1);
                 for (int r = 0; r < rows; r++) {
