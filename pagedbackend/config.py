@@ -159,7 +159,8 @@ class EngineConfig:
     # A compiled CPU step from an AOTInductor package kept in the cache
     # (worker/step_package.py): loaded in seconds where one exists for this
     # model, settings and machine; a server without one serves eager steps
-    # while a lowest-priority process builds it. False: torch.compile in
+    # while a lowest-priority process builds it, an offline engine builds it
+    # before its first step. False: torch.compile in
     # process at every start (cpp_wrapper applies then).
     step_package: bool = True
     # "cpu", "cuda" or "auto" (cuda when available).

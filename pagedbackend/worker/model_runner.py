@@ -109,8 +109,8 @@ class ModelRunner:
 
     def _compile_and_warm_up(self, background: bool = False) -> None:
         """Compile the step when the config asks and this machine can (otherwise
-        say once why it runs eager), then warm it up. ``background``: warm up
-        eager steps now and compile in a thread of its own."""
+        say once why it runs eager), then warm it up: a CPU step from its package, built now
+        when missing. ``background``: warm up eager steps now and compile in a thread of its own."""
         if self.config.compile and not self.config.enforce_eager:
             reason = compile_unavailable(self.device)
             if reason is None and self._load_step_package():
@@ -120,6 +120,8 @@ class ModelRunner:
                 self.compile_thread = threading.Thread(target=self._compile_in_background,
                                                        name="pagedbackend-compile", daemon=True)
                 self.compile_thread.start()
+                return
+            if reason is None and self._uses_step_package() and self._build_step_package():
                 return
             if reason is None:
                 self.compiled = CompiledStep(self.model, self.device, cpp_wrapper=self.config.cpp_wrapper)
@@ -155,6 +157,15 @@ class ModelRunner:
         logger.info("pagedbackend: the compiled model step serves from its package %s (loaded in %.1f s)",
                     packaged.path.name, time.perf_counter() - started)
         return True
+
+    def _build_step_package(self) -> bool:
+        """Build the step's package now and serve it (no dynamo guards per step); False if not."""
+        try:
+            step_package.build_in_subprocess(self.config, niceness=0)
+        except Exception as exc:
+            logger.warning("pagedbackend: no step package (%s); compiling in this process", compile_failure(exc))
+            return False
+        return self._load_step_package()
 
     def _compile_in_background(self) -> None:
         """Compile and warm up the step beside the eager steps that serve

@@ -20,9 +20,10 @@ dtypes), the settings that pick its layers, and the source of the packages
 that define the forward pass. A package that is missing is built by
 ``build_in_subprocess``: ``python -m pagedbackend.worker.step_build`` at
 the lowest CPU priority with one compile worker, so a server that serves
-eager steps meanwhile keeps its cores; ``make setup`` builds the shipped
-configuration's (``python -m pagedbackend.serve --prepare-only
---build-step``).
+eager steps meanwhile keeps its cores; an engine that compiles before its
+first step (``LLM``, offline) builds its own the same way and waits for it;
+``make setup`` builds the shipped configuration's (``python -m
+pagedbackend.serve --prepare-only --build-step``).
 """
 import hashlib
 import json
@@ -146,16 +147,17 @@ def _interpreter() -> str:
     raise RuntimeError(f"no python interpreter to build the step package with (sys.prefix {sys.prefix})")
 
 
-def build_in_subprocess(config: EngineConfig, timeout_s: float = 3600.0) -> None:
-    """``step_build.build`` in a process of its own at the lowest CPU priority
-    (nice 19) with one compile worker; raises RuntimeError with its last
-    output if it fails."""
+def build_in_subprocess(config: EngineConfig, timeout_s: float = 3600.0, niceness: int = 19) -> None:
+    """``step_build.build`` in a process of its own with one compile worker,
+    at the lowest CPU priority unless ``niceness`` says otherwise (a caller
+    that waits for it has no steps to keep the cores for); raises
+    RuntimeError with its last output if it fails."""
     settings = {name: getattr(config, name) for name in MODEL_FIELDS}
     command = [_interpreter(), "-m", "pagedbackend.worker.step_build", "--settings", json.dumps(settings),
                "--threads", str(torch.get_num_threads())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s,
-                            preexec_fn=lambda: os.nice(19))
+                            preexec_fn=lambda: os.nice(niceness))
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"the step package build exited with {result.returncode}: {' | '.join(tail)[:600]}")

@@ -96,3 +96,11 @@ def test_a_damaged_package_is_set_aside_not_trusted(reference, cache):
     path.write_bytes(b"not a package")
     assert step_package.load(runner) is None   # the runner then compiles (or builds) as without one
     assert not path.exists() and path.with_suffix(".pt2.bad").read_bytes() == b"not a package"
+
+
+def test_an_engine_that_compiles_before_its_first_step_builds_its_package_and_serves_it(reference, cache):
+    folder, prompts, expected = reference
+    runner = ModelRunner(config(folder))   # compile in the foreground, as LLM(...) does
+    assert isinstance(runner.compiled, step_package.PackagedStep)
+    assert runner.compiled.path == step_package.package_path(runner) and runner.compiled.path.is_file()
+    assert greedy_paged(runner, prompts) == expected
