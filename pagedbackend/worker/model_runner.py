@@ -7,24 +7,20 @@ flat batch with the attention layout of the step (``batch.py``), runs the
 forward pass and returns last-token logits. Copy-on-write and swapping arrive
 as (src, dst) block pairs.
 """
-import json
 import logging
-import pathlib
 import sys
 import threading
 import time
 from dataclasses import replace
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_groups import kv_layout
-from pagedbackend.core.kv_memory import KVModel
 from pagedbackend.kernels import get_attention_ops
-from pagedbackend.models import ModelArgs, model_args, model_class
+from pagedbackend.models import ModelArgs
 from pagedbackend.models.attention import step_context
-from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models import moe
 from pagedbackend.models.linear import Reduce
 from pagedbackend import quant
@@ -34,10 +30,9 @@ from pagedbackend.worker import step_package
 from pagedbackend.worker.compiled import CompiledStep, compile_failure, compile_unavailable
 from pagedbackend.worker.cpu_wait import governor_for
 from pagedbackend.worker.cuda_graphs import DecodeGraphs, decode_graphs_for
+from pagedbackend.worker.loader import DTYPES, kv_block_bytes, load_model, resolve_device
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}   # EngineConfig.dtype
-
-__all__ = ["DTYPES", "ModelRunner", "SeqEntry", "StepBatch", "kv_block_bytes", "resolve_device"]
+__all__ = ["ModelRunner", "SeqEntry", "StepBatch"]
 
 logger = logging.getLogger("pagedbackend")
 # Python's thread switch interval while the step compiles beside eager steps.
@@ -55,19 +50,11 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.model_path = resolve_model_path(config.model)
-        hf_config = json.loads((self.model_path / "config.json").read_text())
-        args = model_args(hf_config)
-        if hasattr(args, "expert_parallel"):   # a mixture of experts: how its ranks split them
-            args.expert_parallel = config.enable_expert_parallel
-        self.vocab_size = args.vocab_size
-        self.max_model_len = _max_model_len(config.max_model_len, args.served_positions)
-
         self.attention_ops = get_attention_ops(config.attention_backend, self.device)
-        with torch.device(self.device):
-            self.model = model_class(hf_config["model_type"])(args, self.dtype, self.max_model_len,
-                                                              tp_rank, tp_size, reduce)
-        self.model.load_weights(_read_safetensors(self.model_path))
+        loaded = load_model(config, self.device, tp_rank, tp_size, reduce)
+        self.model_path, self.model, self.max_model_len = loaded.path, loaded.model, loaded.max_model_len
+        args = loaded.args
+        self.vocab_size = args.vocab_size
         self.num_heads = self.model.layers[0].self_attn.num_heads
         windows = self.model.layer_windows
         self.kv_layout = kv_layout(windows, free_out_of_window=not config.disable_hybrid_kv_cache_manager)
@@ -351,30 +338,6 @@ class ModelRunner:
         return self.num_swap_blocks
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def kv_block_bytes(args: ModelArgs, block_size: int, num_kv_heads: int, dtype: torch.dtype,
-                   layers: Optional[int] = None) -> int:
-    """Bytes of one KV block on one rank: K and V of ``layers`` layers (one
-    KV group's; default every layer), the rank's KV heads."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    layers = args.num_layers if layers is None else layers
-    return KVModel(layers, num_kv_heads, args.head_dim, elem).kv_bytes_per_block(block_size)
-
-
-def _max_model_len(requested: Optional[int], model_limit: int) -> int:
-    if requested is None:
-        return model_limit
-    if not 0 < requested <= model_limit:
-        raise ValueError(f"max_model_len={requested} must be between 1 and the model's "
-                         f"{model_limit} positions")
-    return requested
-
-
 def _pair_index(pairs: Sequence[Tuple[int, int]], src_blocks: int, dst_blocks: int,
                 device) -> Tuple[torch.Tensor, torch.Tensor]:
     index = torch.tensor(pairs, dtype=torch.long).view(-1, 2)
@@ -383,18 +346,3 @@ def _pair_index(pairs: Sequence[Tuple[int, int]], src_blocks: int, dst_blocks: i
         raise ValueError(f"block pair outside the caches ({src_blocks} source, {dst_blocks} "
                          f"destination blocks): {list(pairs)}")
     return src.to(device), dst.to(device)
-
-
-def _read_safetensors(path: pathlib.Path) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint (one file or the shards its index lists)."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)

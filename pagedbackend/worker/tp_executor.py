@@ -31,7 +31,8 @@ from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.models import model_args
 from pagedbackend.models.default_model import check_model_folder, resolve_model_path
 from pagedbackend.models.linear import even_split, kv_heads_of_rank, query_heads_of_rank
-from pagedbackend.worker.model_runner import DTYPES, ModelRunner, kv_block_bytes, resolve_device
+from pagedbackend.worker.loader import DTYPES, kv_block_bytes, resolve_device
+from pagedbackend.worker.model_runner import ModelRunner
 from pagedbackend.worker.tp_protocol import (COPY, CONFIG_KEY, SWAP_IN, SWAP_OUT, Moves,
                                              TensorParallelError, control_group, init_groups,
                                              loaded_key, pack_step, stop_message, threads_per_rank)

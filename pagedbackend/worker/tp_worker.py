@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from pagedbackend.config import EngineConfig
-from pagedbackend.worker.model_runner import ModelRunner, resolve_device
+from pagedbackend.worker.loader import resolve_device
+from pagedbackend.worker.model_runner import ModelRunner
 from pagedbackend.worker.tp_protocol import (CONFIG_KEY, apply_moves, control_group, init_groups,
                                              loaded_key, receive_step, threads_per_rank)
 
