@@ -47,18 +47,18 @@ def main(argv=None) -> int:
 
     from pagedbackend.config import EngineConfig
     from pagedbackend.models import packed_linear
-    from pagedbackend.worker import model_runner
+    from pagedbackend.worker import model_runner, step_source
     from pagedbackend.worker.batch import SeqEntry
     from pagedbackend.worker.compiled import CompiledStep
 
     def make_runner(quantization="none", **compiled_options):
         if compiled_options:
-            model_runner.CompiledStep = functools.partial(CompiledStep, **compiled_options)
+            step_source.CompiledStep = functools.partial(CompiledStep, **compiled_options)
         try:
             return model_runner.ModelRunner(EngineConfig(model=args.model, device="cpu", num_kv_blocks=400,
                                                          quantization=quantization))
         finally:
-            model_runner.CompiledStep = CompiledStep
+            step_source.CompiledStep = CompiledStep
 
     if args.compare == "ops":
         runner = make_runner()

@@ -7,10 +7,7 @@ flat batch with the attention layout of the step (``batch.py``), runs the
 forward pass and returns last-token logits. Copy-on-write and swapping arrive
 as (src, dst) block pairs.
 """
-import logging
-import sys
 import threading
-import time
 from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
@@ -26,17 +23,13 @@ from pagedbackend.models.linear import Reduce
 from pagedbackend import quant
 from pagedbackend.lora.punica import build_mapping, empty_mapping, lora_step
 from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
-from pagedbackend.worker import step_package
-from pagedbackend.worker.compiled import CompiledStep, compile_failure, compile_unavailable
+from pagedbackend.worker.compiled import CompiledStep
 from pagedbackend.worker.cpu_wait import governor_for
 from pagedbackend.worker.cuda_graphs import DecodeGraphs, decode_graphs_for
 from pagedbackend.worker.loader import DTYPES, kv_block_bytes, load_model, resolve_device
+from pagedbackend.worker.step_source import prepare_step
 
 __all__ = ["ModelRunner", "SeqEntry", "StepBatch"]
-
-logger = logging.getLogger("pagedbackend")
-# Python's thread switch interval while the step compiles beside eager steps.
-COMPILE_SWITCH_INTERVAL_S = 5e-5
 
 
 class ModelRunner:
@@ -46,7 +39,8 @@ class ModelRunner:
                  reduce: Optional[Reduce] = None, compile_in_background: bool = False):
         """``compile_in_background``: on CPU, be ready with eager steps at once
         and compile in a thread of its own (``_compile_in_background``); steps
-        take the compiled function from the first one after it is warm."""
+        take the compiled function from the first one after it is warm
+        (``step_source``)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -80,7 +74,7 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
         self.compile_thread: Optional[threading.Thread] = None
         if tp_size == 1:   # a tensor-parallel step needs every rank: no lone warm-up
-            self._compile_and_warm_up(compile_in_background and self.device.type == "cpu")
+            prepare_step(self, compile_in_background and self.device.type == "cpu")
             self.graphs = decode_graphs_for(self)
         # How OpenMP threads wait between regions, by whether the cores are ours (cpu_wait).
         self.wait_governor = governor_for(self.device.type, torch.get_num_threads())
@@ -93,109 +87,6 @@ class ModelRunner:
         with torch.inference_mode(), step_context(self.kv_caches, batch.metas, self.attention_ops,
                                                   self.layer_group):
             return self.model(batch.input_ids, batch.positions)
-
-    def _compile_and_warm_up(self, background: bool = False) -> None:
-        """Compile the step when the config asks and this machine can (otherwise
-        say once why it runs eager), then warm it up: a CPU step from its package, built now
-        when missing. ``background``: warm up eager steps now and compile in a thread of its own."""
-        if self.config.compile and not self.config.enforce_eager:
-            reason = compile_unavailable(self.device)
-            if reason is None and self._load_step_package():
-                return
-            if reason is None and background:
-                self.warm_up()
-                self.compile_thread = threading.Thread(target=self._compile_in_background,
-                                                       name="pagedbackend-compile", daemon=True)
-                self.compile_thread.start()
-                return
-            if reason is None and self._uses_step_package() and self._build_step_package():
-                return
-            if reason is None:
-                self.compiled = CompiledStep(self.model, self.device, cpp_wrapper=self.config.cpp_wrapper)
-                try:
-                    self.warm_up()
-                    return
-                except Exception as exc:   # a compiler that fails on this machine
-                    self.compiled = None
-                    reason = f"torch.compile failed ({compile_failure(exc)})"
-                    logger.debug("pagedbackend: torch.compile failed", exc_info=True)
-            logger.warning("pagedbackend: the model step runs eager: %s", reason)
-        self.warm_up()
-
-    def _uses_step_package(self) -> bool:
-        return self.device.type == "cpu" and self.config.step_package
-
-    def _load_step_package(self) -> bool:
-        """Serve the compiled step from its package when one is built for this
-        model and machine (``step_package``); True when it serves."""
-        if not self._uses_step_package():
-            return False
-        started = time.perf_counter()
-        packaged = step_package.load(self)
-        if packaged is None:
-            return False
-        self.compiled = packaged
-        try:
-            self.warm_up()
-        except Exception as exc:   # it loaded but cannot run here: compile as without one
-            self.compiled = None
-            logger.warning("pagedbackend: the step package %s fails (%s)", packaged.path.name, compile_failure(exc))
-            return False
-        logger.info("pagedbackend: the compiled model step serves from its package %s (loaded in %.1f s)",
-                    packaged.path.name, time.perf_counter() - started)
-        return True
-
-    def _build_step_package(self) -> bool:
-        """Build the step's package now and serve it (no dynamo guards per step); False if not."""
-        try:
-            step_package.build_in_subprocess(self.config, niceness=0)
-        except Exception as exc:
-            logger.warning("pagedbackend: no step package (%s); compiling in this process", compile_failure(exc))
-            return False
-        return self._load_step_package()
-
-    def _compile_in_background(self) -> None:
-        """Compile and warm up the step beside the eager steps that serve
-        meanwhile, then hand it over (one attribute: the next step uses it).
-        Its warm-up writes a scratch KV cache of its own, never a block that a
-        sequence may hold. On CPU the step package is built in a process of
-        its own at the lowest priority, then loaded; torch.compile in this
-        process only if that fails."""
-        started = time.perf_counter()
-        if self._uses_step_package():
-            try:
-                step_package.build_in_subprocess(self.config)
-                packaged = step_package.load(self)
-                if packaged is None:
-                    raise RuntimeError("the package built is not the one this runner looks for")
-                scratch = [(k[:1].clone(), v[:1].clone()) for k, v in self.kv_caches]
-                self.warm_up((packaged.forward, packaged.logits), scratch)
-                self.compiled = packaged
-                logger.info("pagedbackend: the compiled model step serves from now on (its package built "
-                            "in %.0f s beside eager steps)", time.perf_counter() - started)
-                return
-            except Exception as exc:
-                logger.warning("pagedbackend: no step package (%s); compiling in this process", compile_failure(exc))
-        interval = sys.getswitchinterval()
-        # The compile is mostly Python holding the GIL, and an eager step needs
-        # it back between hundreds of ops: at the default 5 ms switch interval
-        # one step in ten waited seconds; at 50 us steps take 0.2 s (median, p90
-        # 0.25 s) while the compile runs a third longer.
-        sys.setswitchinterval(COMPILE_SWITCH_INTERVAL_S)
-        try:
-            compiled = CompiledStep(self.model, self.device, cpp_wrapper=self.config.cpp_wrapper)
-            scratch = [(k[:1].clone(), v[:1].clone()) for k, v in self.kv_caches]
-            self.warm_up((compiled.forward, compiled.logits), scratch)
-        except Exception as exc:   # a compiler that fails on this machine
-            logger.debug("pagedbackend: torch.compile failed", exc_info=True)
-            logger.warning("pagedbackend: the model step runs eager: torch.compile failed (%s)",
-                           compile_failure(exc))
-            return
-        finally:
-            sys.setswitchinterval(interval)
-        self.compiled = compiled
-        logger.info("pagedbackend: the compiled model step serves from now on (compiled in %.0f s "
-                       "beside eager steps)", time.perf_counter() - started)
 
     def wait_for_compile(self, timeout: Optional[float] = None) -> bool:
         """Wait for a background compile to end; True when the compiled step is in use."""

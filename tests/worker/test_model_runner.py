@@ -90,12 +90,13 @@ def test_background_compile_serves_eager_at_once_then_hands_over_without_touchin
     held until the test has filled the cache (a warm inductor cache compiles
     the tiny model in a second or two)."""
     folder, prompts, expected = tiny_reference["untied"]
-    gate, compile_in_background = threading.Event(), ModelRunner._compile_in_background
+    from pagedbackend.worker import step_source
+    gate, compile_in_background = threading.Event(), step_source.compile_in_background
 
-    def held(self):
+    def held(runner):
         gate.wait(120)
-        compile_in_background(self)
-    monkeypatch.setattr(ModelRunner, "_compile_in_background", held)
+        compile_in_background(runner)
+    monkeypatch.setattr(step_source, "compile_in_background", held)
     with caplog.at_level("INFO", logger="pagedbackend"):
         runner = ModelRunner(EngineConfig(model=str(folder), block_size=16, num_kv_blocks=96, dtype="float32",
                                           device="cpu", attention_backend="sdpa", compile=True,
@@ -114,9 +115,9 @@ def test_background_compile_serves_eager_at_once_then_hands_over_without_touchin
 
 
 def test_without_a_compiler_the_step_runs_eager_and_says_so_once(tiny_reference, monkeypatch, caplog):
-    from pagedbackend.worker import model_runner
+    from pagedbackend.worker import step_source
     folder, prompts, expected = tiny_reference["tied"]
-    monkeypatch.setattr(model_runner, "compile_unavailable", lambda device: "no C++ compiler on PATH")
+    monkeypatch.setattr(step_source, "compile_unavailable", lambda device: "no C++ compiler on PATH")
     with caplog.at_level("WARNING", logger="pagedbackend"):
         runner = make_runner(folder, num_kv_blocks=96, attention_backend="sdpa", compile=True)
     assert runner.compiled is None
