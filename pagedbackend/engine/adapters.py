@@ -17,7 +17,7 @@ def lora_manager(config: EngineConfig, runner, scheduler) -> Optional[LoRAManage
     the scheduler admits a request only when its adapter fits the pool."""
     if not config.enable_lora:
         return None
-    model = getattr(runner, "lora", None)
+    model = runner.lora
     if model is None:
         raise ValueError(f"enable_lora: the {type(runner).__name__} executor does not serve adapters")
     manager = LoRAManager(config, model.shapes(), model.write)

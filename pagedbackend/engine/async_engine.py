@@ -166,8 +166,7 @@ class AsyncLLMEngine:
     def wait_for_compile(self, timeout: Optional[float] = None) -> bool:
         """Wait for the background compile of the model step (if any) to end;
         True once the compiled step serves."""
-        wait = getattr(self.engine.runner, "wait_for_compile", None)
-        return wait(timeout) if wait is not None else False
+        return self.engine.runner.wait_for_compile(timeout)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -201,9 +200,7 @@ class AsyncLLMEngine:
             self._streams.clear()
         for stream in streams:
             stream.put(self._final(stream.request_id, "abort", "the engine was shut down"))
-        executor_shutdown = getattr(self.engine.runner, "shutdown", None)
-        if executor_shutdown is not None:
-            executor_shutdown()
+        self.engine.runner.shutdown()
         self.engine.kv_events.shutdown()
 
     # ------------------------------------------------------------ loop

@@ -21,9 +21,7 @@ class LLM:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any (also done when the LLM is
         garbage-collected), and the KV-event publisher."""
-        stop = getattr(self.engine.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.engine.runner.shutdown()
         self.engine.kv_events.shutdown()
 
     def __enter__(self) -> "LLM":

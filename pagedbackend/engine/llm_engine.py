@@ -59,8 +59,7 @@ class LLMEngine(AdapterMethods):
         # Prefix-cache keys cover everything that changes K/V besides the tokens.
         model_key = f"{model_path}|{config.dtype}|{config.quantization}".encode()
         # Each KV group's sliding window (None: full attention; core.kv_groups).
-        layout = getattr(runner, "kv_layout", None)
-        windows = layout.windows if layout is not None else [None]
+        windows = runner.kv_layout.windows
         self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config, windows)
         self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key,
                                    kv_windows=windows)

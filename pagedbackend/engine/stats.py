@@ -26,13 +26,12 @@ def engine_stats(engine) -> EngineStats:
     st.num_preemptions = sch.num_swap_preemptions + sch.num_recompute_preemptions
     st.prefix_cache_queries = bm.prefix_queries
     st.prefix_cache_hits = bm.prefix_hits
-    st.compiled_step = getattr(engine.runner, "compiled", None) is not None
+    st.compiled_step = engine.runner.compiled_step
     st.structured_mask_seconds = engine.sampler.mask_seconds
     st.grammar_compiles = engine.grammars.compiles
     if engine.speculator is not None:
         engine.speculator.stats.copy_to(st)
-    governor = getattr(engine.runner, "wait_governor", None)
-    st.cpu_contended = governor is not None and governor.contended
+    st.cpu_contended = engine.runner.cpu_contended
     if engine.lora is not None:
         lora_stats(engine.lora, sch, engine.compiling, st)
     return EngineStats(**st.__dict__)
@@ -42,14 +41,9 @@ def engine_description(engine) -> Dict[str, object]:
     """What serves, for a log line at start: model, dtype, quantisation, how
     the linear layers multiply (and whether through the C++ operators),
     attention, KV pool, context, speculation, the LoRA kernel."""
-    from ..models.packed_linear import native_ops
     runner, config = engine.runner, engine.config
-    backend = getattr(runner, "linear_backend", None)
     spec = config.speculative_config
     return {"model": config.model, "dtype": config.dtype, "quantization": config.quantization,
-            "linear_backend": backend,
-            "native_ops": bool(native_ops().use_native_ops) if backend == "packed" else False,
-            "attention_backend": type(getattr(runner, "attention_ops", None)).__name__,
+            **runner.describe(),
             "num_kv_blocks": runner.num_kv_blocks, "max_model_len": engine.max_model_len,
-            "speculative": spec.method if spec is not None else None,
-            "lora_kernel": getattr(getattr(runner, "lora", None), "kernel_name", None)}
+            "speculative": spec.method if spec is not None else None}

@@ -9,7 +9,7 @@ as (src, dst) block pairs.
 """
 import threading
 from dataclasses import replace
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -93,6 +93,27 @@ class ModelRunner:
         if self.compile_thread is not None:
             self.compile_thread.join(timeout)
         return self.compiled is not None
+
+    @property
+    def compiled_step(self) -> bool:
+        return self.compiled is not None
+
+    @property
+    def cpu_contended(self) -> bool:
+        return self.wait_governor is not None and self.wait_governor.contended
+
+    def describe(self) -> Dict[str, object]:
+        """How the step computes: the linear layers (and whether through the
+        C++ operators), attention, the LoRA kernel."""
+        from pagedbackend.models.packed_linear import native_ops
+        packed = self.linear_backend == "packed"
+        return {"linear_backend": self.linear_backend,
+                "native_ops": bool(native_ops().use_native_ops) if packed else False,
+                "attention_backend": type(self.attention_ops).__name__,
+                "lora_kernel": self.lora.kernel_name if self.lora is not None else None}
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the runner lives in this process (a background compile is a daemon thread)."""
 
     def warm_up(self, step=None, kv_caches=None) -> None:
         """Run a one-token and a two-token step with their logits: every graph

@@ -238,8 +238,8 @@ def draft_runner(config, target, compile_in_background: bool = False):
     if runner.num_kv_blocks != target.num_kv_blocks or runner.block_size != target.block_size:
         raise ValueError("speculative_config: the draft's KV cache must have the target's blocks")
     for name, model in (("target", target), ("draft", runner)):
-        layout = getattr(model, "kv_layout", None)
-        if layout is not None and (len(layout.groups) > 1 or layout.frees_blocks):
+        layout = model.kv_layout
+        if len(layout.groups) > 1 or layout.frees_blocks:
             raise ValueError(f"speculative_config: a draft model reads the target's block table, whole; the "
                              f"{name} model has sliding-window layers whose blocks leave the pool "
                              f"(set disable_hybrid_kv_cache_manager=True, or speculate with ngram)")

@@ -63,13 +63,22 @@ class TensorParallelExecutor:
             self._finalizer()
             raise
 
-    # The engine reads the same facts from this executor as from a ModelRunner.
+    # The executor contract (worker.executor.Executor), rank 0's facts.
     max_model_len = property(lambda self: self.runner.max_model_len)
     num_kv_blocks = property(lambda self: self.runner.num_kv_blocks)
     block_size = property(lambda self: self.runner.block_size)
     vocab_size = property(lambda self: self.runner.vocab_size)
     device = property(lambda self: self.runner.device)
     kv_layout = property(lambda self: self.runner.kv_layout)
+    lora = None   # adapters are not split over ranks (EngineConfig refuses enable_lora here)
+    compiled_step = False   # a tensor-parallel step runs eager
+    cpu_contended = property(lambda self: self.runner.cpu_contended)
+
+    def wait_for_compile(self, timeout: Optional[float] = None) -> bool:
+        return False
+
+    def describe(self):
+        return self.runner.describe()
 
     @property
     def worker_pids(self) -> List[int]:
