@@ -38,7 +38,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1,
                  reduce: Optional[Reduce] = None, compile_in_background: bool = False):
         """``compile_in_background``: on CPU, be ready with eager steps at once
-        and compile in a thread of its own (``_compile_in_background``); steps
+        and compile in a thread of its own (``step_source.compile_in_background``); steps
         take the compiled function from the first one after it is warm
         (``step_source``)."""
         self.config = config
