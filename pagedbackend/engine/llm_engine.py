@@ -20,7 +20,7 @@ import torch
 
 from ..config import EngineConfig
 from ..core.prefill_share import PrefillShare
-from ..core.scheduler import Scheduler, StepUpdate
+from ..core.scheduler import Scheduler, SchedulerInputs, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
 from ..lora import LoRARequest
 from ..models.default_model import resolve_model_path
@@ -62,14 +62,18 @@ class LLMEngine(AdapterMethods):
         layout = getattr(runner, "kv_layout", None)
         windows = layout.windows if layout is not None else [None]
         self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config, windows)
-        self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key,
-                                   kv_windows=windows)
-        self.kv_events = KVEventRelay(config.kv_events_config, config.enable_prefix_caching,
-                                      self.block_manager.pool)
         self.prefill_share = (PrefillShare(config.tpot_target_s, config.long_prefill_token_threshold
                                            or config.max_num_batched_tokens) if config.tpot_target_s else None)
-        self.lora = lora_manager(config, runner, self.scheduler)   # None unless enable_lora
+        self.lora = lora_manager(config, runner)   # None unless enable_lora
         self.speculator = make_speculator(config, runner, compile_in_background)
+        inputs = SchedulerInputs(
+            lookahead=self.speculator.lookahead if self.speculator is not None else None,
+            prefill_caps=self.prefill_share.caps_for if self.prefill_share is not None else None,
+            adapter_room=self.lora.fits if self.lora is not None else None)
+        self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key,
+                                   kv_windows=windows, inputs=inputs)
+        self.kv_events = KVEventRelay(config.kv_events_config, config.enable_prefix_caching,
+                                      self.block_manager.pool)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
         # Constrained requests whose grammar still compiles, held back from the scheduler.
@@ -200,11 +204,6 @@ class LLMEngine(AdapterMethods):
     def step(self) -> List[RequestOutput]:
         start = time.perf_counter()
         outputs = self._take_compiled() if self.compiling else []
-        if self.speculator is not None:
-            self.scheduler.num_lookahead = self.speculator.lookahead(
-                sum(len(g.seqs) for g in self.scheduler.running))
-        if self.prefill_share is not None:
-            self.scheduler.prefill_caps = self.prefill_share.caps_for(self.scheduler)
         sched = self.scheduler.schedule()
         self.last_schedule_seconds = time.perf_counter() - start
         outputs += [self._end_with_error(group, msg, ran=False) for group, msg in sched.rejected]
