@@ -125,6 +125,11 @@ class Scheduler:
                 self.bm.free(seq.seq_id)
         group.status = GroupStatus.FINISHED
 
+    def free_seq(self, seq: Sequence) -> None:
+        """Free the blocks of one sequence that ended outside a step (a stop string)."""
+        if self.bm.has_seq(seq.seq_id):
+            self.bm.free(seq.seq_id)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

@@ -1,15 +1,19 @@
 """The engine: scheduler, model runner and sampler, one step at a time.
 
-``step()`` asks the scheduler for a batch, has the runner carry out the
-scheduler's swap and copy mappings and run the model once, samples, has the
-output processor apply the tokens (parallel samples fork, beams re-parent,
-stops end sequences), hands the outcome back to the scheduler
-(``update_from_output``: the only place blocks change after a step) and
-returns per-request output deltas. A request becomes a group in
-``input_processor``; tokens become text, stops and deltas in
-``output_processor``; with ``speculative_config``, ``speculative`` proposes
-tokens into the scheduled entries before the forward pass and verifies them
-after it. The engine owns the tokenizer; the runner sees token ids only.
+The core step (``core_step()``) asks the scheduler for a batch, has the
+runner carry out the scheduler's swap and copy mappings and run the model
+once, samples, applies the tokens (``token_updates``: parallel samples fork,
+beams re-parent, stop tokens and the length end sequences), hands the
+outcome back to the scheduler (``update_from_output``: the only place blocks
+change after a step) and reports what changed per request (``CoreOutput``).
+The output processor turns the reports into text, stop strings, log-
+probabilities and deltas after the step (``output_processor``), in this
+thread (``step()``) or another (``AsyncLLMEngine``); the sequences it finds
+ended by a stop string come back to ``finish()``. A request becomes a group
+in ``input_processor``; with ``speculative_config``, ``speculative``
+proposes tokens into the scheduled entries before the forward pass and
+verifies them after it. The engine owns the tokenizer; the runner sees
+token ids only.
 """
 import dataclasses
 import logging
@@ -31,11 +35,13 @@ from ..sampling_params import InvalidRequestError, SamplingParams
 from .adapters import AdapterMethods, lora_manager, resolve_adapter, with_adapter
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
 from .kv_publisher import KVEventRelay
+from .core_outputs import CoreOutput, SeqFinish
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .speculative import make_speculator
 from .stats import engine_description, engine_stats
-from .step_sampler import StepSampler, isolated
+from .step_sampler import StepSampler
+from .token_updates import TokenUpdates
 from .tokenizer import eos_token_ids, TokenizerLoad
 
 logger = logging.getLogger("pagedbackend")
@@ -85,8 +91,9 @@ class LLMEngine(AdapterMethods):
                                      self.max_prompt_chars, self.scheduler, self.grammars)
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
-        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.stats)
-        self.step_sampler = StepSampler(self.sampler, self.outputs, self.eos_token_ids, self.speculator)
+        self.tokens = TokenUpdates(self.eos_token_ids, self.max_model_len, self.stats)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.step_sampler = StepSampler(self.sampler, self.tokens, self.eos_token_ids, self.speculator)
         # Timings of the latest step (seconds): all of it, the model forward,
         # scheduling, and sampling with the sequence updates.
         self.last_step_seconds = self.last_forward_seconds = 0.0
@@ -142,7 +149,7 @@ class LLMEngine(AdapterMethods):
             return
         self.scheduler.add(group)
 
-    def _take_compiled(self) -> List[RequestOutput]:
+    def _take_compiled(self) -> List[CoreOutput]:
         """Hand the requests whose grammar has compiled to the scheduler, each
         sequence with its grammar state (its first mask filled on a worker);
         end those whose grammar was refused. With nothing else to run, wait a
@@ -168,6 +175,11 @@ class LLMEngine(AdapterMethods):
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """Stop a request and free its blocks at once; returns its final output."""
+        report = self.abort_core(request_id)
+        return None if report is None else self.outputs.process([report])[0][0]
+
+    def abort_core(self, request_id: str) -> Optional[CoreOutput]:
+        """``abort_request``'s core: the request's final report."""
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
@@ -183,7 +195,7 @@ class LLMEngine(AdapterMethods):
         group.seqs = []
         group.metrics.finished_time = time.time()
         self.stats.aborted_requests += 1
-        return self.outputs.output(group, finished=True)
+        return self.tokens.report(group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -202,6 +214,15 @@ class LLMEngine(AdapterMethods):
 
     # ------------------------------------------------------------ the step
     def step(self) -> List[RequestOutput]:
+        """A core step and its outputs, built in this thread; sequences ended
+        by a stop string are freed before it returns."""
+        outputs, finishes = self.outputs.process(self.core_step())
+        while finishes:
+            more, finishes = self.outputs.process(self.finish(finishes))
+            outputs += more
+        return outputs
+
+    def core_step(self) -> List[CoreOutput]:
         start = time.perf_counter()
         outputs = self._take_compiled() if self.compiling else []
         sched = self.scheduler.schedule()
@@ -245,10 +266,7 @@ class LLMEngine(AdapterMethods):
         self.scheduler.update_from_output(sched, update)
         self._release(update.freed)
         self.last_sample_seconds = time.perf_counter() - sample_start
-        for group in touched:
-            if group.request_id not in failed:
-                isolated(group, failed, "building its output",
-                         lambda: outputs.append(self.outputs.output(group, finished=group.is_finished)))
+        outputs += [self.tokens.report(group) for group in touched if group.request_id not in failed]
         outputs.extend(self._end_with_error(group, message, ran=True) for group, message in failed.values())
         self.stats.num_steps += 1
         self.stats.last_step_tokens = sched.num_batched_tokens
@@ -259,9 +277,43 @@ class LLMEngine(AdapterMethods):
         self.stats.forward_seconds += self.last_forward_seconds
         self.stats.sample_seconds += self.last_sample_seconds
         self.kv_events.flush()
-        return [o for o in outputs if o is not None]
+        return outputs
 
-    def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> RequestOutput:
+    def finish(self, finishes: Seq[SeqFinish]) -> List[CoreOutput]:
+        """End what the output processor found ended: a sequence at a stop
+        string (freed at once; a request with none left finishes) or a request
+        whose output failed. Returns the final reports of the requests that
+        ended. One the core ended meanwhile is left as it is."""
+        reports = []
+        for end in finishes:
+            group = self.groups.get(end.request_id)
+            if end.error is not None:
+                if group is None:
+                    self.stats.failed_requests += 1
+                else:
+                    reports.append(self._end_with_error(group, end.error, ran=True))
+                continue
+            seq = next((s for s in group.seqs if s.seq_id == end.seq_id), None) if group is not None else None
+            if seq is None:
+                continue
+            seq.finish_reason, seq.stop_reason = "stop", end.stop_reason
+            self.stats.generation_tokens -= seq.num_output_tokens - end.num_tokens   # dropped past the stop
+            if seq.constraint is not None:
+                seq.constraint.close()
+            group.seqs.remove(seq)
+            group.finished_seqs.append(seq)
+            self.scheduler.free_seq(seq)
+            self._release([seq])
+            if not group.seqs:
+                self.tokens.finish_group(group)
+                self.scheduler.remove(group)
+                del self.groups[group.request_id]
+                if self.speculator is not None:
+                    self.speculator.remember([group])
+                reports.append(self.tokens.report(group))
+        return reports
+
+    def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> CoreOutput:
         """End a request that cannot go on: one whose handling raised (``ran``:
         it counts as failed and its latencies count) or one refused before it
         ran (the scheduler's, a grammar that failed to compile). Every block it
@@ -277,7 +329,7 @@ class LLMEngine(AdapterMethods):
         for seq in group.seqs:
             if seq.constraint is not None:
                 seq.constraint.close()
-        return self.outputs.error_output(group, message, refused=not ran)
+        return self.tokens.report(group, error=message, refused=not ran)
 
     def _release(self, seqs: Seq[Sequence]) -> None:
         """Forget what speculation kept for sequences that are gone."""

@@ -2,7 +2,8 @@
 of constrained entries readied before the forward pass, prompt
 log-probabilities taken from prefill chunks, one sample row per candidate (or
 per position of a speculative entry, verified by ``speculative.py``), the
-batch sampled at once, and the tokens handed to the output processor.
+batch sampled at once, and the tokens applied to their sequences
+(``token_updates.py``).
 
 A request whose share of this raises fails alone (``isolated``): it is
 recorded with the reason, whatever it added to the step's update that would
@@ -17,7 +18,7 @@ import torch
 from ..core.scheduler import ScheduledSeq, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
 from ..sample import SampleRow, Sampler
-from .output_processor import OutputProcessor
+from .token_updates import TokenUpdates
 
 logger = logging.getLogger("pagedbackend")
 GRAMMAR_WAIT_S = 0.02   # a step that would sample nothing waits this long for a grammar's mask
@@ -42,8 +43,8 @@ def isolated(group: SequenceGroup, failed: Dict, what: str, work, update: Option
 
 
 class StepSampler:
-    def __init__(self, sampler: Sampler, outputs: OutputProcessor, eos_token_ids: Set[int], speculator=None):
-        self.sampler, self.outputs = sampler, outputs
+    def __init__(self, sampler: Sampler, tokens: TokenUpdates, eos_token_ids: Set[int], speculator=None):
+        self.sampler, self.tokens = sampler, tokens
         self.eos_token_ids, self.speculator = eos_token_ids, speculator
 
     @staticmethod
@@ -72,7 +73,7 @@ class StepSampler:
             if item.prompt_logits:
                 group = item.group
                 isolated(group, failed, "computing prompt log-probabilities",
-                         lambda: self.outputs.record_prompt_logprobs(group, item, logits[row:row + count]))
+                         lambda: self.tokens.record_prompt_logprobs(group, item, logits[row:row + count]))
             if item.need_logits:
                 sample_rows.extend(range(row + count - 1 - item.num_draft_tokens, row + count))
             row += count
@@ -109,13 +110,13 @@ class StepSampler:
                 update.uncomputed[seq.seq_id] = item.num_draft_tokens - accepted
                 work = lambda: self._apply_verified(group, seq, samples[:accepted + 1], update)  # noqa: E731
             else:
-                work = lambda: self.outputs.apply_samples(group, seq, samples, update)  # noqa: E731
+                work = lambda: self.tokens.apply_samples(group, seq, samples, update)  # noqa: E731
             if isolated(group, failed, "applying its tokens", work, update):
                 touched[group.request_id] = group
         for group, seq_rows in beams.items():
             done = []
             if isolated(group, failed, "a beam search step",
-                        lambda: done.append(self.outputs.apply_beams(group, seq_rows, logits, update)), update):
+                        lambda: done.append(self.tokens.apply_beams(group, seq_rows, logits, update)), update):
                 if done[0]:
                     touched[group.request_id] = group
         return [g for g in touched.values() if g.request_id not in failed]
@@ -138,7 +139,7 @@ class StepSampler:
     def _apply_verified(self, group: SequenceGroup, seq: Sequence, samples, update: StepUpdate) -> None:
         """A speculative entry's kept tokens; a stop inside the run ends it there."""
         for sample in samples:
-            self.outputs.apply_samples(group, seq, [sample], update)
+            self.tokens.apply_samples(group, seq, [sample], update)
             if seq.finished:
                 return
 
