@@ -1,19 +1,16 @@
 """The engine: scheduler, model runner and sampler, one step at a time.
 
-The core step (``core_step()``) asks the scheduler for a batch, has the
-runner carry out the scheduler's swap and copy mappings and run the model
-once, samples, applies the tokens (``token_updates``: parallel samples fork,
-beams re-parent, stop tokens and the length end sequences), hands the
-outcome back to the scheduler (``update_from_output``: the only place blocks
-change after a step) and reports what changed per request (``CoreOutput``).
-The output processor turns the reports into text, stop strings, log-
-probabilities and deltas after the step (``output_processor``), in this
-thread (``step()``) or another (``AsyncLLMEngine``); the sequences it finds
-ended by a stop string come back to ``finish()``. A request becomes a group
-in ``input_processor``; with ``speculative_config``, ``speculative``
-proposes tokens into the scheduled entries before the forward pass and
-verifies them after it. The engine owns the tokenizer; the runner sees
-token ids only.
+``core_step()`` asks the scheduler for a batch, has the runner carry out its
+swap and copy mappings and run the model once, samples, applies the tokens
+(``token_updates``: forks, beams, stop tokens, the length), hands the outcome
+to the scheduler (``update_from_output``: the only place blocks change after
+a step) and reports each changed request (``CoreOutput``). The output
+processor makes text, stop strings, log-probabilities and deltas of the
+reports off the step (``output_processor``), in this thread (``step()``) or
+another (``AsyncLLMEngine``); sequences a stop string ends come back to
+``finish()``. Requests become groups in ``input_processor``; speculation
+(``spec_decode``) and structured outputs (``structured``) each enter the
+step by one hook. The engine owns the tokenizer; the runner sees token ids.
 """
 import dataclasses
 import logging
@@ -29,16 +26,15 @@ from ..core.sequence import Sequence, SequenceGroup
 from ..lora import LoRARequest
 from ..models.default_model import resolve_model_path
 from ..sample import Sampler
-from ..sample.grammar_worker import GrammarBudget, GrammarWorkers
-from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
+from ..spec_decode.speculator import make_speculator
+from ..structured.queue import StructuredQueue
 from .adapters import AdapterMethods, lora_manager, resolve_adapter, with_adapter
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
-from .kv_publisher import KVEventRelay
 from .core_outputs import CoreOutput, SeqFinish
+from .kv_publisher import KVEventRelay
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
-from .speculative import make_speculator
 from .stats import engine_description, engine_stats
 from .step_sampler import StepSampler
 from .token_updates import TokenUpdates
@@ -82,11 +78,9 @@ class LLMEngine(AdapterMethods):
                                       self.block_manager.pool)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
-        # Constrained requests whose grammar still compiles, held back from the scheduler.
-        self.compiling: List[SequenceGroup] = []
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                        config.structured_cache_bytes)
-        self.grammar_workers = GrammarWorkers(self.vocab_size)
+        self.structured = StructuredQueue(config, self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # Constrained requests whose grammar still compiles (held back from the scheduler), the compiler.
+        self.compiling, self.grammars = self.structured.compiling, self.structured.grammars
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
                                      self.max_prompt_chars, self.scheduler, self.grammars)
         self.sampler = Sampler(config.seed)
@@ -143,50 +137,25 @@ class LLMEngine(AdapterMethods):
         self.stats.prompt_tokens += len(group.prompt_token_ids)
         if group.lora is not None:
             self.lora.count_request(group.lora)
-        if group.grammar is not None:   # queued once parsed and compiled (_take_compiled)
+        if group.grammar is not None:   # queued once parsed and compiled (StructuredQueue)
             self.stats.structured_requests += 1
-            self.compiling.append(group)
+            self.structured.add(group)
             return
         self.scheduler.add(group)
 
-    def _take_compiled(self) -> List[CoreOutput]:
-        """Hand the requests whose grammar has compiled to the scheduler, each
-        sequence with its grammar state (its first mask filled on a worker);
-        end those whose grammar was refused. With nothing else to run, wait a
-        little for the first compile rather than spin."""
-        if self.compiling and not self.scheduler.has_unfinished and not self.compiling[0].grammar.done():
-            self.compiling[0].grammar.wait(0.05)
-        outputs, waiting = [], []
-        for group in self.compiling:
-            grammar = group.grammar
-            if not grammar.done():
-                waiting.append(group)
-                continue
-            if grammar.error() is not None:
-                outputs.append(self._end_with_error(group, str(grammar.error()), ran=False))
-                continue
-            group.metrics.grammar_compile_time = grammar.seconds
-            cfg = self.config
-            budget = GrammarBudget(grammar.label, cfg.structured_mask_token_s, cfg.structured_mask_total_s)
-            group.seqs[0].constraint = self.grammar_workers.start(grammar.matcher, budget, self.grammars.stop_token_ids)
-            self.scheduler.add(group)
-        self.compiling = waiting
-        return outputs
-
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """Stop a request and free its blocks at once; returns its final output."""
-        report = self.abort_core(request_id)
-        return None if report is None else self.outputs.process([report])[0][0]
+        outputs = self.outputs.process([self.abort_core(request_id)] if request_id in self.groups else [])[0]
+        return outputs[0] if outputs else None
 
     def abort_core(self, request_id: str) -> Optional[CoreOutput]:
         """``abort_request``'s core: the request's final report."""
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
-        if group in self.compiling:
-            self.compiling.remove(group)
+        self.structured.remove(group)
         self.scheduler.remove(group)
-        self._release(group.seqs)
+        self._spec_done([], group.seqs)
         for seq in group.seqs:
             if seq.constraint is not None:   # queued grammar work is dropped
                 seq.constraint.close()
@@ -224,7 +193,10 @@ class LLMEngine(AdapterMethods):
 
     def core_step(self) -> List[CoreOutput]:
         start = time.perf_counter()
-        outputs = self._take_compiled() if self.compiling else []
+        ready, refused = self.structured.take_compiled(idle=not self.scheduler.has_unfinished)
+        for group in ready:
+            self.scheduler.add(group)
+        outputs = [self._end_with_error(group, message, ran=False) for group, message in refused]
         sched = self.scheduler.schedule()
         self.last_schedule_seconds = time.perf_counter() - start
         outputs += [self._end_with_error(group, msg, ran=False) for group, msg in sched.rejected]
@@ -235,17 +207,13 @@ class LLMEngine(AdapterMethods):
             self.runner.swap_in(sched.swap_in_pairs)
         if sched.copy_pairs:
             self.runner.copy_blocks(sched.copy_pairs)
-            if self.speculator is not None:
-                self.speculator.copy_blocks(sched.copy_pairs)
         self._adapters_for_step(sched.scheduled)
+        if self.speculator is not None:   # drafts proposed into the scheduled entries
+            self.speculator.before_forward(sched, self.stats)
         if sched.is_empty:
             self.last_step_seconds = time.perf_counter() - start
             self.kv_events.flush()
             return outputs
-        if self.speculator is not None:
-            propose_start = time.perf_counter()
-            self.speculator.propose(sched.scheduled)
-            self.stats.propose_seconds += time.perf_counter() - propose_start
         self.step_sampler.prepare_grammars(sched.scheduled)
         forward_start = time.perf_counter()
         logits = self.runner.execute_model(sched.scheduled)
@@ -261,10 +229,8 @@ class LLMEngine(AdapterMethods):
                 logits, [i for i in sched.scheduled if i.need_logits], update, failed)
         for group in update.finished:
             self.groups.pop(group.request_id, None)
-        if self.speculator is not None and update.finished:
-            self.speculator.remember(update.finished)
         self.scheduler.update_from_output(sched, update)
-        self._release(update.freed)
+        self._spec_done(update.finished, update.freed)
         self.last_sample_seconds = time.perf_counter() - sample_start
         outputs += [self.tokens.report(group) for group in touched if group.request_id not in failed]
         outputs.extend(self._end_with_error(group, message, ran=True) for group, message in failed.values())
@@ -287,30 +253,17 @@ class LLMEngine(AdapterMethods):
         reports = []
         for end in finishes:
             group = self.groups.get(end.request_id)
-            if end.error is not None:
-                if group is None:
-                    self.stats.failed_requests += 1
-                else:
-                    reports.append(self._end_with_error(group, end.error, ran=True))
-                continue
-            seq = next((s for s in group.seqs if s.seq_id == end.seq_id), None) if group is not None else None
-            if seq is None:
-                continue
-            seq.finish_reason, seq.stop_reason = "stop", end.stop_reason
-            self.stats.generation_tokens -= seq.num_output_tokens - end.num_tokens   # dropped past the stop
-            if seq.constraint is not None:
-                seq.constraint.close()
-            group.seqs.remove(seq)
-            group.finished_seqs.append(seq)
-            self.scheduler.free_seq(seq)
-            self._release([seq])
-            if not group.seqs:
-                self.tokens.finish_group(group)
-                self.scheduler.remove(group)
-                del self.groups[group.request_id]
-                if self.speculator is not None:
-                    self.speculator.remember([group])
-                reports.append(self.tokens.report(group))
+            if end.error is not None and group is not None:
+                reports.append(self._end_with_error(group, end.error, ran=True))
+            elif end.error is not None:
+                self.stats.failed_requests += 1
+            elif group is not None and (seq := self.tokens.stop_seq(group, end)) is not None:
+                self.scheduler.free_seq(seq)
+                if not group.seqs:   # its last sequence: the request ends
+                    self.scheduler.remove(group)
+                    del self.groups[group.request_id]
+                    reports.append(self.tokens.report(group))
+                self._spec_done([group] if not group.seqs else [], [seq])
         return reports
 
     def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> CoreOutput:
@@ -325,16 +278,16 @@ class LLMEngine(AdapterMethods):
             self.stats.rejected_requests += 1
         self.groups.pop(group.request_id, None)
         self.scheduler.remove(group)   # wherever it stands; frees what it holds
-        self._release(group.seqs)
+        self._spec_done([], group.seqs)
         for seq in group.seqs:
             if seq.constraint is not None:
                 seq.constraint.close()
         return self.tokens.report(group, error=message, refused=not ran)
 
-    def _release(self, seqs: Seq[Sequence]) -> None:
-        """Forget what speculation kept for sequences that are gone."""
-        if self.speculator is not None and seqs:
-            self.speculator.release([s.seq_id for s in seqs])
+    def _spec_done(self, groups: Seq[SequenceGroup], seqs: Seq[Sequence]) -> None:
+        """Speculation learns of finished requests and forgets sequences that are gone."""
+        if self.speculator is not None:
+            self.speculator.after_step(groups, seqs)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no request holds (published as
@@ -342,7 +295,6 @@ class LLMEngine(AdapterMethods):
         self.block_manager.pool.reset_prefix_cache()
         self.kv_events.flush()
 
-    # ------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
         """A snapshot of the counters and of the pool, queues and step (``engine_stats``)."""
         return engine_stats(self)

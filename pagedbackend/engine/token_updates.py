@@ -14,7 +14,7 @@ from ..core.scheduler import ScheduledSeq, StepUpdate
 from ..core.sequence import GroupStatus, Sequence, SequenceGroup
 from ..sample.sampler import LOGPROB_FLOOR
 from .beam import beam_step
-from .core_outputs import CoreOutput, SeqStep
+from .core_outputs import CoreOutput, SeqFinish, SeqStep
 from .outputs import EngineStats
 
 
@@ -93,6 +93,24 @@ class TokenUpdates:
                 return
         if seq.num_output_tokens >= group.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+
+    def stop_seq(self, group: SequenceGroup, end: SeqFinish) -> Optional[Sequence]:
+        """End the sequence that a stop string ended (``end``, from the output
+        processor) unless the core ended it meanwhile; its tokens past the stop
+        do not count. A group left with no sequence finishes. Returns the
+        sequence, whose blocks the caller frees."""
+        seq = next((s for s in group.seqs if s.seq_id == end.seq_id), None)
+        if seq is None:
+            return None
+        seq.finish_reason, seq.stop_reason = "stop", end.stop_reason
+        self.stats.generation_tokens -= seq.num_output_tokens - end.num_tokens
+        if seq.constraint is not None:
+            seq.constraint.close()
+        group.seqs.remove(seq)
+        group.finished_seqs.append(seq)
+        if not group.seqs:
+            self.finish_group(group)
+        return seq
 
     def finish_group(self, group: SequenceGroup, update: Optional[StepUpdate] = None) -> None:
         group.status = GroupStatus.FINISHED

@@ -32,13 +32,14 @@ Suffix speculation remembers finished requests' outputs per tenant
 (``remember``): a question asked again is drafted from its earlier answer.
 """
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from ..config import EngineConfig, SpeculativeConfig
-from ..core.scheduled import ScheduledSeq
+from ..core.scheduled import ScheduledSeq, SchedulerOutput
 from ..models.default_model import resolve_model_path
-from ..worker.proposers import DraftModelProposer, NgramProposer, SuffixProposer, draft_runner
+from .proposers import DraftModelProposer, NgramProposer, SuffixProposer, draft_runner
 
 
 @dataclass
@@ -127,17 +128,25 @@ class Speculator:
         not ready): none of its drafts stand, and nothing is counted."""
         self.proposer.accepted(item, 0)
 
-    def copy_blocks(self, pairs) -> None:
-        self.proposer.copy_blocks(pairs)
+    # ------------------------------------------------------------ the engine step's hooks
+    def before_forward(self, sched: SchedulerOutput, stats) -> None:
+        """After scheduling: a draft model's blocks follow the target's copies,
+        and drafts are proposed into the scheduled entries (timed into
+        ``stats.propose_seconds``)."""
+        if sched.copy_pairs:
+            self.proposer.copy_blocks(sched.copy_pairs)
+        if sched.scheduled:
+            start = time.perf_counter()
+            self.propose(sched.scheduled)
+            stats.propose_seconds += time.perf_counter() - start
 
-    def remember(self, groups) -> None:
-        """Finished requests, for a proposer that drafts from earlier answers."""
+    def after_step(self, finished_groups, gone_seqs) -> None:
+        """Requests that finished (a proposer may draft from earlier answers)
+        and sequences that are gone (what was kept for them is forgotten)."""
         remember = getattr(self.proposer, "remember", None)
         if remember is not None:
-            for group in groups:
+            for group in finished_groups:
                 remember(group)
-
-    def release(self, seq_ids) -> None:
-        for seq_id in seq_ids:
-            self._next.pop(seq_id, None)
-            self.proposer.release(seq_id)
+        for seq in gone_seqs:
+            self._next.pop(seq.seq_id, None)
+            self.proposer.release(seq.seq_id)
