@@ -53,12 +53,14 @@ class CoreOutput:
 
 @dataclass
 class SeqFinish:
-    """From the output processor: ``seq_id`` of ``request_id`` stopped at
-    ``num_tokens`` output tokens (a stop string), or, with ``error``, the whole
-    request failed while its output was built (its final output is sent)."""
+    """From the output processor: ``seq_id`` of ``request_id`` stopped at a
+    stop string (``stop_reason``); or, with ``error``, the whole request failed
+    while its output was built (its final output is sent). ``dropped``:
+    generated tokens it did not return (past a stop string, after a final
+    output), which the core's count of generated tokens leaves out."""
     request_id: str
     seq_id: Optional[int] = None
-    num_tokens: int = 0
     stop_reason: Optional[object] = None
     error: Optional[str] = None
+    dropped: int = 0
 

@@ -248,11 +248,11 @@ class LLMEngine(AdapterMethods):
     def finish(self, finishes: Seq[SeqFinish]) -> List[CoreOutput]:
         """End what the output processor found ended: a sequence at a stop
         string (freed at once; a request with none left finishes) or a request
-        whose output failed. Returns the final reports of the requests that
-        ended. One the core ended meanwhile is left as it is."""
+        whose output failed. Returns the final reports of the requests that ended."""
         reports = []
         for end in finishes:
             group = self.groups.get(end.request_id)
+            self.stats.generation_tokens -= end.dropped
             if end.error is not None and group is not None:
                 reports.append(self._end_with_error(group, end.error, ran=True))
             elif end.error is not None:

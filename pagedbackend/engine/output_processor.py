@@ -81,7 +81,10 @@ class OutputProcessor:
 
     def _process(self, report: CoreOutput, finishes: List[SeqFinish]) -> Optional[RequestOutput]:
         rid = report.request_id
-        if rid in self._closed:   # its final output is out; the core caught up
+        if rid in self._closed:   # its final output is out; the core catches up
+            dropped = sum(len(step.new_token_ids) for step in report.seqs)
+            if dropped:
+                finishes.append(SeqFinish(rid, dropped=dropped))
             if report.finished:
                 self._closed.discard(rid)
             return None
@@ -97,6 +100,8 @@ class OutputProcessor:
                 seq = request.seqs[step.seq_id] = SeqText(report.prompt_token_ids, step.index)
             if not seq.finished:
                 self._apply(report, seq, step, finishes)
+            elif step.new_token_ids:   # the core ran on past its stop string
+                finishes.append(SeqFinish(rid, step.seq_id, dropped=len(step.new_token_ids)))
         finished = report.finished or all(s.finished for s in request.seqs.values())
         if finished:
             del self._requests[rid]
@@ -125,8 +130,11 @@ class OutputProcessor:
                 stop = find_stop_string(seq, len(new_text), params.stop_list, params.include_stop_str_in_output)
                 if stop is not None:
                     seq.finish_reason, seq.stop_reason = "stop", stop
-                    if step.finish_reason is None or not last:   # the core still runs it
-                        finishes.append(SeqFinish(report.request_id, step.seq_id, seq.num_output_tokens, stop))
+                    dropped = len(step.new_token_ids) - 1 - i
+                    if step.finish_reason is None:   # the core still runs it
+                        finishes.append(SeqFinish(report.request_id, step.seq_id, stop, dropped=dropped))
+                    elif dropped:
+                        finishes.append(SeqFinish(report.request_id, step.seq_id, dropped=dropped))
                     return
         if step.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = step.finish_reason, step.stop_reason

@@ -96,14 +96,12 @@ class TokenUpdates:
 
     def stop_seq(self, group: SequenceGroup, end: SeqFinish) -> Optional[Sequence]:
         """End the sequence that a stop string ended (``end``, from the output
-        processor) unless the core ended it meanwhile; its tokens past the stop
-        do not count. A group left with no sequence finishes. Returns the
-        sequence, whose blocks the caller frees."""
-        seq = next((s for s in group.seqs if s.seq_id == end.seq_id), None)
+        processor; none without ``stop_reason``) unless the core ended it meanwhile. A group left with no
+        sequence finishes. Returns the sequence, whose blocks the caller frees."""
+        seq = next((s for s in group.seqs if s.seq_id == end.seq_id), None) if end.stop_reason is not None else None
         if seq is None:
             return None
         seq.finish_reason, seq.stop_reason = "stop", end.stop_reason
-        self.stats.generation_tokens -= seq.num_output_tokens - end.num_tokens
         if seq.constraint is not None:
             seq.constraint.close()
         group.seqs.remove(seq)
