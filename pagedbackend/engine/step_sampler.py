@@ -1,7 +1,7 @@
 """From a step's logits to tokens applied to their sequences: grammar masks
 of constrained entries readied before the forward pass, prompt
 log-probabilities taken from prefill chunks, one sample row per candidate (or
-per position of a speculative entry, verified by ``speculative.py``), the
+per position of a speculative entry, verified by ``spec_decode``), the
 batch sampled at once, and the tokens applied to their sequences
 (``token_updates.py``).
 
@@ -95,7 +95,7 @@ class StepSampler:
             if group.is_beam_search:
                 beams[group].append((seq, row))
             elif item.num_lookahead:
-                owners.append((group, seq, self._speculative_rows(group, seq, item, row), item))
+                owners.append((group, seq, self.speculator.sample_rows(item, row, self._sample_row), item))
             else:
                 copies = group.params.best_of if not group.forked else 1
                 owners.append((group, seq, [self._sample_row(group, seq, row, seq.index + i)
@@ -106,9 +106,7 @@ class StepSampler:
             if group.request_id in failed:
                 continue
             if item.num_lookahead:   # the verified tokens, one after another
-                accepted = self.speculator.accept(item, [s.token_id for s in samples])
-                update.uncomputed[seq.seq_id] = item.num_draft_tokens - accepted
-                work = lambda: self._apply_verified(group, seq, samples[:accepted + 1], update)  # noqa: E731
+                work = self.speculator.verify(item, samples, update, self.tokens.apply_samples)
             else:
                 work = lambda: self.tokens.apply_samples(group, seq, samples, update)  # noqa: E731
             if isolated(group, failed, "applying its tokens", work, update):
@@ -135,24 +133,6 @@ class StepSampler:
         if item.num_lookahead and self.speculator is not None:
             self.speculator.withdraw(item)
         return False
-
-    def _apply_verified(self, group: SequenceGroup, seq: Sequence, samples, update: StepUpdate) -> None:
-        """A speculative entry's kept tokens; a stop inside the run ends it there."""
-        for sample in samples:
-            self.tokens.apply_samples(group, seq, [sample], update)
-            if seq.finished:
-                return
-
-    def _speculative_rows(self, group: SequenceGroup, seq: Sequence, item: ScheduledSeq,
-                          row: int) -> List[SampleRow]:
-        """One sample row per position of a speculative entry, each sampled as
-        a plain decode step would sample that position (``speculative.py``).
-        Under a grammar, drafts the grammar refuses are not verified."""
-        drafts = item.draft_token_ids
-        masks = seq.constraint.draft_masks(drafts) if seq.constraint is not None else None
-        positions = len(masks) if masks is not None else len(drafts) + 1
-        return [self._sample_row(group, seq, row + j, seq.index, drafts[:j],
-                                 masks[j] if masks is not None else None) for j in range(positions)]
 
     def _sample_owners(self, logits: torch.Tensor, owners, failed: Dict) -> List[list]:
         """Samples per owner: the whole batch at once; should that raise, each

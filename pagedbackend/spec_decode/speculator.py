@@ -1,4 +1,4 @@
-"""Speculative decoding, the engine's side: how many tokens to propose in a
+"""Speculative decoding as the engine step meets it: how many tokens to propose in a
 step, proposing them into the scheduled entries, and verifying them against
 the target model's logits.
 
@@ -34,10 +34,10 @@ Suffix speculation remembers finished requests' outputs per tenant
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..config import EngineConfig, SpeculativeConfig
-from ..core.scheduled import ScheduledSeq, SchedulerOutput
+from ..core.scheduled import ScheduledSeq, SchedulerOutput, StepUpdate
 from ..models.default_model import resolve_model_path
 from .proposers import DraftModelProposer, NgramProposer, SuffixProposer, draft_runner
 
@@ -122,6 +122,35 @@ class Speculator:
         if not getattr(self.proposer, "sizes_drafts", False):
             self._next[item.seq.seq_id] = max(1, min(self.config.num_speculative_tokens, accepted + 1))
         return accepted
+
+    def sample_rows(self, item: ScheduledSeq, row: int, sample_row) -> list:
+        """One sample row per position of a speculative entry (its first at
+        ``row`` of the step's logits), each sampled as a plain decode step
+        would sample that position: ``sample_row(group, seq, row, index,
+        tokens ahead, mask)``. Under a grammar, drafts the grammar refuses are
+        not verified."""
+        seq, drafts = item.seq, item.draft_token_ids
+        masks = seq.constraint.draft_masks(drafts) if seq.constraint is not None else None
+        positions = len(masks) if masks is not None else len(drafts) + 1
+        return [sample_row(item.group, seq, row + j, seq.index, drafts[:j], masks[j] if masks is not None else None)
+                for j in range(positions)]
+
+    def verify(self, item: ScheduledSeq, samples, update: StepUpdate, apply_samples) -> Callable[[], None]:
+        """Verify ``item``'s drafts against the samples of its positions: the
+        positions of rejected drafts go back (``update.uncomputed``); returns
+        the work that applies the kept tokens one after another with
+        ``apply_samples(group, seq, [sample], update)`` (a stop inside the run
+        ends it there)."""
+        seq = item.seq
+        accepted = self.accept(item, [s.token_id for s in samples])
+        update.uncomputed[seq.seq_id] = item.num_draft_tokens - accepted
+
+        def apply_kept() -> None:
+            for sample in samples[:accepted + 1]:
+                apply_samples(item.group, seq, [sample], update)
+                if seq.finished:
+                    return
+        return apply_kept
 
     def withdraw(self, item: ScheduledSeq) -> None:
         """An entry that was not sampled in its step (its grammar's mask was
