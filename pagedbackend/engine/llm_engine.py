@@ -214,7 +214,7 @@ class LLMEngine(AdapterMethods):
             self.last_step_seconds = time.perf_counter() - start
             self.kv_events.flush()
             return outputs
-        self.step_sampler.prepare_grammars(sched.scheduled)
+        self.structured.before_forward(sched.scheduled)
         forward_start = time.perf_counter()
         logits = self.runner.execute_model(sched.scheduled)
         self.last_forward_seconds = time.perf_counter() - forward_start

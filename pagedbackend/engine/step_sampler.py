@@ -1,5 +1,4 @@
-"""From a step's logits to tokens applied to their sequences: grammar masks
-of constrained entries readied before the forward pass, prompt
+"""From a step's logits to tokens applied to their sequences: prompt
 log-probabilities taken from prefill chunks, one sample row per candidate (or
 per position of a speculative entry, verified by ``spec_decode``), the
 batch sampled at once, and the tokens applied to their sequences
@@ -21,7 +20,6 @@ from ..sample import SampleRow, Sampler
 from .token_updates import TokenUpdates
 
 logger = logging.getLogger("pagedbackend")
-GRAMMAR_WAIT_S = 0.02   # a step that would sample nothing waits this long for a grammar's mask
 
 
 def isolated(group: SequenceGroup, failed: Dict, what: str, work, update: Optional[StepUpdate] = None) -> bool:
@@ -46,20 +44,6 @@ class StepSampler:
     def __init__(self, sampler: Sampler, tokens: TokenUpdates, eos_token_ids: Set[int], speculator=None):
         self.sampler, self.tokens = sampler, tokens
         self.eos_token_ids, self.speculator = eos_token_ids, speculator
-
-    @staticmethod
-    def prepare_grammars(scheduled: Seq[ScheduledSeq]) -> None:
-        """Before the forward pass: masks of speculative positions are filled
-        beside it. When every entry to sample waits for its grammar's mask,
-        wait a little for one rather than run a step that samples nothing."""
-        waiting = 0
-        for item in scheduled:
-            state = item.seq.constraint
-            if state is not None and item.need_logits:
-                state.prepare_drafts(item.draft_token_ids)
-                waiting += not state.ready()
-        if waiting and waiting == len(scheduled):
-            next(i.seq.constraint for i in scheduled if not i.seq.constraint.ready()).wait(GRAMMAR_WAIT_S)
 
     def take_prompt_logprobs(self, logits: torch.Tensor, scheduled: Seq[ScheduledSeq],
                              failed: Dict) -> torch.Tensor:

@@ -1,15 +1,18 @@
 """The engine's entry into structured outputs: the grammar compiler and the
 grammar workers it holds, and the requests whose grammar still compiles,
-held back from the scheduler until it is done (``take_compiled``, once per
-engine step)."""
-from typing import List, Tuple
+held back from the scheduler until it is done (``take_compiled``, before
+each engine step schedules), and the grammars' masks readied before the
+forward pass (``before_forward``)."""
+from typing import List, Sequence, Tuple
 
 from ..config import EngineConfig
+from ..core.scheduled import ScheduledSeq
 from ..core.sequence import SequenceGroup
 from .compiler import GrammarCompiler
 from .grammar_worker import GrammarBudget, GrammarWorkers
 
 FIRST_COMPILE_WAIT_S = 0.05   # with nothing else to run, how long a step waits for a compile
+GRAMMAR_WAIT_S = 0.02   # a step that would sample nothing waits this long for a grammar's mask
 
 
 class StructuredQueue:
@@ -52,3 +55,17 @@ class StructuredQueue:
             ready.append(group)
         self.compiling[:] = waiting   # in place: the engine reads it (statistics)
         return ready, refused
+
+    @staticmethod
+    def before_forward(scheduled: Sequence[ScheduledSeq]) -> None:
+        """Before the forward pass: masks of speculative positions are filled
+        beside it. When every entry to sample waits for its grammar's mask,
+        wait a little for one rather than run a step that samples nothing."""
+        waiting = 0
+        for item in scheduled:
+            state = item.seq.constraint
+            if state is not None and item.need_logits:
+                state.prepare_drafts(item.draft_token_ids)
+                waiting += not state.ready()
+        if waiting and waiting == len(scheduled):
+            next(i.seq.constraint for i in scheduled if not i.seq.constraint.ready()).wait(GRAMMAR_WAIT_S)
