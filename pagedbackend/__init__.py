@@ -10,7 +10,7 @@ below its own.
 from .config import EngineConfig
 from .lora import LoRARequest
 from .sampling_params import InvalidRequestError, SamplingParams
-from .structured_outputs import StructuredOutputsParams
+from .structured.params import StructuredOutputsParams
 
 _ENGINE = ("LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "CompletionOutput", "EngineStats")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 from .kv_events_config import KVEventsConfig
-from .speculative_config import SpeculativeConfig  # noqa: F401  (a field of EngineConfig; callers import it here)
+from .spec_decode.config import SpeculativeConfig  # noqa: F401  (a field of EngineConfig; callers import it here)
 
 
 def cache_root() -> pathlib.Path:

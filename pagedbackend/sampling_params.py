@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from .config import coerce
 from .errors import InvalidRequestError
-from .structured_outputs import (MAX_SCHEMA_DEPTH, MAX_TAG_DEPTH, StructuredOutputsParams, from_guided_fields,
+from .structured.params import (MAX_SCHEMA_DEPTH, MAX_TAG_DEPTH, StructuredOutputsParams, from_guided_fields,
                                  text_depth)
 
 # Nesting of the sampling_parameters JSON: a structural tag inside structured_outputs.

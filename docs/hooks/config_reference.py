@@ -20,7 +20,7 @@ PAGE = "configuration.md"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = {  # class -> (file, heading)
     "EngineConfig": ("pagedbackend/config.py", "Engine settings"),
-    "SpeculativeConfig": ("pagedbackend/speculative_config.py", "speculative_config fields"),
+    "SpeculativeConfig": ("pagedbackend/spec_decode/config.py", "speculative_config fields"),
     "ModelSettings": ("pagedbackend/serving/triton/settings.py", "Triton model parameters"),
 }
 

@@ -84,7 +84,7 @@ def run_batch(engine: LLMEngine, texts: list, max_tokens: int, constrained: bool
 
 
 def compile_times(engine: LLMEngine, make, count: int) -> list:
-    from pagedbackend.structured_outputs import StructuredOutputsParams
+    from pagedbackend.structured.params import StructuredOutputsParams
     times = []
     for i in range(count):
         spec = StructuredOutputsParams.build({"json": make(int(time.time() * 1e6) + i)})

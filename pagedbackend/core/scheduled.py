@@ -2,10 +2,11 @@
 the engine: one entry per sequence (``SeqEntry``, and the scheduler's
 ``ScheduledSeq`` which adds the request it belongs to), the step's batch and
 block mappings (``SchedulerOutput``), and what sampling decided
-(``StepUpdate``) for the scheduler to apply to the blocks.
+(``StepUpdate``) for the scheduler to apply to the blocks; and what the
+scheduler asks of the engine's features before each step (``SchedulerInputs``).
 """
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .sequence import Sequence, SequenceGroup
 
@@ -92,3 +93,23 @@ class StepUpdate:
     freed: List[Sequence] = field(default_factory=list)
     finished: List[SequenceGroup] = field(default_factory=list)
     uncomputed: Dict[int, int] = field(default_factory=dict)              # seq id -> positions
+
+
+@dataclass(frozen=True)
+class SchedulerInputs:
+    """What the scheduler asks of the engine's features, given at
+    construction; each is asked afresh before every step (None: the feature
+    is off).
+
+    - ``lookahead(num_decoding)``: speculative slots per decoding sequence for
+      the coming step, given how many sequences decode (``spec_decode``);
+    - ``prefill_caps(scheduler)``: prompt tokens each sequence computes in the
+      coming step, by sequence id, when sized by time (``prefill_share.py``;
+      None from it: the configured chunk; a sequence it does not name gets
+      ``MIN_CHUNK``);
+    - ``adapter_room(group, running)``: whether a group's adapter fits the
+      adapter pool beside those of the running groups (``LoRAManager.fits``).
+    """
+    lookahead: Optional[Callable[[int], int]] = None
+    prefill_caps: Optional[Callable[[object], Optional[Dict[int, int]]]] = None
+    adapter_room: Optional[Callable[[SequenceGroup, List[SequenceGroup]], bool]] = None

@@ -38,7 +38,7 @@ generated tokens, reusing whatever prefix blocks are still cached.
 """
 import bisect
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from ..config import EngineConfig
 from ..sampling_params import InvalidRequestError
@@ -46,10 +46,10 @@ from .block_manager import AllocStatus, BlockManager
 from .capacity import Capacity
 from .prefill_share import MIN_CHUNK
 from .request_queue import RequestQueue
-from .scheduled import ScheduledSeq, SchedulerOutput, StepUpdate
+from .scheduled import ScheduledSeq, SchedulerInputs, SchedulerOutput, StepUpdate
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
-__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput", "StepUpdate"]
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerInputs", "SchedulerOutput", "StepUpdate"]
 
 # Groups tried past a blocker in one step at most (each costs a prefix lookup).
 PASS_SCAN = 16
@@ -67,9 +67,11 @@ class Scheduler:
     the blocks' fate after each step (``update_from_output``)."""
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
-                 cache_salt: bytes = b"", kv_windows: Optional[List[Optional[int]]] = None):
+                 cache_salt: bytes = b"", kv_windows: Optional[List[Optional[int]]] = None,
+                 inputs: SchedulerInputs = SchedulerInputs()):
         """``kv_windows``: each KV group's sliding window (None: full
-        attention; default one group of full attention)."""
+        attention; default one group of full attention); ``inputs``: what the
+        engine's features decide for each step (``SchedulerInputs``)."""
         self.config = config
         self.max_model_len = max_model_len
         self.bm = BlockManager(num_kv_blocks, config.block_size, num_swap_blocks=config.swap_space_blocks,
@@ -83,16 +85,10 @@ class Scheduler:
         self.running: List[SequenceGroup] = []   # kept in scheduling order (order_key)
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
-        # Speculative slots per decoding sequence for the next steps (set by
-        # the engine, which decides how many tokens to propose).
+        self.inputs = inputs
+        # This step's answers of ``inputs`` (read by prefill_share.caps_for too).
         self.num_lookahead = 0
-        # Prompt tokens each sequence computes in the next step, by sequence
-        # id, when sized by time (set by the engine: prefill_share.py); None:
-        # the configured chunk. A sequence it does not name gets MIN_CHUNK.
         self.prefill_caps: Optional[Dict[int, int]] = None
-        # With adapters: whether a group's adapter fits the adapter pool beside
-        # those of the running groups (set by the engine; lora.LoRAManager.fits).
-        self.adapter_room: Optional[Callable[[SequenceGroup, List[SequenceGroup]], bool]] = None
 
     @property
     def block_manager(self) -> BlockManager:
@@ -129,6 +125,11 @@ class Scheduler:
                 self.bm.free(seq.seq_id)
         group.status = GroupStatus.FINISHED
 
+    def free_seq(self, seq: Sequence) -> None:
+        """Free the blocks of one sequence that ended outside a step (a stop string)."""
+        if self.bm.has_seq(seq.seq_id):
+            self.bm.free(seq.seq_id)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -151,6 +152,11 @@ class Scheduler:
 
     # ------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
+        inputs = self.inputs
+        if inputs.lookahead is not None:
+            self.num_lookahead = inputs.lookahead(sum(len(g.seqs) for g in self.running))
+        if inputs.prefill_caps is not None:
+            self.prefill_caps = inputs.prefill_caps(self)
         out = SchedulerOutput()
         room = _Room(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         crowded = len(self.running) + len(self.waiting) + len(self.swapped) > 1
@@ -326,7 +332,7 @@ class Scheduler:
             self.waiting.push(group)
 
     def _adapter_fits(self, group: SequenceGroup) -> bool:
-        return self.adapter_room is None or self.adapter_room(group, self.running)
+        return self.inputs.adapter_room is None or self.inputs.adapter_room(group, self.running)
 
     def _preempt_for(self, group, token_lists, reserve, reuse, status, room: _Room,
                      out: SchedulerOutput) -> AllocStatus:

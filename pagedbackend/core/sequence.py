@@ -7,7 +7,7 @@ prompt's KV blocks. Preemption and admission act on whole groups.
 import enum
 import itertools
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional, Tuple
 
 from ..sampling_params import SamplingParams
 
@@ -44,15 +44,13 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0            # tokens whose K/V are in the cache
         self.cumulative_logprob = 0.0
-        self.logprobs: List[Dict[int, object]] = []   # per output token, when asked: id -> Logprob
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[object] = None
-        # Incremental detokenisation state (see detokenizer.py).
-        self.output_text = ""
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.num_sent_tokens = 0                # tokens already handed out in deltas
-        self.num_sent_chars = 0
+        # Output tokens already handed to the output processor, and for those
+        # not yet handed on, when log-probabilities are kept: per token
+        # ``(logprob, top)``, ``top`` being ``(rank, {id: logprob})`` when asked.
+        self.num_reported = 0
+        self.new_logprobs: List[Tuple[Optional[float], Optional[tuple]]] = []
         # Structured outputs: the grammar matcher this sequence's tokens advance
         # (owned by the engine; None when unconstrained).
         self.constraint = None
@@ -77,14 +75,21 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def append_token(self, token_id: int, logprob: Optional[float],
-                     top_logprobs: Optional[Dict[int, object]]) -> None:
-        """Add a generated token; ``logprob`` is None when nobody asked for it."""
+    def append_token(self, token_id: int, logprob: Optional[float], top: Optional[tuple] = None) -> None:
+        """Add a generated token; ``logprob`` is None when nobody asked for it;
+        ``top``: ``(rank, {id: logprob})`` of the top tokens, when asked."""
         self.token_ids.append(token_id)
         if logprob is not None:
             self.cumulative_logprob += logprob
-        if top_logprobs is not None:
-            self.logprobs.append(top_logprobs)
+            self.new_logprobs.append((logprob, top))
+
+    def take_new(self) -> Tuple[List[int], List[Tuple[Optional[float], Optional[tuple]]]]:
+        """The output tokens (and their log-probabilities) not yet handed on; marks them handed on."""
+        start = self.num_prompt_tokens + self.num_reported
+        new_ids, new_logprobs = self.token_ids[start:], self.new_logprobs
+        self.num_reported += len(new_ids)
+        self.new_logprobs = []
+        return new_ids, new_logprobs
 
     def fork(self, index: int) -> "Sequence":
         child = Sequence.__new__(Sequence)
@@ -92,7 +97,7 @@ class Sequence:
         child.seq_id = next(_seq_ids)
         child.index = index
         child.token_ids = list(self.token_ids)
-        child.logprobs = list(self.logprobs)
+        child.new_logprobs = list(self.new_logprobs)
         return child
 
     def __repr__(self) -> str:

@@ -12,17 +12,16 @@ __all__ = ["AdapterMethods", "LoRAManager", "lora_manager", "lora_stats", "resol
 NOT_ENABLED = "LoRA is not enabled: start the engine with enable_lora=True to serve adapters"
 
 
-def lora_manager(config: EngineConfig, runner, scheduler) -> Optional[LoRAManager]:
+def lora_manager(config: EngineConfig, runner) -> Optional[LoRAManager]:
     """The engine's adapters when ``enable_lora`` (the runner holds the pool);
-    the scheduler admits a request only when its adapter fits the pool."""
+    the scheduler admits a request only when its adapter fits the pool
+    (``LoRAManager.fits``, its ``SchedulerInputs.adapter_room``)."""
     if not config.enable_lora:
         return None
     model = runner.lora
     if model is None:
         raise ValueError(f"enable_lora: the {type(runner).__name__} executor does not serve adapters")
-    manager = LoRAManager(config, model.shapes(), model.write)
-    scheduler.adapter_room = manager.fits
-    return manager
+    return LoRAManager(config, model.shapes(), model.write)
 
 
 def resolve_adapter(manager: Optional[LoRAManager], lora_request: Optional[LoRARequest]):

@@ -1,5 +1,9 @@
-"""The online engine: the step loop runs in a background thread; requests come
-in from any thread and their output deltas stream back through ``RequestStream``.
+"""The online engine: the core's step loop runs in a background thread, the
+output processor (text, stop strings, log-probabilities, deltas) in a second
+one fed by a queue, off the step; requests come in from any thread and their
+output deltas stream back through ``RequestStream``. The sequences that stop
+strings end go back to the engine thread, which frees them before its next
+step.
 
 The engine is built in the thread that steps it. With OpenMP (torch's CPU
 kernels), each thread that runs a parallel region gets a team of threads of
@@ -18,6 +22,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..config import EngineConfig
+from .core_outputs import SeqFinish
 from .llm_engine import LLMEngine, Prompt
 from .outputs import CompletionOutput, EngineStats, RequestOutput
 from ..sampling_params import InvalidRequestError, SamplingParams
@@ -101,6 +106,8 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()
         self._new: List[Tuple[SequenceGroup, RequestStream]] = []
         self._aborts: List[str] = []
+        self._finishes: List[SeqFinish] = []   # from the output thread, for the core
+        self._reports: "queue.SimpleQueue" = queue.SimpleQueue()   # the core's reports, for the output thread
         self._streams: Dict[str, RequestStream] = {}
         self._wakeup = threading.Event()
         self._stopping = False
@@ -128,6 +135,8 @@ class AsyncLLMEngine:
         if failure:
             self._thread.join()
             raise failure[0]
+        self._output_thread = threading.Thread(target=self._run_outputs, name="pagedbackend-outputs", daemon=True)
+        self._output_thread.start()
 
     # ------------------------------------------------------------ API
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -195,6 +204,8 @@ class AsyncLLMEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
+        self._reports.put(_END)
+        self._output_thread.join(timeout)
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
@@ -221,8 +232,9 @@ class AsyncLLMEngine:
                     self._wakeup.clear()
                     continue
                 busy = True
-                outputs = engine.step()
-                self._deliver(outputs)
+                reports = engine.core_step()
+                if reports:
+                    self._reports.put(reports)
                 self._stats = engine.get_stats()
             except Exception as exc:  # the engine itself failed
                 self._die(exc)
@@ -238,11 +250,36 @@ class AsyncLLMEngine:
             except Exception:
                 logger.exception("on_failure callback raised")
 
+    def _run_outputs(self) -> None:
+        """The output thread: the core's reports become the streams' outputs;
+        what stop strings end goes back to the engine thread."""
+        outputs = self.engine.outputs
+        while True:
+            reports = self._reports.get()
+            if reports is _END:
+                return
+            try:
+                delivered, finishes = outputs.process(reports)
+            except Exception as exc:   # a fault of the output processor itself
+                self._stopping = True
+                self._die(exc)
+                return
+            self._deliver(delivered)
+            if finishes:
+                with self._lock:
+                    self._finishes += finishes
+                self._wakeup.set()
+
     def _take_requests(self) -> None:
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
-        finals = []
+            finishes, self._finishes = self._finishes, []
+        if finishes:
+            reports = self.engine.finish(finishes)
+            if reports:
+                self._reports.put(reports)
+        finals, reports = [], []
         for group, _ in new:
             try:
                 self.engine.add_group(group)
@@ -251,15 +288,18 @@ class AsyncLLMEngine:
                 finals.append(self._final(group.request_id, "abort", f"could not be queued: {exc!r}"))
         for request_id in aborts:
             try:
-                out = self.engine.abort_request(request_id)
+                report = self.engine.abort_core(request_id)
             except Exception as exc:  # this request alone
                 logger.error("request %s could not be aborted: %r", request_id, exc, exc_info=exc)
-                out = self._final(request_id, "abort", f"could not be aborted: {exc!r}")
-            if out is not None:
-                finals.append(out)
+                finals.append(self._final(request_id, "abort", f"could not be aborted: {exc!r}"))
+                continue
+            if report is not None:   # after its earlier outputs, through the output thread
+                reports.append(report)
+        if reports:
+            self._reports.put(reports)
         if finals:
             self._deliver(finals)
-        if new or aborts:
+        if new or aborts or finishes:
             self._stats = self.engine.get_stats()
 
     def _deliver(self, outputs: List[RequestOutput]) -> None:

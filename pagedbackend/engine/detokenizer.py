@@ -6,8 +6,6 @@ character (U+FFFD) waits for the next token.
 """
 from typing import Optional
 
-from ..core.sequence import Sequence
-
 _CONTEXT_TOKENS = 5
 
 
@@ -23,8 +21,9 @@ def _decoder(tokenizer):
     return tokenizer.decode
 
 
-def decode_new_text(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
-    """New text of ``seq`` since the previous call; updates its offsets and text."""
+def decode_new_text(tokenizer, seq, skip_special_tokens: bool = True) -> str:
+    """New text of ``seq`` (``output_processor.SeqText``) since the previous
+    call; updates its offsets and text."""
     if seq.read_offset == 0:
         seq.read_offset = seq.num_prompt_tokens
         seq.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT_TOKENS, 0)
@@ -40,7 +39,7 @@ def decode_new_text(tokenizer, seq: Sequence, skip_special_tokens: bool = True) 
     return ""
 
 
-def find_stop_string(seq: Sequence, new_text_len: int, stops, include_stop: bool) -> Optional[str]:
+def find_stop_string(seq, new_text_len: int, stops, include_stop: bool) -> Optional[str]:
     """If a stop string now appears in the output text, truncate the text there
     and return it. Only the tail that the new text could complete is searched, so
     stops spanning token boundaries are found."""

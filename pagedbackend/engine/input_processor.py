@@ -11,7 +11,7 @@ from ..core.kv_groups import step_blocks
 from ..core.scheduler import Scheduler
 from ..core.sequence import SequenceGroup
 from ..sample import BeamSearchState
-from ..sample.structured import GrammarCompiler
+from ..structured.compiler import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
 
 Prompt = Union[str, List[int]]

@@ -1,15 +1,16 @@
 """The engine: scheduler, model runner and sampler, one step at a time.
 
-``step()`` asks the scheduler for a batch, has the runner carry out the
-scheduler's swap and copy mappings and run the model once, samples, has the
-output processor apply the tokens (parallel samples fork, beams re-parent,
-stops end sequences), hands the outcome back to the scheduler
-(``update_from_output``: the only place blocks change after a step) and
-returns per-request output deltas. A request becomes a group in
-``input_processor``; tokens become text, stops and deltas in
-``output_processor``; with ``speculative_config``, ``speculative`` proposes
-tokens into the scheduled entries before the forward pass and verifies them
-after it. The engine owns the tokenizer; the runner sees token ids only.
+``core_step()`` asks the scheduler for a batch, has the runner carry out its
+swap and copy mappings and run the model once, samples, applies the tokens
+(``token_updates``: forks, beams, stop tokens, the length), hands the outcome
+to the scheduler (``update_from_output``: the only place blocks change after
+a step) and reports each changed request (``CoreOutput``). The output
+processor makes text, stop strings, log-probabilities and deltas of the
+reports off the step (``output_processor``), in this thread (``step()``) or
+another (``AsyncLLMEngine``); sequences a stop string ends come back to
+``finish()``. Requests become groups in ``input_processor``; speculation
+(``spec_decode``) and structured outputs (``structured``) each enter the
+step by one hook. The engine owns the tokenizer; the runner sees token ids.
 """
 import dataclasses
 import logging
@@ -20,22 +21,23 @@ import torch
 
 from ..config import EngineConfig
 from ..core.prefill_share import PrefillShare
-from ..core.scheduler import Scheduler, StepUpdate
+from ..core.scheduler import Scheduler, SchedulerInputs, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
 from ..lora import LoRARequest
 from ..models.default_model import resolve_model_path
 from ..sample import Sampler
-from ..sample.grammar_worker import GrammarBudget, GrammarWorkers
-from ..sample.structured import GrammarCompiler
 from ..sampling_params import InvalidRequestError, SamplingParams
+from ..spec_decode.speculator import make_speculator
+from ..structured.queue import StructuredQueue
 from .adapters import AdapterMethods, lora_manager, resolve_adapter, with_adapter
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
+from .core_outputs import CoreOutput, SeqFinish
 from .kv_publisher import KVEventRelay
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
-from .speculative import make_speculator
 from .stats import engine_description, engine_stats
-from .step_sampler import StepSampler, isolated
+from .step_sampler import StepSampler
+from .token_updates import TokenUpdates
 from .tokenizer import eos_token_ids, TokenizerLoad
 
 logger = logging.getLogger("pagedbackend")
@@ -61,27 +63,30 @@ class LLMEngine(AdapterMethods):
         # Each KV group's sliding window (None: full attention; core.kv_groups).
         windows = runner.kv_layout.windows
         self.max_model_len = fit_max_model_len(runner.max_model_len, runner.num_kv_blocks, config, windows)
-        self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key,
-                                   kv_windows=windows)
-        self.kv_events = KVEventRelay(config.kv_events_config, config.enable_prefix_caching,
-                                      self.block_manager.pool)
         self.prefill_share = (PrefillShare(config.tpot_target_s, config.long_prefill_token_threshold
                                            or config.max_num_batched_tokens) if config.tpot_target_s else None)
-        self.lora = lora_manager(config, runner, self.scheduler)   # None unless enable_lora
+        self.lora = lora_manager(config, runner)   # None unless enable_lora
         self.speculator = make_speculator(config, runner, compile_in_background)
+        inputs = SchedulerInputs(
+            lookahead=self.speculator.lookahead if self.speculator is not None else None,
+            prefill_caps=self.prefill_share.caps_for if self.prefill_share is not None else None,
+            adapter_room=self.lora.fits if self.lora is not None else None)
+        self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key,
+                                   kv_windows=windows, inputs=inputs)
+        self.kv_events = KVEventRelay(config.kv_events_config, config.enable_prefix_caching,
+                                      self.block_manager.pool)
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
-        # Constrained requests whose grammar still compiles, held back from the scheduler.
-        self.compiling: List[SequenceGroup] = []
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                        config.structured_cache_bytes)
-        self.grammar_workers = GrammarWorkers(self.vocab_size)
+        self.structured = StructuredQueue(config, self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # Constrained requests whose grammar still compiles (held back from the scheduler), the compiler.
+        self.compiling, self.grammars = self.structured.compiling, self.structured.grammars
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
                                      self.max_prompt_chars, self.scheduler, self.grammars)
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
-        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.stats)
-        self.step_sampler = StepSampler(self.sampler, self.outputs, self.eos_token_ids, self.speculator)
+        self.tokens = TokenUpdates(self.eos_token_ids, self.max_model_len, self.stats)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.step_sampler = StepSampler(self.sampler, self.tokens, self.eos_token_ids, self.speculator)
         # Timings of the latest step (seconds): all of it, the model forward,
         # scheduling, and sampling with the sequence updates.
         self.last_step_seconds = self.last_forward_seconds = 0.0
@@ -131,45 +136,25 @@ class LLMEngine(AdapterMethods):
         self.stats.prompt_tokens += len(group.prompt_token_ids)
         if group.lora is not None:
             self.lora.count_request(group.lora)
-        if group.grammar is not None:   # queued once parsed and compiled (_take_compiled)
+        if group.grammar is not None:   # queued once parsed and compiled (StructuredQueue)
             self.stats.structured_requests += 1
-            self.compiling.append(group)
+            self.structured.add(group)
             return
         self.scheduler.add(group)
 
-    def _take_compiled(self) -> List[RequestOutput]:
-        """Hand the requests whose grammar has compiled to the scheduler, each
-        sequence with its grammar state (its first mask filled on a worker);
-        end those whose grammar was refused. With nothing else to run, wait a
-        little for the first compile rather than spin."""
-        if self.compiling and not self.scheduler.has_unfinished and not self.compiling[0].grammar.done():
-            self.compiling[0].grammar.wait(0.05)
-        outputs, waiting = [], []
-        for group in self.compiling:
-            grammar = group.grammar
-            if not grammar.done():
-                waiting.append(group)
-                continue
-            if grammar.error() is not None:
-                outputs.append(self._end_with_error(group, str(grammar.error()), ran=False))
-                continue
-            group.metrics.grammar_compile_time = grammar.seconds
-            cfg = self.config
-            budget = GrammarBudget(grammar.label, cfg.structured_mask_token_s, cfg.structured_mask_total_s)
-            group.seqs[0].constraint = self.grammar_workers.start(grammar.matcher, budget, self.grammars.stop_token_ids)
-            self.scheduler.add(group)
-        self.compiling = waiting
-        return outputs
-
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """Stop a request and free its blocks at once; returns its final output."""
+        outputs = self.outputs.process([self.abort_core(request_id)] if request_id in self.groups else [])[0]
+        return outputs[0] if outputs else None
+
+    def abort_core(self, request_id: str) -> Optional[CoreOutput]:
+        """``abort_request``'s core: the request's final report."""
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
-        if group in self.compiling:
-            self.compiling.remove(group)
+        self.structured.remove(group)
         self.scheduler.remove(group)
-        self._release(group.seqs)
+        self._spec_done([], group.seqs)
         for seq in group.seqs:
             if seq.constraint is not None:   # queued grammar work is dropped
                 seq.constraint.close()
@@ -178,7 +163,7 @@ class LLMEngine(AdapterMethods):
         group.seqs = []
         group.metrics.finished_time = time.time()
         self.stats.aborted_requests += 1
-        return self.outputs.output(group, finished=True)
+        return self.tokens.report(group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -197,13 +182,20 @@ class LLMEngine(AdapterMethods):
 
     # ------------------------------------------------------------ the step
     def step(self) -> List[RequestOutput]:
+        """A core step and its outputs, built in this thread; sequences ended
+        by a stop string are freed before it returns."""
+        outputs, finishes = self.outputs.process(self.core_step())
+        while finishes:
+            more, finishes = self.outputs.process(self.finish(finishes))
+            outputs += more
+        return outputs
+
+    def core_step(self) -> List[CoreOutput]:
         start = time.perf_counter()
-        outputs = self._take_compiled() if self.compiling else []
-        if self.speculator is not None:
-            self.scheduler.num_lookahead = self.speculator.lookahead(
-                sum(len(g.seqs) for g in self.scheduler.running))
-        if self.prefill_share is not None:
-            self.scheduler.prefill_caps = self.prefill_share.caps_for(self.scheduler)
+        ready, refused = self.structured.take_compiled(idle=not self.scheduler.has_unfinished)
+        for group in ready:
+            self.scheduler.add(group)
+        outputs = [self._end_with_error(group, message, ran=False) for group, message in refused]
         sched = self.scheduler.schedule()
         self.last_schedule_seconds = time.perf_counter() - start
         outputs += [self._end_with_error(group, msg, ran=False) for group, msg in sched.rejected]
@@ -214,18 +206,14 @@ class LLMEngine(AdapterMethods):
             self.runner.swap_in(sched.swap_in_pairs)
         if sched.copy_pairs:
             self.runner.copy_blocks(sched.copy_pairs)
-            if self.speculator is not None:
-                self.speculator.copy_blocks(sched.copy_pairs)
         self._adapters_for_step(sched.scheduled)
+        if self.speculator is not None:   # drafts proposed into the scheduled entries
+            self.speculator.before_forward(sched, self.stats)
         if sched.is_empty:
             self.last_step_seconds = time.perf_counter() - start
             self.kv_events.flush()
             return outputs
-        if self.speculator is not None:
-            propose_start = time.perf_counter()
-            self.speculator.propose(sched.scheduled)
-            self.stats.propose_seconds += time.perf_counter() - propose_start
-        self.step_sampler.prepare_grammars(sched.scheduled)
+        self.structured.before_forward(sched.scheduled)
         forward_start = time.perf_counter()
         logits = self.runner.execute_model(sched.scheduled)
         self.last_forward_seconds = time.perf_counter() - forward_start
@@ -240,15 +228,10 @@ class LLMEngine(AdapterMethods):
                 logits, [i for i in sched.scheduled if i.need_logits], update, failed)
         for group in update.finished:
             self.groups.pop(group.request_id, None)
-        if self.speculator is not None and update.finished:
-            self.speculator.remember(update.finished)
         self.scheduler.update_from_output(sched, update)
-        self._release(update.freed)
+        self._spec_done(update.finished, update.freed)
         self.last_sample_seconds = time.perf_counter() - sample_start
-        for group in touched:
-            if group.request_id not in failed:
-                isolated(group, failed, "building its output",
-                         lambda: outputs.append(self.outputs.output(group, finished=group.is_finished)))
+        outputs += [self.tokens.report(group) for group in touched if group.request_id not in failed]
         outputs.extend(self._end_with_error(group, message, ran=True) for group, message in failed.values())
         self.stats.num_steps += 1
         self.stats.last_step_tokens = sched.num_batched_tokens
@@ -259,9 +242,30 @@ class LLMEngine(AdapterMethods):
         self.stats.forward_seconds += self.last_forward_seconds
         self.stats.sample_seconds += self.last_sample_seconds
         self.kv_events.flush()
-        return [o for o in outputs if o is not None]
+        return outputs
 
-    def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> RequestOutput:
+    def finish(self, finishes: Seq[SeqFinish]) -> List[CoreOutput]:
+        """End what the output processor found ended: a sequence at a stop
+        string (freed at once; a request with none left finishes) or a request
+        whose output failed. Returns the final reports of the requests that ended."""
+        reports = []
+        for end in finishes:
+            group = self.groups.get(end.request_id)
+            self.stats.generation_tokens -= end.dropped
+            if end.error is not None and group is not None:
+                reports.append(self._end_with_error(group, end.error, ran=True))
+            elif end.error is not None:
+                self.stats.failed_requests += 1
+            elif group is not None and (seq := self.tokens.stop_seq(group, end)) is not None:
+                self.scheduler.free_seq(seq)
+                if not group.seqs:   # its last sequence: the request ends
+                    self.scheduler.remove(group)
+                    del self.groups[group.request_id]
+                    reports.append(self.tokens.report(group))
+                self._spec_done([group] if not group.seqs else [], [seq])
+        return reports
+
+    def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> CoreOutput:
         """End a request that cannot go on: one whose handling raised (``ran``:
         it counts as failed and its latencies count) or one refused before it
         ran (the scheduler's, a grammar that failed to compile). Every block it
@@ -273,16 +277,16 @@ class LLMEngine(AdapterMethods):
             self.stats.rejected_requests += 1
         self.groups.pop(group.request_id, None)
         self.scheduler.remove(group)   # wherever it stands; frees what it holds
-        self._release(group.seqs)
+        self._spec_done([], group.seqs)
         for seq in group.seqs:
             if seq.constraint is not None:
                 seq.constraint.close()
-        return self.outputs.error_output(group, message, refused=not ran)
+        return self.tokens.report(group, error=message, refused=not ran)
 
-    def _release(self, seqs: Seq[Sequence]) -> None:
-        """Forget what speculation kept for sequences that are gone."""
-        if self.speculator is not None and seqs:
-            self.speculator.release([s.seq_id for s in seqs])
+    def _spec_done(self, groups: Seq[SequenceGroup], seqs: Seq[Sequence]) -> None:
+        """Speculation learns of finished requests and forgets sequences that are gone."""
+        if self.speculator is not None:
+            self.speculator.after_step(groups, seqs)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no request holds (published as
@@ -290,7 +294,6 @@ class LLMEngine(AdapterMethods):
         self.block_manager.pool.reset_prefix_cache()
         self.kv_events.flush()
 
-    # ------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
         """A snapshot of the counters and of the pool, queues and step (``engine_stats``)."""
         return engine_stats(self)

@@ -1,8 +1,8 @@
-"""From a step's logits to tokens applied to their sequences: grammar masks
-of constrained entries readied before the forward pass, prompt
+"""From a step's logits to tokens applied to their sequences: prompt
 log-probabilities taken from prefill chunks, one sample row per candidate (or
-per position of a speculative entry, verified by ``speculative.py``), the
-batch sampled at once, and the tokens handed to the output processor.
+per position of a speculative entry, verified by ``spec_decode``), the
+batch sampled at once, and the tokens applied to their sequences
+(``token_updates.py``).
 
 A request whose share of this raises fails alone (``isolated``): it is
 recorded with the reason, whatever it added to the step's update that would
@@ -17,10 +17,9 @@ import torch
 from ..core.scheduler import ScheduledSeq, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
 from ..sample import SampleRow, Sampler
-from .output_processor import OutputProcessor
+from .token_updates import TokenUpdates
 
 logger = logging.getLogger("pagedbackend")
-GRAMMAR_WAIT_S = 0.02   # a step that would sample nothing waits this long for a grammar's mask
 
 
 def isolated(group: SequenceGroup, failed: Dict, what: str, work, update: Optional[StepUpdate] = None) -> bool:
@@ -42,23 +41,9 @@ def isolated(group: SequenceGroup, failed: Dict, what: str, work, update: Option
 
 
 class StepSampler:
-    def __init__(self, sampler: Sampler, outputs: OutputProcessor, eos_token_ids: Set[int], speculator=None):
-        self.sampler, self.outputs = sampler, outputs
+    def __init__(self, sampler: Sampler, tokens: TokenUpdates, eos_token_ids: Set[int], speculator=None):
+        self.sampler, self.tokens = sampler, tokens
         self.eos_token_ids, self.speculator = eos_token_ids, speculator
-
-    @staticmethod
-    def prepare_grammars(scheduled: Seq[ScheduledSeq]) -> None:
-        """Before the forward pass: masks of speculative positions are filled
-        beside it. When every entry to sample waits for its grammar's mask,
-        wait a little for one rather than run a step that samples nothing."""
-        waiting = 0
-        for item in scheduled:
-            state = item.seq.constraint
-            if state is not None and item.need_logits:
-                state.prepare_drafts(item.draft_token_ids)
-                waiting += not state.ready()
-        if waiting and waiting == len(scheduled):
-            next(i.seq.constraint for i in scheduled if not i.seq.constraint.ready()).wait(GRAMMAR_WAIT_S)
 
     def take_prompt_logprobs(self, logits: torch.Tensor, scheduled: Seq[ScheduledSeq],
                              failed: Dict) -> torch.Tensor:
@@ -72,7 +57,7 @@ class StepSampler:
             if item.prompt_logits:
                 group = item.group
                 isolated(group, failed, "computing prompt log-probabilities",
-                         lambda: self.outputs.record_prompt_logprobs(group, item, logits[row:row + count]))
+                         lambda: self.tokens.record_prompt_logprobs(group, item, logits[row:row + count]))
             if item.need_logits:
                 sample_rows.extend(range(row + count - 1 - item.num_draft_tokens, row + count))
             row += count
@@ -94,7 +79,7 @@ class StepSampler:
             if group.is_beam_search:
                 beams[group].append((seq, row))
             elif item.num_lookahead:
-                owners.append((group, seq, self._speculative_rows(group, seq, item, row), item))
+                owners.append((group, seq, self.speculator.sample_rows(item, row, self._sample_row), item))
             else:
                 copies = group.params.best_of if not group.forked else 1
                 owners.append((group, seq, [self._sample_row(group, seq, row, seq.index + i)
@@ -105,17 +90,15 @@ class StepSampler:
             if group.request_id in failed:
                 continue
             if item.num_lookahead:   # the verified tokens, one after another
-                accepted = self.speculator.accept(item, [s.token_id for s in samples])
-                update.uncomputed[seq.seq_id] = item.num_draft_tokens - accepted
-                work = lambda: self._apply_verified(group, seq, samples[:accepted + 1], update)  # noqa: E731
+                work = self.speculator.verify(item, samples, update, self.tokens.apply_samples)
             else:
-                work = lambda: self.outputs.apply_samples(group, seq, samples, update)  # noqa: E731
+                work = lambda: self.tokens.apply_samples(group, seq, samples, update)  # noqa: E731
             if isolated(group, failed, "applying its tokens", work, update):
                 touched[group.request_id] = group
         for group, seq_rows in beams.items():
             done = []
             if isolated(group, failed, "a beam search step",
-                        lambda: done.append(self.outputs.apply_beams(group, seq_rows, logits, update)), update):
+                        lambda: done.append(self.tokens.apply_beams(group, seq_rows, logits, update)), update):
                 if done[0]:
                     touched[group.request_id] = group
         return [g for g in touched.values() if g.request_id not in failed]
@@ -134,24 +117,6 @@ class StepSampler:
         if item.num_lookahead and self.speculator is not None:
             self.speculator.withdraw(item)
         return False
-
-    def _apply_verified(self, group: SequenceGroup, seq: Sequence, samples, update: StepUpdate) -> None:
-        """A speculative entry's kept tokens; a stop inside the run ends it there."""
-        for sample in samples:
-            self.outputs.apply_samples(group, seq, [sample], update)
-            if seq.finished:
-                return
-
-    def _speculative_rows(self, group: SequenceGroup, seq: Sequence, item: ScheduledSeq,
-                          row: int) -> List[SampleRow]:
-        """One sample row per position of a speculative entry, each sampled as
-        a plain decode step would sample that position (``speculative.py``).
-        Under a grammar, drafts the grammar refuses are not verified."""
-        drafts = item.draft_token_ids
-        masks = seq.constraint.draft_masks(drafts) if seq.constraint is not None else None
-        positions = len(masks) if masks is not None else len(drafts) + 1
-        return [self._sample_row(group, seq, row + j, seq.index, drafts[:j],
-                                 masks[j] if masks is not None else None) for j in range(positions)]
 
     def _sample_owners(self, logits: torch.Tensor, owners, failed: Dict) -> List[list]:
         """Samples per owner: the whole batch at once; should that raise, each

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..sampling_params import SamplingParams
-from .structured import mask_logits
+from .token_mask import mask_logits
 
 # Log-probabilities are written no lower than this (vLLM's floor): a token the
 # grammar, allowed_token_ids or a bias of -inf rules out would otherwise be

@@ -7,17 +7,17 @@ import itertools
 import pytest
 
 from pagedbackend.config import EngineConfig
-from pagedbackend.core.scheduler import Scheduler, StepUpdate
+from pagedbackend.core.scheduler import Scheduler, SchedulerInputs, StepUpdate
 from pagedbackend.core.sequence import GroupStatus, SequenceGroup
 from pagedbackend.sampling_params import SamplingParams
 
 _clock = itertools.count(1)
 
 
-def make_scheduler(num_blocks=64, block_size=16, **config) -> Scheduler:
+def make_scheduler(num_blocks=64, block_size=16, inputs=SchedulerInputs(), **config) -> Scheduler:
     settings = dict(block_size=block_size, max_num_seqs=16, max_num_batched_tokens=512,
                     long_prefill_token_threshold=128, enable_prefix_caching=False, watermark=0.0)
-    return Scheduler(EngineConfig(**{**settings, **config}), num_blocks, max_model_len=4096)
+    return Scheduler(EngineConfig(**{**settings, **config}), num_blocks, max_model_len=4096, inputs=inputs)
 
 
 def make_group(name, prompt_len, max_tokens, n=1, beams=False, temperature=1.0) -> SequenceGroup:
@@ -277,8 +277,8 @@ def test_the_waiting_queue_is_a_heap_with_removal_from_the_middle():
 
 
 def test_speculative_slots_are_held_for_one_step_and_those_of_rejected_tokens_given_back():
-    scheduler = make_scheduler(num_blocks=16, block_size=4, enable_prefix_caching=True)
-    scheduler.num_lookahead = 5
+    scheduler = make_scheduler(num_blocks=16, block_size=4, enable_prefix_caching=True,
+                               inputs=SchedulerInputs(lookahead=lambda num_decoding: 5))
     group = make_group("r", prompt_len=10, max_tokens=50, temperature=0.0)
     scheduler.add(group)
     first = step(scheduler)   # the prompt: no speculative slots for a prefill
@@ -314,8 +314,7 @@ def test_speculative_slots_are_held_for_one_step_and_those_of_rejected_tokens_gi
 
 
 def test_no_speculative_slots_for_beams_or_past_max_tokens():
-    scheduler = make_scheduler(num_blocks=64, block_size=4)
-    scheduler.num_lookahead = 4
+    scheduler = make_scheduler(num_blocks=64, block_size=4, inputs=SchedulerInputs(lookahead=lambda num_decoding: 4))
     beams = make_group("beams", prompt_len=8, max_tokens=20, n=2, beams=True)
     short = make_group("short", prompt_len=8, max_tokens=3, temperature=0.0)
     for group in (beams, short):

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from pagedbackend.core.sequence import Sequence
+from pagedbackend.engine.output_processor import SeqText
 from pagedbackend.engine.detokenizer import _decoder, decode_new_text
 from pagedbackend.engine.tokenizer import load_tokenizer
 
@@ -24,7 +24,7 @@ def test_streamed_text_is_the_whole_outputs_text(default_model_dir, wrapper, ski
         assert _decoder(tokenizer) != tokenizer.decode   # the backend's, a fast tokenizer here
     prompt = tokenizer.encode("Say something:", add_special_tokens=False)
     output = tokenizer.encode(TEXT, add_special_tokens=False)
-    seq = Sequence(prompt)
+    seq = SeqText(prompt, index=0)
     pieces = []
     for token in output:
         seq.token_ids.append(token)

@@ -12,8 +12,8 @@ import pytest
 
 from pagedbackend import LLM, InvalidRequestError, SamplingParams
 from pagedbackend.engine.llm import merge_delta
-from pagedbackend.sample.grammar_worker import WORKERS
-from pagedbackend.structured_outputs import MAX_CONSTRAINT_CHARS, MAX_GRAMMAR_NESTING, MAX_SCHEMA_DEPTH
+from pagedbackend.structured.grammar_worker import WORKERS
+from pagedbackend.structured.params import MAX_CONSTRAINT_CHARS, MAX_GRAMMAR_NESTING, MAX_SCHEMA_DEPTH
 
 
 def nested(depth: int) -> str:
@@ -116,7 +116,7 @@ def test_a_constraint_the_library_refuses_ends_its_request_as_refused_naming_it(
 def test_a_constrained_request_whose_mask_is_late_holds_back_only_itself(llm):
     engine = llm.engine
     release = threading.Event()
-    held = [engine.grammar_workers.pool.submit(release.wait, 60) for _ in range(WORKERS)]   # every worker busy
+    held = [engine.structured.workers.pool.submit(release.wait, 60) for _ in range(WORKERS)]   # every worker busy
     try:
         engine.add_request("late", "Answer:", SamplingParams(max_tokens=20, temperature=0,
                                                              structured_outputs={"choice": ["yes", "no"]}))
@@ -165,7 +165,7 @@ def test_a_grammar_past_its_total_mask_budget_ends_alone_naming_it(tiny_model_di
 def test_an_abort_takes_effect_at_the_next_step_while_its_grammar_works(llm):
     engine = llm.engine
     release = threading.Event()
-    held = [engine.grammar_workers.pool.submit(release.wait, 60) for _ in range(WORKERS)]
+    held = [engine.structured.workers.pool.submit(release.wait, 60) for _ in range(WORKERS)]
     try:
         engine.add_request("stuck", "Say a:", SamplingParams(max_tokens=20, structured_outputs={"grammar": nested(3)}))
         engine.add_request("free", "Hello", SamplingParams(max_tokens=30, temperature=0))

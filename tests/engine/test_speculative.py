@@ -1,4 +1,4 @@
-"""Speculative decoding on the paged KV cache (engine/speculative.py).
+"""Speculative decoding on the paged KV cache (spec_decode/speculator.py).
 
 Greedy and seeded outputs with every method are token for token those of
 plain decoding (and greedy those of Hugging Face) on the default model's real
@@ -253,7 +253,7 @@ def test_verification_through_the_triton_lang_kernels_gives_plain_greedy_tokens(
 
 
 def test_proposals_stop_above_the_methods_batch_limit():
-    from pagedbackend.engine.speculative import Speculator
+    from pagedbackend.spec_decode.speculator import Speculator
     limits = {m: SpeculativeConfig(m, model="m").disable_by_batch_size
               for m in ("ngram", "suffix", "draft_model", "self_int4")}
     assert limits == {"ngram": 8, "suffix": 8, "draft_model": 2, "self_int4": 2}

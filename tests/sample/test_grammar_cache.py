@@ -5,8 +5,8 @@ dropped, recompiled when asked again) and resident memory levels off
 import pytest
 
 from pagedbackend.engine.tokenizer import load_tokenizer
-from pagedbackend.sample.structured import GrammarCompiler
-from pagedbackend.structured_outputs import StructuredOutputsParams
+from pagedbackend.structured.compiler import GrammarCompiler
+from pagedbackend.structured.params import StructuredOutputsParams
 
 CACHE_BYTES = 4 * 1024 * 1024
 

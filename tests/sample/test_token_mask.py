@@ -5,7 +5,7 @@ nothing with their bitmask row's index, and strided logits."""
 import pytest
 import torch
 
-from pagedbackend.sample import structured
+from pagedbackend.sample import token_mask
 
 
 class Fixed:
@@ -27,7 +27,7 @@ class Row:
 @pytest.mark.parametrize("vocab", [49152, 1000, 37])
 def test_the_c_kernel_masks_what_xgrammars_kernel_masks(vocab):
     import xgrammar as xgr
-    if structured._mask_kernel() is None:
+    if token_mask._mask_kernel() is None:
         pytest.skip("no C compiler here for the token-mask kernel")
     g = torch.Generator().manual_seed(vocab)
     words = (vocab + 31) // 32
@@ -46,7 +46,7 @@ def test_the_c_kernel_masks_what_xgrammars_kernel_masks(vocab):
         bitmask[t] = m
     xgr.apply_token_bitmask_inplace(expected, bitmask, indices=targets)
 
-    structured.mask_logits(logits, rows)
+    token_mask.mask_logits(logits, rows)
 
     assert torch.equal(logits, expected)
     assert torch.isinf(logits[3]).sum() == vocab - 1 and torch.isfinite(logits[3, vocab - 1])

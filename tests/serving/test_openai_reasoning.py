@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from pagedbackend.sample.structured import parse
+from pagedbackend.structured.compiler import parse
 from pagedbackend.serving.openai.answers import ChatAnswer, Run
 from pagedbackend.serving.openai.app import chat_prompt
 from pagedbackend.serving.openai.protocol import ChatCompletionRequest, OpenAIError
 from pagedbackend.serving.openai.reasoning import Reasoning
 from pagedbackend.serving.openai.structured import Tools
 from pagedbackend.serving.openai.triton_client import Update
-from pagedbackend.structured_outputs import StructuredOutputsParams
+from pagedbackend.structured.params import StructuredOutputsParams
 
 USER = [{"role": "user", "content": "hi"}]
 OPEN_PROMPT = "<|im_start|>assistant\n"                            # the model thinks first

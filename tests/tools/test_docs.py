@@ -48,7 +48,7 @@ def checkout_copy(tmp_path) -> pathlib.Path:
     """What the docs build reads, copied, so a test can break it."""
     copy = tmp_path / "repo"
     shutil.copytree(ROOT / "docs", copy / "docs", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("mkdocs.yml", "README.md", "BENCHMARKS.md", "pagedbackend/config.py", "pagedbackend/speculative_config.py",
+    for name in ("mkdocs.yml", "README.md", "BENCHMARKS.md", "pagedbackend/config.py", "pagedbackend/spec_decode/config.py",
                  "pagedbackend/serving/triton/settings.py"):
         (copy / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, copy / name)

@@ -14,8 +14,12 @@ SOURCES = {ROOT / "pagedbackend": "pagedbackend", ROOT / "kernels": "pagedbacken
 # every module directly under pagedbackend/ (config, params, errors: plain
 # data) except the entry points, which sit on top.
 ENTRY_POINTS = {"pagedbackend", "pagedbackend.serve", "pagedbackend.accounting"}
-LAYERS = ["data", "kernels", "core", "sample", "models", "quant", "lora", "worker", "engine", "serving",
-          "entry"]
+# The feature packages (spec_decode, structured) sit between the worker and
+# the engine; their settings and request parameters are plain data that
+# EngineConfig and SamplingParams carry, so those modules count as data.
+FEATURE_DATA = {"pagedbackend.spec_decode.config", "pagedbackend.structured.params"}
+LAYERS = ["data", "kernels", "core", "sample", "models", "quant", "lora", "worker", "structured", "spec_decode",
+          "engine", "serving", "entry"]
 
 # Imports that are not counted, each a compatibility name kept for importers
 # outside the package; drop the entry when they move to the new name. None
@@ -70,6 +74,8 @@ def import_graph() -> Dict[str, Set[str]]:
 def layer_of(module: str) -> str:
     if module in ENTRY_POINTS:
         return "entry"
+    if module in FEATURE_DATA:
+        return "data"
     parts = module.split(".")
     if len(parts) == 2 and not (ROOT / "pagedbackend" / parts[1]).is_dir() and parts[1] != "kernels":
         return "data"

@@ -1,4 +1,4 @@
-"""Suffix speculation (worker/suffix_index.py, SuffixProposer): the longest
+"""Suffix speculation (spec_decode/suffix_index.py, SuffixProposer): the longest
 suffix match and the most frequent continuation, bounded memory, tenants
 that share nothing, and on a real model greedy tokens equal to plain
 decoding with an earlier answer drafted only for its own tenant."""
@@ -11,8 +11,8 @@ from pagedbackend import LLM, SamplingParams
 from pagedbackend.config import SpeculativeConfig
 from pagedbackend.core.scheduled import ScheduledSeq
 from pagedbackend.core.sequence import SequenceGroup
-from pagedbackend.worker.proposers import SuffixProposer
-from pagedbackend.worker.suffix_index import SuffixIndex, walk
+from pagedbackend.spec_decode.proposers import SuffixProposer
+from pagedbackend.spec_decode.suffix_index import SuffixIndex, walk
 
 
 def test_match_finds_the_longest_suffix_and_every_occurrence_of_it():

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from pagedbackend.structured_outputs import MAX_SCHEMA_DEPTH, text_depth
+from pagedbackend.structured.params import MAX_SCHEMA_DEPTH, text_depth
 
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's chat limit
 # Nesting of a request body (objects and arrays), checked before it is decoded:

@@ -21,7 +21,7 @@ import json
 from typing import List, Optional, Tuple
 
 from pagedbackend.serving.openai.protocol import OpenAIError
-from pagedbackend.structured_outputs import STRUCTURED_KINDS
+from pagedbackend.structured.params import STRUCTURED_KINDS
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # Arguments of the chat-template call itself, which chat_template_kwargs may not set.

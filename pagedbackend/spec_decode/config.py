@@ -1,9 +1,9 @@
 """vLLM's ``speculative_config``: how drafts are proposed and how many tokens
-each step verifies (``engine/speculative.py``). A field of ``EngineConfig``."""
+each step verifies (``spec_decode/speculator.py``). A field of ``EngineConfig``."""
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config_json import config_fields
+from ..config_json import config_fields
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "self_int4")
 DISABLE_BY_BATCH_SIZE = {"ngram": 8, "suffix": 8, "draft_model": 2, "self_int4": 2}
@@ -15,7 +15,7 @@ def _is_count(value: Any, low: int = 1) -> bool:
 
 @dataclass
 class SpeculativeConfig:
-    """vLLM's ``speculative_config`` (engine/speculative.py says how tokens
+    """vLLM's ``speculative_config`` (spec_decode/speculator.py says how tokens
     are verified and when proposals are turned down)."""
     # "ngram" (prompt lookup), "suffix" (suffix decoding: the request's own
     # text and its tenant's earlier answers), "draft_model" (``model``, a

@@ -1,4 +1,4 @@
-"""Speculative decoding, the engine's side: how many tokens to propose in a
+"""Speculative decoding as the engine step meets it: how many tokens to propose in a
 step, proposing them into the scheduled entries, and verifying them against
 the target model's logits.
 
@@ -32,13 +32,14 @@ Suffix speculation remembers finished requests' outputs per tenant
 (``remember``): a question asked again is drafted from its earlier answer.
 """
 import dataclasses
+import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..config import EngineConfig, SpeculativeConfig
-from ..core.scheduled import ScheduledSeq
+from ..core.scheduled import ScheduledSeq, SchedulerOutput, StepUpdate
 from ..models.default_model import resolve_model_path
-from ..worker.proposers import DraftModelProposer, NgramProposer, SuffixProposer, draft_runner
+from .proposers import DraftModelProposer, NgramProposer, SuffixProposer, draft_runner
 
 
 @dataclass
@@ -122,22 +123,59 @@ class Speculator:
             self._next[item.seq.seq_id] = max(1, min(self.config.num_speculative_tokens, accepted + 1))
         return accepted
 
+    def sample_rows(self, item: ScheduledSeq, row: int, sample_row) -> list:
+        """One sample row per position of a speculative entry (its first at
+        ``row`` of the step's logits), each sampled as a plain decode step
+        would sample that position: ``sample_row(group, seq, row, index,
+        tokens ahead, mask)``. Under a grammar, drafts the grammar refuses are
+        not verified."""
+        seq, drafts = item.seq, item.draft_token_ids
+        masks = seq.constraint.draft_masks(drafts) if seq.constraint is not None else None
+        positions = len(masks) if masks is not None else len(drafts) + 1
+        return [sample_row(item.group, seq, row + j, seq.index, drafts[:j], masks[j] if masks is not None else None)
+                for j in range(positions)]
+
+    def verify(self, item: ScheduledSeq, samples, update: StepUpdate, apply_samples) -> Callable[[], None]:
+        """Verify ``item``'s drafts against the samples of its positions: the
+        positions of rejected drafts go back (``update.uncomputed``); returns
+        the work that applies the kept tokens one after another with
+        ``apply_samples(group, seq, [sample], update)`` (a stop inside the run
+        ends it there)."""
+        seq = item.seq
+        accepted = self.accept(item, [s.token_id for s in samples])
+        update.uncomputed[seq.seq_id] = item.num_draft_tokens - accepted
+
+        def apply_kept() -> None:
+            for sample in samples[:accepted + 1]:
+                apply_samples(item.group, seq, [sample], update)
+                if seq.finished:
+                    return
+        return apply_kept
+
     def withdraw(self, item: ScheduledSeq) -> None:
         """An entry that was not sampled in its step (its grammar's mask was
         not ready): none of its drafts stand, and nothing is counted."""
         self.proposer.accepted(item, 0)
 
-    def copy_blocks(self, pairs) -> None:
-        self.proposer.copy_blocks(pairs)
+    # ------------------------------------------------------------ the engine step's hooks
+    def before_forward(self, sched: SchedulerOutput, stats) -> None:
+        """After scheduling: a draft model's blocks follow the target's copies,
+        and drafts are proposed into the scheduled entries (timed into
+        ``stats.propose_seconds``)."""
+        if sched.copy_pairs:
+            self.proposer.copy_blocks(sched.copy_pairs)
+        if sched.scheduled:
+            start = time.perf_counter()
+            self.propose(sched.scheduled)
+            stats.propose_seconds += time.perf_counter() - start
 
-    def remember(self, groups) -> None:
-        """Finished requests, for a proposer that drafts from earlier answers."""
+    def after_step(self, finished_groups, gone_seqs) -> None:
+        """Requests that finished (a proposer may draft from earlier answers)
+        and sequences that are gone (what was kept for them is forgotten)."""
         remember = getattr(self.proposer, "remember", None)
         if remember is not None:
-            for group in groups:
+            for group in finished_groups:
                 remember(group)
-
-    def release(self, seq_ids) -> None:
-        for seq_id in seq_ids:
-            self._next.pop(seq_id, None)
-            self.proposer.release(seq_id)
+        for seq in gone_seqs:
+            self._next.pop(seq.seq_id, None)
+            self.proposer.release(seq.seq_id)

@@ -1,8 +1,8 @@
-"""Grammars for structured outputs, compiled by xgrammar, and the token masks
-the sampler applies.
+"""Grammars for structured outputs, compiled by xgrammar (the sampler applies
+their token masks: ``sample/token_mask.py``).
 
 A request's constraint is checked for shape and size where the request is
-taken (``structured_outputs.py``); it is parsed into an xgrammar ``Grammar``
+taken (``structured/params.py``); it is parsed into an xgrammar ``Grammar``
 (where a bad schema, pattern or grammar is refused, with the library's
 message) and compiled against the tokenizer's vocabulary on a thread of its
 own, so the thread that takes requests only queues it. Compiled grammars are
@@ -22,7 +22,6 @@ xgrammar over llguidance (both measured on the default model's tokenizer,
 ``python -m loadtest.bench structured``): comparable mask times, a CPU
 bitmask kernel, EBNF and structural tags natively, matcher fork and rollback.
 """
-import ctypes
 import json
 import re
 import threading
@@ -31,13 +30,11 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, Optional, Sequence
 
-import torch
-
 from ..errors import InvalidRequestError
-from ..structured_outputs import StructuredOutputsParams
+from .params import StructuredOutputsParams
 from .grammar_worker import FixedMask
 
-__all__ = ["Compile", "FixedMask", "GrammarCompiler", "mask_logits", "parse"]
+__all__ = ["Compile", "FixedMask", "GrammarCompiler", "parse"]
 
 CACHE_BYTES = 128 * 1024 * 1024        # compiled grammars kept (EngineConfig.structured_cache_bytes)
 # A compiled grammar larger than this is refused (a 150-property schema: 1.3 MB).
@@ -213,53 +210,3 @@ class Compile:
         """A fresh matcher of the compiled grammar; raises the compile's error."""
         import xgrammar as xgr
         return xgr.GrammarMatcher(self.future.result())
-
-
-def mask_logits(logits: torch.Tensor, rows) -> None:
-    """Mask, in place, every row of ``logits`` that a constrained ``SampleRow``
-    names to the tokens its matcher allows (rows sharing a logits row share
-    its matcher: the candidates of one prompt before they fork). On CPU
-    float32 logits through ``kernels/csrc/token_mask.c`` (xgrammar's CPU
-    kernel took 2-4 ms for 32 rows of the default model's vocabulary, the C
-    one a fraction of that: ``loadtest.bench structured``), else xgrammar's."""
-    matchers = {}
-    for r in rows:
-        if r.constraint is not None:
-            matchers.setdefault(r.row, r.constraint)
-    if not matchers:
-        return
-    words = (logits.shape[1] + 31) // 32
-    kernel = _mask_kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-    if kernel is not None and logits.stride(1) == 1:
-        bitmask = torch.empty((len(matchers), words), dtype=torch.int32)
-        for i, matcher in enumerate(matchers.values()):
-            matcher.fill_next_token_bitmask(bitmask, i)
-        targets = torch.tensor(list(matchers), dtype=torch.long)
-        kernel(ctypes.c_void_p(logits.data_ptr()), logits.stride(0), ctypes.c_void_p(bitmask.data_ptr()), words,
-               ctypes.c_void_p(targets.data_ptr()), len(matchers), logits.shape[1])
-        return
-    import xgrammar as xgr
-    bitmask = torch.full((logits.shape[0], words), -1, dtype=torch.int32)
-    for row, matcher in matchers.items():
-        matcher.fill_next_token_bitmask(bitmask, row)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=list(matchers))
-
-
-_kernel_state = {}
-
-
-def _mask_kernel():
-    """The C function of ``token_mask.c``, or None where it cannot be built
-    (xgrammar's kernel serves then)."""
-    if "kernel" not in _kernel_state:
-        from pagedbackend.kernels import native
-        try:
-            library = native.load("token_mask")
-            kernel = library.apply_token_mask
-            kernel.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-            kernel.restype = None
-        except RuntimeError:
-            kernel = None
-        _kernel_state["kernel"] = kernel
-    return _kernel_state["kernel"]

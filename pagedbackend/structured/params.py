@@ -2,7 +2,7 @@
 fields. The shape and the documented limits (docs/structured_outputs.md) are
 checked here, cheaply and without recursion, on the thread that takes the
 request; the schema, pattern or grammar itself is parsed by the grammar
-library on the compile thread (``sample/structured.py``)."""
+library on the compile thread (``structured/compiler.py``)."""
 import json
 import re
 from dataclasses import dataclass, fields
@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 # vLLM's constraint kinds: exactly one is set per request.
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -36,7 +36,7 @@ class StructuredOutputsParams:
     schema (``json``), any JSON object, a regular expression, one of a list of
     strings, an EBNF/GBNF grammar or an xgrammar structural tag. Checked here
     for shape; the schema, pattern or grammar itself is checked by the grammar
-    library when the engine takes the request (``sample/structured.py``)."""
+    library when the engine takes the request (``structured/compiler.py``)."""
     json: Optional[Union[str, Dict[str, Any]]] = None
     regex: Optional[str] = None
     choice: Optional[List[str]] = None

@@ -1,6 +1,6 @@
 """Proposers for speculative decoding: each returns, for a sequence about to
 decode, up to ``n`` tokens it expects to follow; the target model verifies
-them in its next forward pass (``engine/speculative.py``). Proposals are
+them in its next forward pass (``spec_decode/speculator.py``). Proposals are
 deterministic (a draft model's argmax, a copied n-gram continuation), which
 is what keeps verification exact.
 
@@ -28,7 +28,7 @@ from typing import Dict, List, Sequence, Tuple
 from pagedbackend.core.scheduled import ScheduledSeq, SeqEntry
 from pagedbackend.core.sequence import SequenceGroup
 from pagedbackend.sample.sampler import row_argmax
-from pagedbackend.worker.suffix_index import SuffixIndex, walk
+from pagedbackend.spec_decode.suffix_index import SuffixIndex, walk
 
 Request = Tuple[ScheduledSeq, int]   # a decoding sequence's entry, and how many tokens to propose
 
