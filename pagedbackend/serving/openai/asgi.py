@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedbackend.serving.openai.protocol import OpenAIError
 
 logger = logging.getLogger("pagedbackend.openai")
+DRAIN_AFTER_REFUSAL_S = 5.0   # how long a refused request head may still be sent
 
 
 class BodySizeLimit:
@@ -137,6 +138,18 @@ def h11_protocol_with_error_objects():
             headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
             for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
                 self.transport.write(self.conn.send(event))
-            self.transport.close()
+            # Half-close and read on (dropping it) what the client still sends, so that
+            # it reads the answer rather than a reset; closed at the end, or at a bound.
+            self.dropped = 0
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(DRAIN_AFTER_REFUSAL_S, self.transport.close)
+
+        def data_received(self, data: bytes) -> None:
+            if getattr(self, "dropped", None) is None:
+                return super().data_received(data)
+            self.dropped += len(data)
+            if self.dropped > BodySizeLimit.DRAIN_LIMIT_BYTES:
+                self.transport.close()
 
     return ErrorObjectH11Protocol
