@@ -11,6 +11,7 @@ route and is checked once. Pure data: no network, no Triton, no tokenizer.
 import dataclasses
 import json
 import pathlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -22,6 +23,7 @@ from pagedbackend.structured_outputs import MAX_SCHEMA_DEPTH, text_depth
 
 Prompt = Union[str, List[int]]
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+PARAMETER_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 # The Triton model's cap on its sampling parameters (JSON), refused before parsing.
 MAX_PARAMETERS_BYTES = 64 * 1024
 
@@ -161,7 +163,13 @@ def map_request(fields: Mapping[str, Any], prompts: Sequence[Prompt] = (),
         raise InvalidRequestError(f"lora_name must be a string, got {lora_name!r}", param="lora_name")
     for prompt in prompts:
         limits.check_prompt(prompt)
-    params = SamplingParams.from_dict(fields)
+    try:
+        params = SamplingParams.from_dict(fields)
+    except InvalidRequestError as exc:   # its messages start with the field's name
+        if exc.param is None:
+            match = re.match(r"(?:sampling parameter )?([a-z_]+)\b", str(exc))
+            exc.param = match.group(1) if match and match.group(1) in PARAMETER_NAMES else None
+        raise
     limits.check(params, fields)
     return EngineRequest(params, list(prompts), lora_name or None, fields)
 

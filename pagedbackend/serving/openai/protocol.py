@@ -5,7 +5,6 @@ model's ``logprobs`` output (NVIDIA vllm_backend's format) to OpenAI's shapes.
 
 Pure data: no network, no Triton, no tokenizer.
 """
-import dataclasses
 import json
 import re
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
@@ -13,7 +12,6 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from pagedbackend.errors import InvalidRequestError
-from pagedbackend.sampling_params import SamplingParams
 from pagedbackend.serving.requests import EngineRequest, RequestLimits, map_request, openai_fields
 from pagedbackend.structured_outputs import MAX_SCHEMA_DEPTH, text_depth
 
@@ -306,16 +304,7 @@ def openai_checked(check, *args):
     try:
         return check(*args)
     except InvalidRequestError as exc:
-        raise OpenAIError(400, str(exc), exc.param or _field_named(str(exc))) from None
-
-
-def _field_named(message: str) -> Optional[str]:
-    """The parameter a SamplingParams message starts with (``"top_p must be ..."``), if any."""
-    match = re.match(r"(?:sampling parameter )?([a-z_]+)\b", message)
-    return match.group(1) if match and match.group(1) in PARAMETER_NAMES else None
-
-
-PARAMETER_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"lora_name"}
+        raise OpenAIError(400, str(exc), exc.param) from None
 
 
 # ---------------------------------------------------------------- logprobs
