@@ -250,12 +250,15 @@ def parse_request(cls, body: bytes):
     return request
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def lone_surrogate(value, where: str = "") -> Optional[str]:
     """The dotted path of the first string (key or value) in ``value`` that
     holds a lone surrogate (valid JSON escapes, but no character: they cannot
     be encoded as UTF-8), or None. A pair of escapes is one character already."""
     if isinstance(value, str):
-        return where if any("\ud800" <= ch <= "\udfff" for ch in value) else None
+        return where if _SURROGATE.search(value) else None
     if isinstance(value, dict):
         for key, item in value.items():
             path = f"{where}.{key}" if where else str(key)
@@ -266,6 +269,8 @@ def lone_surrogate(value, where: str = "") -> Optional[str]:
                 return found
     elif isinstance(value, list):
         for i, item in enumerate(value):
+            if isinstance(item, str) and not _SURROGATE.search(item):
+                continue   # the common case, without building its path
             found = lone_surrogate(item, f"{where}[{i}]")
             if found is not None:
                 return found
