@@ -2,6 +2,7 @@
 model and the KV pool, and build its sequence group (bad-word ids, beam
 state, a structured-output grammar queued for the compile thread). Nothing here
 changes engine state, so any thread may build a group."""
+import dataclasses
 import logging
 import time
 from typing import List, Optional, Sequence, Union
@@ -74,8 +75,8 @@ class InputProcessor:
         true; otherwise None. ``priority`` (vLLM's argument) replaces the
         parameters' own under ``scheduling_policy=priority``."""
         params = params or SamplingParams()
-        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if priority is not None:   # one route in: the parameters' own field, checked there
+            params = dataclasses.replace(params, priority=priority)
         params.check_token_ids(self.vocab_size)
         text, token_ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None and len(token_ids) > params.truncate_prompt_tokens:
@@ -96,8 +97,6 @@ class InputProcessor:
                               time.time() if arrival_time is None else arrival_time, max_tokens)
         self.scheduler.check_admissible(group)
         group.wants_logprob |= cumulative_logprob
-        if priority is not None:
-            group.priority = priority
         group.bad_words_ids = self._bad_words_ids(params)
         if params.use_beam_search:
             group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)

@@ -27,14 +27,13 @@ from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
 from pagedbackend.errors import InvalidRequestError
 from pagedbackend.serving.constants import SHUTTING_DOWN
 from pagedbackend.serving.triton.health import EngineFailurePolicy
-from pagedbackend.serving.triton.io import (FINAL, Job, accumulate, build_response, read_flags, read_lora_name,
-                                            read_optional_text, read_prompt_or_ids, read_sampling_params,
-                                            send_error, send_json)
+from pagedbackend.serving.triton.io import (FINAL, Job, accumulate, build_response, read_flags, read_optional_text,
+                                            read_request, send_error, send_json)
 from pagedbackend.serving.triton.lifecycle import (end_stub, log_to_stderr, on_sigterm, use_utf8_locale,
                                                    watch_listener, watch_server)
 from pagedbackend.serving.triton.lora import ControlError, TritonAdapters, read_multi_lora
 from pagedbackend.serving.triton.metrics import Metrics
-from pagedbackend.serving.triton.settings import ModelSettings
+from pagedbackend.serving.triton.settings import ModelSettings, request_limits
 
 TICK_S = 0.1             # cancellation poll period
 STATS_EVERY_TICKS = 2    # gauges and counters refreshed every 0.2 s
@@ -62,6 +61,7 @@ class TritonPythonModel:
         except Exception:
             self.engine.shutdown()
             raise
+        self.limits = request_limits(parameters, self.engine.max_model_len, self.engine.max_prompt_chars)
         pb_utils.Logger.log_info("paged_llm: serving " + ", ".join(f"{k}={v}" for k, v in self.engine.describe().items()))
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                settings.metric_namespaces, self.engine.max_model_len)
@@ -125,11 +125,11 @@ class TritonPythonModel:
     def _submit(self, request, sender) -> Job:
         if self.closing:
             raise EngineDeadError(self.closing)
-        lora_request = self.adapters.request_for(read_lora_name(request))   # vllm_backend's errors, first
-        prompt = read_prompt_or_ids(request, self.engine.max_prompt_chars)
+        mapped = read_request(request, self.limits)   # prompt, sampling parameters, adapter: checked
+        lora_request = self.adapters.request_for(mapped.lora_name)
+        prompt, params = mapped.prompt, mapped.params
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)   # what echo shows
         job = Job(uuid.uuid4().hex, text, read_flags(request), sender, triton_id=request.request_id())
-        params = read_sampling_params(request)
         job.n, job.logprobs_requested = params.n, params.logprobs is not None
         # cumulative_logprob is computed only for requests that ask for it.
         job.stream = self.engine.add_request(job.request_id, prompt, params,

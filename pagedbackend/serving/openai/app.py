@@ -13,7 +13,7 @@ Large bodies, texts and answers are handled off the event loop (``offload``).
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from fastapi import FastAPI, Request
@@ -23,18 +23,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedbackend.serving.constants import SERVED_MODEL
 from pagedbackend.serving.openai import adapters as lora
 from pagedbackend.serving.openai.answers import ChatAnswer, CompletionAnswer
-from pagedbackend.serving.openai.asgi import BodySizeLimit, CatchAll
+from pagedbackend.serving.openai.asgi import BodySizeLimit, CatchAll, h11_protocol_with_error_objects
 from pagedbackend.serving.openai.generations import OpenGenerations, answer
 from pagedbackend.serving.openai.offload import run_sized
 from pagedbackend.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  OpenAIError, TokenizeChatRequest, TokenizeRequest,
-                                                  parse_request, sampling_parameters)
+                                                  OpenAIError, TokenizeChatRequest, TokenizeRequest, map_openai,
+                                                  openai_checked, parse_request, sampling_parameters)
 from pagedbackend.serving.openai.reasoning import Reasoning, template_kwargs
 from pagedbackend.serving.openai.structured import (Tools, messages_with_tools, structured_outputs,
                                                     template_knows_tools)
 from pagedbackend.serving.openai.triton_client import Triton, is_text_model
+from pagedbackend.serving.requests import RequestLimits, model_context_length
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_HEADER_BYTES = 64 << 10   # the request line and headers together
 
 
 @dataclass
@@ -45,6 +47,9 @@ class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_key: Optional[str] = None            # opens Triton's model index for /v1/models
     reasoning_parser: Optional[str] = None     # vLLM's: qwen3 or deepseek_r1 (reasoning.py); None: off
+    # What one request may ask for (requests.RequestLimits); max_model_len None:
+    # the tokenizer folder's config.json says it.
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: Optional[Tools] = None) -> str:
@@ -68,7 +73,11 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     if tokenizer is None:   # the engine's, from local files only ("default": the engine's default model)
         from pagedbackend.engine.tokenizer import load_tokenizer
         from pagedbackend.models.default_model import resolve_model_path
-        tokenizer = load_tokenizer(resolve_model_path(settings.tokenizer))
+        folder = resolve_model_path(settings.tokenizer)
+        tokenizer = load_tokenizer(folder)
+        if settings.limits.max_model_len is None:
+            settings.limits = settings.limits.replace(max_model_len=model_context_length(folder))
+    limits = settings.limits
     started = int(time.time())
     open_generations = OpenGenerations()
 
@@ -145,6 +154,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
             params["prompt_logprobs"] = req.logprobs
         if adapter is not None:
             params["lora_name"] = adapter
+        params = map_openai(params, prompts, limits).wire()   # checked here, before Triton sees it
         shape = await run_sized(len(body), CompletionAnswer, req, adapter or model, prompts, tokenizer)   # echo's texts
         return await answer(request, triton, model, prompts, params, req.logprobs is not None,
                             shape, req.stream, open_generations)
@@ -154,6 +164,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         body = await request.body()
         req = await run_sized(len(body), parse_request, ChatCompletionRequest, body)
         model, adapter = await model_for(req.model, req.logprobs)
+        openai_checked(limits.check_tools, req.tools)   # their count and size, before they are read
         tools = Tools.of(req)
         prompt = await run_sized(len(body), chat_prompt, tokenizer, req, tools)
         reasoning = Reasoning.of(settings.reasoning_parser, req, prompt)
@@ -171,6 +182,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
             params["structured_outputs"] = constraint
         if adapter is not None:
             params["lora_name"] = adapter
+        params = map_openai(params, [prompt], limits).wire()   # checked here, before Triton sees it
         return await answer(request, triton, model, [prompt], params, req.logprobs, shape, req.stream,
                             open_generations)
 
@@ -205,8 +217,9 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     return app
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
-    """uvicorn, whose first SIGTERM or SIGINT also ends every open generation
+def serve(app: FastAPI, host: str, port: int, log_level: str = "warning",
+          max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> None:
+    """uvicorn (headers over ``max_header_bytes`` get a 431 error object), whose first SIGTERM or SIGINT also ends every open generation
     at once with the error "the server is shutting down" (uvicorn alone would
     wait for them to finish); later signals change nothing."""
     import uvicorn
@@ -223,6 +236,7 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> Non
             self.loop = asyncio.get_running_loop()
             await super().startup(sockets)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            http=h11_protocol_with_error_objects(), h11_max_incomplete_event_size=max_header_bytes)
     Server(config).run()
 

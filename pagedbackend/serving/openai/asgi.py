@@ -1,6 +1,8 @@
 """The HTTP plumbing under the OpenAI app: ASGI middleware that caps request
-bodies and turns unanswered exceptions into OpenAI error objects, and a
-server-sent-events response fed straight from an async iterator."""
+bodies and turns unanswered exceptions into OpenAI error objects, uvicorn's
+HTTP protocol answering a malformed or oversized request head with one too,
+and a server-sent-events response fed straight from an async iterator."""
+import json
 import logging
 from typing import AsyncIterator
 
@@ -9,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedbackend.serving.openai.protocol import OpenAIError
 
 logger = logging.getLogger("pagedbackend.openai")
+DRAIN_AFTER_REFUSAL_S = 5.0   # how long a refused request head may still be sent
 
 
 class BodySizeLimit:
@@ -102,3 +105,51 @@ class EventStream(Response):
             await send({"type": "http.response.body", "body": piece, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+
+
+def h11_protocol_with_error_objects():
+    """uvicorn's h11 protocol class whose refusal of a request head it cannot
+    read (malformed, or over ``h11_max_incomplete_event_size``: 431) is an
+    OpenAI error object rather than uvicorn's plain text. Built on first use,
+    so that importing this module does not import uvicorn."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class ErrorObjectH11Protocol(H11Protocol):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.refusal = 400
+            next_event = self.conn.next_event
+
+            def watched_next_event():   # keeps h11's status for the head it refused
+                try:
+                    return next_event()
+                except h11.RemoteProtocolError as exc:
+                    self.refusal = exc.error_status_hint
+                    raise
+            self.conn.next_event = watched_next_event
+
+        def send_400_response(self, msg: str) -> None:
+            status = self.refusal if 400 <= self.refusal < 500 else 400
+            message = ("the request line and headers are larger than the limit of "
+                       f"{self.config.h11_max_incomplete_event_size} bytes" if status == 431 else
+                       "the request is not valid HTTP/1.1")
+            body = json.dumps(OpenAIError(status, message).body()).encode("utf-8")
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            # Half-close and read on (dropping it) what the client still sends, so that
+            # it reads the answer rather than a reset; closed at the end, or at a bound.
+            self.dropped = 0
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(DRAIN_AFTER_REFUSAL_S, self.transport.close)
+
+        def data_received(self, data: bytes) -> None:
+            if getattr(self, "dropped", None) is None:
+                return super().data_received(data)
+            self.dropped += len(data)
+            if self.dropped > BodySizeLimit.DRAIN_LIMIT_BYTES:
+                self.transport.close()
+
+    return ErrorObjectH11Protocol

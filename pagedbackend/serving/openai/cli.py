@@ -9,8 +9,10 @@ import os
 import sys
 
 from pagedbackend.serving.constants import ADMIN_KEY_ENV, SERVED_MODEL
-from pagedbackend.serving.openai.app import DEFAULT_MAX_BODY_BYTES, Settings, create_app, serve
+from pagedbackend.serving.openai.app import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, Settings, create_app,
+                                             serve)
 from pagedbackend.serving.openai.reasoning import REASONING_PARSERS
+from pagedbackend.serving.requests import RequestLimits
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,20 +35,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="vLLM's: chat answers put the text up to </think> in reasoning_content, and "
                              "structured outputs and tool calls apply after it")
+    parser.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                        help="request line and headers larger than this get 431")
+    parser.add_argument("--request-limit", action="append", default=[], metavar="NAME=VALUE",
+                        help="a request limit (repeatable), e.g. max_n=16 or max_stop_strings=8; the limits "
+                             "and their defaults: " + ", ".join(f"{k}={v}" for k, v in
+                                                               vars(RequestLimits()).items() if v is not None))
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        limits = RequestLimits.from_settings(dict(item.partition("=")[::2] for item in args.request_limit))
+    except ValueError as exc:
+        print(f"error: --request-limit: {exc}", file=sys.stderr)
+        return 2
     settings = Settings(args.triton_url, args.model_name, args.tokenizer, args.max_body_bytes,
-                        args.triton_admin_key, args.reasoning_parser)
+                        args.triton_admin_key, args.reasoning_parser, limits)
     try:
         app = create_app(settings)
     except (OSError, ValueError) as exc:
         print(f"error: cannot load the tokenizer from {args.tokenizer!r}: {exc}", file=sys.stderr)
         return 1
     print(f"OpenAI API: http://{args.host}:{args.port}/v1 (Triton gRPC {args.triton_url})", flush=True)
-    serve(app, args.host, args.port, args.log_level)
+    serve(app, args.host, args.port, args.log_level, args.max_header_bytes)
     return 0
 

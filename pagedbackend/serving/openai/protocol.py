@@ -1,5 +1,6 @@
 """The OpenAI wire format for the API (``app``): request schemas, error objects,
-the sampling parameters sent to the Triton model, and the mapping of the
+the request mapped to sampling parameters (``pagedbackend.serving.requests``,
+the one mapping of every front end), and the mapping of the
 model's ``logprobs`` output (NVIDIA vllm_backend's format) to OpenAI's shapes.
 
 Pure data: no network, no Triton, no tokenizer.
@@ -10,6 +11,8 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from pagedbackend.errors import InvalidRequestError
+from pagedbackend.serving.requests import EngineRequest, RequestLimits, map_request, openai_fields
 from pagedbackend.structured.params import MAX_SCHEMA_DEPTH, text_depth
 
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's chat limit
@@ -247,12 +250,15 @@ def parse_request(cls, body: bytes):
     return request
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def lone_surrogate(value, where: str = "") -> Optional[str]:
     """The dotted path of the first string (key or value) in ``value`` that
     holds a lone surrogate (valid JSON escapes, but no character: they cannot
     be encoded as UTF-8), or None. A pair of escapes is one character already."""
     if isinstance(value, str):
-        return where if any("\ud800" <= ch <= "\udfff" for ch in value) else None
+        return where if _SURROGATE.search(value) else None
     if isinstance(value, dict):
         for key, item in value.items():
             path = f"{where}.{key}" if where else str(key)
@@ -263,6 +269,8 @@ def lone_surrogate(value, where: str = "") -> Optional[str]:
                 return found
     elif isinstance(value, list):
         for i, item in enumerate(value):
+            if isinstance(item, str) and not _SURROGATE.search(item):
+                continue   # the common case, without building its path
             found = lone_surrogate(item, f"{where}[{i}]")
             if found is not None:
                 return found
@@ -284,34 +292,24 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 
 # ---------------------------------------------------------------- to the model
 
-FORWARDED = ("temperature", "top_p", "seed", "top_k", "min_p", "min_tokens", "ignore_eos",
-             "stop_token_ids", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
-             "use_beam_search", "length_penalty", "early_stopping", "skip_special_tokens",
-             "include_stop_str_in_output", "best_of", "cache_salt", "priority")
-# Sent only when they do something, so that clients which always send the
-# neutral value (0 or 1) work with a model that lacks the parameter.
-PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-
-
 def sampling_parameters(request: _GenerationRequest, max_tokens: Optional[int],
                         top_logprobs: Optional[int]) -> dict:
-    """The model's ``sampling_parameters`` JSON object (vLLM's names)."""
-    params = {"n": request.n, "max_tokens": max_tokens}
-    for name in FORWARDED:
-        value = getattr(request, name)
-        if value is not None:
-            params[name] = value
-    if request.stop is not None:   # "" and [""] alike reach the model, which refuses an empty stop
-        params["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
-    if request.logit_bias:  # token id (a string key in JSON) -> bias; the model checks both
-        params["logit_bias"] = request.logit_bias
-    for name, neutral in PENALTIES.items():
-        value = getattr(request, name)
-        if value is not None and value != neutral:
-            params[name] = value
-    if top_logprobs is not None:
-        params["logprobs"] = top_logprobs
-    return params
+    """The model's ``sampling_parameters`` JSON object (vLLM's names), as the
+    one request mapping renames them (``pagedbackend.serving.requests``)."""
+    return openai_fields(request, max_tokens, top_logprobs)
+
+
+def map_openai(fields: dict, prompts: List[Union[str, List[int]]], limits: RequestLimits) -> EngineRequest:
+    """``map_request`` for the OpenAI API: its refusals as 400 error objects naming the field."""
+    return openai_checked(map_request, fields, prompts, limits)
+
+
+def openai_checked(check, *args):
+    """``check(*args)``, an ``InvalidRequestError`` becoming a 400 error object naming the field."""
+    try:
+        return check(*args)
+    except InvalidRequestError as exc:
+        raise OpenAIError(400, str(exc), exc.param) from None
 
 
 # ---------------------------------------------------------------- logprobs

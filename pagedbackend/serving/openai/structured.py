@@ -122,8 +122,9 @@ class Tools:
         if tool_choice is None:
             tool_choice = "auto"
         if isinstance(tool_choice, dict):
-            name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
-            if name not in self.functions:
+            function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str) or name not in self.functions:
                 raise OpenAIError(400, f"tool_choice names function {name!r}, which is not among the tools",
                                   "tool_choice")
             self.choice = name

@@ -11,16 +11,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pagedbackend.sample.sampler import finite_logprob
-from pagedbackend.sampling_params import SamplingParams
+from pagedbackend.serving.requests import (MAX_PARAMETERS_BYTES, EngineRequest, RequestLimits, map_request,
+                                           triton_fields)
 
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
          "return_logprobs", "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens",
          "return_prompt_logprobs", "return_output_ids")
-# Request parameters that Triton itself defines; the rest are sampling parameters.
-TRITON_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout"}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# Sampling parameters (JSON) longer than this are refused before parsing.
-MAX_PARAMETERS_BYTES = 64 * 1024
 
 
 @dataclass
@@ -116,62 +113,17 @@ def read_flags(request) -> dict:
     return flags
 
 
-def read_sampling_params(request) -> SamplingParams:
-    """The sampling_parameters tensor (JSON), else the request's parameters
-    (generate endpoint); ``lora_name`` is the request's adapter (``read_lora_name``)."""
+def read_request(request, limits: RequestLimits) -> EngineRequest:
+    """The request's prompt (``text_input`` or ``input_ids``) and its sampling
+    parameters: the ``sampling_parameters`` tensor (JSON, with vllm_backend's
+    ``lora_name`` beside them), else the request's parameters (generate
+    endpoint), each parsed once and mapped by ``map_request``."""
+    prompt = read_prompt_or_ids(request, limits.max_prompt_chars)
     if pb_utils.get_input_tensor_by_name(request, "sampling_parameters") is not None:
-        text = read_text(request, "sampling_parameters", MAX_PARAMETERS_BYTES)
-        try:
-            params = json.loads(text) if text.strip() else {}
-        except (ValueError, RecursionError):
-            return SamplingParams.from_json(text)   # raises, naming the input
-        if isinstance(params, dict):
-            params.pop("lora_name", None)
-        return SamplingParams.from_dict(params)
-    text = request.parameters() or "{}"
-    if len(text) > MAX_PARAMETERS_BYTES:
-        raise ValueError(f"request parameters have {len(text)} characters; the limit is {MAX_PARAMETERS_BYTES}")
-    params = json.loads(text)
-    return SamplingParams.from_dict({k: _from_json_text(k, v) for k, v in params.items()
-                                     if k not in TRITON_PARAMETERS and not k.startswith("triton_")
-                                     and k != "lora_name"})
-
-
-def read_lora_name(request):
-    """``lora_name`` of ``sampling_parameters`` or of the request parameters,
-    as vllm_backend reads it (None when absent, or when they are not a JSON
-    object: ``read_sampling_params`` then says what is wrong)."""
-    if pb_utils.get_input_tensor_by_name(request, "sampling_parameters") is not None:
-        text = read_text(request, "sampling_parameters", MAX_PARAMETERS_BYTES)
+        fields = triton_fields(read_text(request, "sampling_parameters", MAX_PARAMETERS_BYTES))
     else:
-        text = request.parameters() or "{}"
-        if len(text) > MAX_PARAMETERS_BYTES:
-            return None
-    try:
-        params = json.loads(text) if text.strip() else {}
-    except (ValueError, RecursionError):
-        return None
-    return params.get("lora_name") if isinstance(params, dict) else None
-
-
-# Request parameters of the generate endpoints may only be scalars (tritonserver
-# refuses a list or an object itself), so these fields also come as JSON text.
-JSON_TEXT_FIELDS = ("stop", "stop_token_ids", "logit_bias", "bad_words", "allowed_token_ids")
-
-
-def _from_json_text(name: str, value):
-    """``value`` decoded from JSON text when ``name`` takes a list or an object
-    (``"stop": "[\"a\", \"b\"]"``, ``"logit_bias": "{\"50\": -100}"``); a plain
-    stop string, or text that is no such JSON, stays as it is."""
-    if name not in JSON_TEXT_FIELDS or not isinstance(value, str) or value[:1] not in ("[", "{"):
-        return value
-    try:
-        decoded = json.loads(value)
-    except ValueError:
-        return value
-    if name == "stop" and not (isinstance(decoded, list) and all(isinstance(s, str) for s in decoded)):
-        return value
-    return decoded
+        fields = triton_fields(None, request.parameters())
+    return map_request(fields, [prompt], limits)
 
 
 def send_error(sender, message: str, code) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Tuple
 
 from pagedbackend.config import coerce
+from pagedbackend.serving.requests import RequestLimits
 
 METRIC_NAMES = ("both", "pagedbackend", "vllm")
 # vllm_backend's names for the same switches; when present, they win.
@@ -58,6 +59,17 @@ class ModelSettings:
         if not self.report_custom_metrics:
             return ()
         return METRIC_NAMES[1:] if self.metric_names == "both" else (self.metric_names,)
+
+
+def request_limits(parameters: Mapping[str, Any], max_model_len: int, max_prompt_chars: int) -> RequestLimits:
+    """The request limits (``RequestLimits``), each set by the parameter of its
+    name in upper case (``MAX_N``, ``MAX_STOP_STRINGS``); the context length
+    and prompt characters are the engine's."""
+    engine_owned = ("max_model_len", "max_prompt_chars")
+    values = {f.name: _text(parameters.get(f.name.upper())) for f in dataclasses.fields(RequestLimits)
+              if f.name not in engine_owned}
+    limits = RequestLimits.from_settings({name: text for name, text in values.items() if text})
+    return limits.replace(max_model_len=max_model_len, max_prompt_chars=max_prompt_chars)
 
 
 def parameter_names(field: str) -> Tuple[str, ...]:
