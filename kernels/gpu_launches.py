@@ -16,7 +16,7 @@ heads (1 to 8 is covered by the padded group size and ``HEADS``), head dims
 """
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List
 
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 2, 4, 8)             # query heads per KV head, padded to a power of two
@@ -33,26 +33,26 @@ MOE_SHAPES = (("mixtral", 4096, 14336, 2, False), ("qwen3_moe", 2048, 768, 8, Fa
 
 @dataclass
 class Launch:
-    """One launch of the kernel ``name`` of ``pagedbackend.kernels.<module>``
-    (found on use, so descriptions stay cheap and picklable; ``fn``: a kernel
-    given directly instead, one defined outside the package)."""
+    """One launch of the kernel ``name`` of the module ``module`` (a dotted
+    name, imported where the launch is compiled: descriptions stay cheap and
+    picklable)."""
     module: str
     name: str
     args: Dict[str, Any]
     dtype: str
     shape: str = ""
     options: Dict[str, int] = field(default_factory=dict)
-    fn: Optional[Callable] = None
 
     @property
     def label(self) -> str:
-        return f"{self.module}.{self.name}"
+        return f"{self.module.rpartition('.')[2]}.{self.name}"
 
     def kernel(self):
-        if self.fn is not None:
-            return self.fn
         from importlib import import_module
-        return getattr(import_module(f"pagedbackend.kernels.{self.module}"), self.name)
+        return getattr(import_module(self.module), self.name)
+
+
+_PACKAGE = "pagedbackend.kernels"
 
 
 def _contiguous(*shape: int) -> List[int]:
@@ -82,7 +82,7 @@ def paged_attention(dim: int, group: int, rows: int, dtype: str, sinks: bool) ->
     args["stride_bts"] = 512
     args.update(BLOCK_Q=rows // group, GROUP_PAD=group, BLOCK_N=32, DIM=dim,
                 LOWP_DOT=dtype != "fp32", HAS_SINKS=sinks)
-    return Launch("paged_attention", "_paged_attention_kernel", args, dtype)
+    return Launch(f"{_PACKAGE}.paged_attention", "_paged_attention_kernel", args, dtype)
 
 
 def write_kv(dim: int, kv_heads: int, dtype: str) -> Launch:
@@ -97,7 +97,7 @@ def write_kv(dim: int, kv_heads: int, dtype: str) -> Launch:
     args.update(zip(("stride_kcb", "stride_kcs", "stride_kch", "stride_kcd"), cache_strides))
     args.update(zip(("stride_vcb", "stride_vcs", "stride_vch", "stride_vcd"), cache_strides))
     args.update(HEADS=kv_heads, DIM=dim)
-    return Launch("kv_write", "_write_kv_kernel", args, dtype)
+    return Launch(f"{_PACKAGE}.kv_write", "_write_kv_kernel", args, dtype)
 
 
 def lora_shrink(rank: int, dtype: str, in_features: int = 4096) -> Launch:
@@ -107,7 +107,7 @@ def lora_shrink(rank: int, dtype: str, in_features: int = 4096) -> Launch:
     args = dict(x_ptr=t, a_ptr=t, s_ptr="*fp32", rows_ptr="*i32", pages_ptr="*i32", segs_ptr="*i32",
                 in_features=in_features, stride_x=in_features, stride_a=in_features, stride_s=block_r,
                 BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=64)
-    return Launch("lora", "_shrink_kernel", args, dtype)
+    return Launch(f"{_PACKAGE}.lora", "_shrink_kernel", args, dtype)
 
 
 def lora_expand(rank: int, dtype: str, out_features: int = 4096) -> Launch:
@@ -117,7 +117,7 @@ def lora_expand(rank: int, dtype: str, out_features: int = 4096) -> Launch:
     args = dict(s_ptr="*fp32", b_ptr=t, y_ptr=t, rows_ptr="*i32", pages_ptr="*i32", segs_ptr="*i32",
                 out_features=out_features, stride_s=block_r, stride_b=out_features,
                 stride_y=3 * out_features, BLOCK_M=16, BLOCK_R=block_r, BLOCK_N=64)
-    return Launch("lora", "_expand_kernel", args, dtype)
+    return Launch(f"{_PACKAGE}.lora", "_expand_kernel", args, dtype)
 
 
 def moe_gemm(family: str, hidden: int, inter: int, top_k: int, bias: bool, second: bool,
@@ -133,7 +133,7 @@ def moe_gemm(family: str, hidden: int, inter: int, top_k: int, bias: bool, secon
                 stride_biase=n if bias else 0, stride_cm=n, stride_cn=1,
                 A_ROW_DIV=1 if second else top_k, HAS_BIAS=bias, MUL_WEIGHT=second,
                 BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, LOWP_DOT=dtype != "fp32")
-    return Launch("fused_moe", "_grouped_gemm_kernel", args, dtype, family)
+    return Launch(f"{_PACKAGE}.fused_moe", "_grouped_gemm_kernel", args, dtype, family)
 
 
 def all_launches() -> Iterator[Launch]:

@@ -19,6 +19,7 @@ import importlib
 import io
 import json
 import math
+import multiprocessing
 import os
 import pkgutil
 import re
@@ -144,12 +145,11 @@ def report_launch(launch: Launch, capability: int) -> Dict[str, object]:
     """One row of the report (``FIELDS``): a failure is a row with ``ok`` false
     and its ``error``, never an exception."""
     arch = ARCHS[capability]
-    kernel = launch.kernel()
     row: Dict[str, object] = {"kernel": launch.label, "arch": capability, "dtype": launch.dtype,
                               "shape": launch.shape, "config": dict(launch.options), "ok": False,
                               "error": None}
     try:
-        jit = as_jit(kernel)
+        jit = as_jit(launch.kernel())
         row["config"] = {**{name: launch.args[name] for name in jit.arg_names
                             if name in launch.args and jit.params[jit.arg_names.index(name)].is_constexpr},
                          **launch.options}
@@ -193,23 +193,32 @@ def undescribed_kernels(launches: Iterable[Launch]) -> List[str]:
     return sorted(set(found) - described)
 
 
+def _compile_here() -> None:
+    """Worker start: Triton compiles for a GPU only where it was imported with
+    its interpreter off (under ``TRITON_INTERPRET=1`` even ``tl.sum`` becomes an
+    interpreted function that code generation cannot inline), and the kernel
+    modules switch the interpreter on where none has chosen."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("triton was imported with TRITON_INTERPRET on: compile in a fresh process")
+    os.environ["TRITON_INTERPRET"] = "0"
+
+
 def _report_task(task) -> Dict[str, object]:
     return report_launch(*task)
 
 
 def report(launches: Sequence[Launch], archs: Sequence[int], jobs: int = 1,
            check_coverage: bool = False) -> List[Dict[str, object]]:
-    """Rows for every launch on every arch, in order (``jobs`` processes)."""
+    """Rows for every launch on every arch, in order, compiled in ``jobs`` fresh
+    processes (so a caller that runs kernels through the interpreter can ask)."""
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
         raise ValueError(f"unknown arch {unknown}; known: {', '.join(map(str, ARCHS))}")
     tasks = [(launch, arch) for arch in archs for launch in launches]
-    if jobs > 1:
-        import multiprocessing
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            rows = list(pool.map(_report_task, tasks, chunksize=4))
-    else:
-        rows = [_report_task(task) for task in tasks]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max(1, min(jobs, len(tasks))), mp_context=context,
+                             initializer=_compile_here) as pool:
+        rows = list(pool.map(_report_task, tasks, chunksize=max(1, len(tasks) // (8 * max(1, jobs)))))
     if check_coverage:
         for label in undescribed_kernels(launches):
             rows.append({"kernel": label, "arch": None, "dtype": "", "shape": "", "config": {}, "ok": False,
