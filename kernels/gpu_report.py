@@ -145,9 +145,9 @@ def report_launch(launch: Launch, capability: int) -> Dict[str, object]:
     """One row of the report (``FIELDS``): a failure is a row with ``ok`` false
     and its ``error``, never an exception."""
     arch = ARCHS[capability]
-    row: Dict[str, object] = {"kernel": launch.label, "arch": capability, "dtype": launch.dtype,
-                              "shape": launch.shape, "config": dict(launch.options), "ok": False,
-                              "error": None}
+    row: Dict[str, object] = dict.fromkeys(FIELDS)
+    row.update(kernel=launch.label, arch=capability, dtype=launch.dtype, shape=launch.shape,
+               config=dict(launch.options), ok=False)
     try:
         jit = as_jit(launch.kernel())
         row["config"] = {**{name: launch.args[name] for name in jit.arg_names
@@ -221,8 +221,8 @@ def report(launches: Sequence[Launch], archs: Sequence[int], jobs: int = 1,
         rows = list(pool.map(_report_task, tasks, chunksize=max(1, len(tasks) // (8 * max(1, jobs)))))
     if check_coverage:
         for label in undescribed_kernels(launches):
-            rows.append({"kernel": label, "arch": None, "dtype": "", "shape": "", "config": {}, "ok": False,
-                         "error": "no launch described in pagedbackend.kernels.gpu_launches"})
+            rows.append({**dict.fromkeys(FIELDS), "kernel": label, "dtype": "", "shape": "", "config": {},
+                         "ok": False, "error": "no launch described in pagedbackend.kernels.gpu_launches"})
     return rows
 
 
@@ -269,7 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(toolchain(archs), flush=True)
     rows = report(launches, archs, args.jobs, check_coverage=args.set == "all" and not args.kernel)
     for row in rows:
-        print(json.dumps({name: row.get(name) for name in FIELDS}) if args.json else format_row(row))
+        print(json.dumps(row) if args.json else format_row(row))
     failed = sum(not row["ok"] for row in rows)
     print(f"{len(rows) - failed} of {len(rows)} launches compiled within limits"
           + (f"; {failed} FAILED" if failed else ""), file=sys.stderr if args.json else sys.stdout)
