@@ -7,11 +7,11 @@ Each launch of :mod:`pagedbackend.kernels.gpu_launches` is specialised the way
 Triton's launcher specialises a real call (integers equal to 1 become
 constants, tensors and integers divisible by 16 get alignment hints), compiled
 by ``triton.compile`` for ``GPUTarget("cuda", arch, 32)`` with the ``ptxas``
-Triton itself picks for that arch, and its PTX passed once more through that
-``ptxas -v`` to read registers and spills. A launch fails on a compile error,
-a spill, shared memory over the target's limit or no program fitting on an SM;
-a kernel of the package with no launch described fails too. Exit status 1 when
-anything failed.
+Triton itself picks for that arch; that ptxas's ``-v`` log gives registers and
+spills (a kernel from Triton's cache has its PTX through ptxas again). A launch
+fails on a compile error, a spill, shared memory over the target's limit or no
+program fitting on an SM; a kernel of the package with no launch described
+fails too. Exit status 1 when anything failed.
 """
 import argparse
 import contextlib
@@ -81,7 +81,9 @@ def _argument(value):
 
 
 def compile_launch(kernel, args: Dict[str, object], options: Dict[str, int], capability: int):
-    """``triton.compile`` of one launch for ``sm_<capability>``: the compiled kernel."""
+    """``triton.compile`` of one launch for ``sm_<capability>``: the compiled
+    kernel and the log of the ``ptxas -v`` that built it (empty when Triton's
+    cache had it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -97,15 +99,17 @@ def compile_launch(kernel, args: Dict[str, object], options: Dict[str, int], cap
     binder = create_function_from_signature(jit.signature, jit.params, backend)
     bound, specialization, opts = binder(*(_argument(args[name]) for name in jit.arg_names), **options)
     parsed, signature, constexprs, attrs = jit._pack_args(backend, dict(options), bound, specialization, opts)
-    # A failed ptxas prints the whole PTX; the report carries the error instead.
-    with contextlib.redirect_stdout(io.StringIO()):
-        return triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target,
-                              options=parsed.__dict__)
+    # Triton prints its ptxas log (and, when ptxas fails, the whole PTX) to stdout: keep it here.
+    printed = io.StringIO()
+    triton.knobs.nvidia.dump_ptxas_log = True
+    with contextlib.redirect_stdout(printed):
+        compiled = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target,
+                                  options=parsed.__dict__)
+    return compiled, printed.getvalue()
 
 
-def ptxas_usage(ptx: str, capability: int, fp_fusion: bool = True) -> Dict[str, int]:
-    """Registers and spill bytes that ``ptxas -v`` (the one Triton uses for the
-    arch, with Triton's flags) reports for ``ptx``."""
+def run_ptxas(ptx: str, capability: int, fp_fusion: bool = True) -> str:
+    """The log of ``ptxas -v`` on ``ptx``, run as Triton runs it for the arch."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
     with tempfile.TemporaryDirectory() as folder:
         source = os.path.join(folder, "kernel.ptx")
@@ -115,8 +119,11 @@ def ptxas_usage(ptx: str, capability: int, fp_fusion: bool = True) -> Dict[str, 
                    *([] if fp_fusion else ["--fmad=false"]),
                    f"--gpu-name={sm_arch_from_capability(capability)}", source,
                    "-o", os.path.join(folder, "kernel.cubin")]
-        log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+        return subprocess.run(command, capture_output=True, text=True, check=True).stderr
 
+
+def ptxas_usage(log: str) -> Dict[str, int]:
+    """Registers and spill bytes per thread from a ``ptxas -v`` log."""
     def number(pattern: str) -> int:
         found = re.search(pattern, log)
         if found is None:
@@ -155,10 +162,12 @@ def report_launch(launch: Launch, capability: int) -> Dict[str, object]:
                          **launch.options}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            compiled = compile_launch(jit, launch.args, launch.options, capability)
+            compiled, log = compile_launch(jit, launch.args, launch.options, capability)
         meta = compiled.metadata
         row["config"].update(num_warps=meta.num_warps, num_stages=meta.num_stages)
-        usage = ptxas_usage(compiled.asm["ptx"], capability, meta.enable_fp_fusion)
+        if "Used " not in log:   # a cached kernel: ptxas again, on its PTX
+            log = run_ptxas(compiled.asm["ptx"], capability, meta.enable_fp_fusion)
+        usage = ptxas_usage(log)
     except Exception as error:   # any failure to build is the finding, reported in its row
         row["error"] = f"{type(error).__name__}: {error}".strip()
         return row
