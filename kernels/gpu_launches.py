@@ -16,7 +16,7 @@ heads (1 to 8 is covered by the padded group size and ``HEADS``), head dims
 """
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 2, 4, 8)             # query heads per KV head, padded to a power of two
@@ -64,9 +64,17 @@ def _tensor(dtype: str) -> str:
     return f"*{dtype}"
 
 
-def paged_attention(dim: int, group: int, rows: int, dtype: str, sinks: bool) -> Launch:
+def paged_attention(dim: int, group: int, rows: int, dtype: str, sinks: bool,
+                    block_n: Optional[int] = None, options: Optional[Dict[str, int]] = None) -> Launch:
     """``paged_attention.paged_attention`` for ``group`` query heads per KV
-    head, tiles of ``rows`` query rows (16: a decode batch; 64: a prefill)."""
+    head and plan tiles of ``rows`` query rows (16: a decode batch; 64: a
+    prefill), with the kernel's own ``tiling`` unless ``block_n`` and
+    ``options`` replace it (``attention_sweep``)."""
+    if block_n is None:
+        from pagedbackend.kernels.paged_attention import tiling
+        shape = tiling(dim, dtype != "fp32")
+        rows = min(rows, max(group, shape.max_rows))
+        block_n, options = shape.block_n, {"num_warps": shape.num_warps, "num_stages": shape.num_stages}
     heads = KV_HEADS * group
     q_strides = _contiguous(1024, heads, dim)
     cache_strides = _contiguous(4096, BLOCK_SIZE, KV_HEADS, dim)
@@ -80,9 +88,10 @@ def paged_attention(dim: int, group: int, rows: int, dtype: str, sinks: bool) ->
     args.update(zip(("stride_kb", "stride_ks", "stride_kh", "stride_kd"), cache_strides))
     args.update(zip(("stride_vb", "stride_vs", "stride_vh", "stride_vd"), cache_strides))
     args["stride_bts"] = 512
-    args.update(BLOCK_Q=rows // group, GROUP_PAD=group, BLOCK_N=32, DIM=dim,
+    args.update(BLOCK_Q=rows // group, GROUP_PAD=group, BLOCK_N=block_n, DIM=dim,
                 LOWP_DOT=dtype != "fp32", HAS_SINKS=sinks)
-    return Launch(f"{_PACKAGE}.paged_attention", "_paged_attention_kernel", args, dtype)
+    return Launch(f"{_PACKAGE}.paged_attention", "_paged_attention_kernel", args, dtype,
+                  options=dict(options or {}))
 
 
 def write_kv(dim: int, kv_heads: int, dtype: str) -> Launch:
@@ -167,4 +176,19 @@ def quick_launches() -> Iterator[Launch]:
     yield moe_gemm(*MOE_SHAPES[0], False, "bf16")
 
 
-SETS: Dict[str, Callable[[], Iterator[Launch]]] = {"all": all_launches, "quick": quick_launches}
+def attention_sweep() -> Iterator[Launch]:
+    """The attention kernel's tile and launch choices side by side (``--set
+    sweep``): BLOCK_N, warps and pipeline stages per head dim, tile and dtype."""
+    for dim in HEAD_DIMS:
+        for rows in (16, _ROWS_PER_PROGRAM):
+            for warps in (4, 8):
+                for block_n in (32, 64):
+                    for stages in (2, 3):
+                        yield paged_attention(dim, 4, rows, "bf16", False, block_n,
+                                              {"num_warps": warps, "num_stages": stages})
+                for block_n in (16, 32):
+                    yield paged_attention(dim, 4, rows, "fp32", False, block_n, {"num_warps": warps})
+
+
+SETS: Dict[str, Callable[[], Iterator[Launch]]] = {"all": all_launches, "quick": quick_launches,
+                                                    "sweep": attention_sweep}
