@@ -130,13 +130,15 @@ class Tiling:
 
 def tiling(dim: int, lowp_dot: bool) -> Tiling:
     """The tiling for a padded head dim ``dim`` and dot precision, chosen from
-    ``python -m pagedbackend.kernels.gpu_report --set sweep`` (docs/gpu.md) so
-    that no launch spills on sm_80, sm_90 or sm_100 and the head dims up to 128
-    leave 2 or more programs per SM; which of them is fastest awaits a GPU run."""
+    ``python -m pagedbackend.kernels.gpu_report`` (docs/gpu.md) so that no
+    launch spills on sm_80, sm_90 or sm_100: fewer query rows per program as
+    the head dim grows, and fp32 (IEEE dots on FMA units, far more held per
+    thread) fewer still. Which is fastest awaits a GPU run."""
     if lowp_dot:   # fp16/bf16 tensor-core dots
-        return Tiling(_MAX_ROWS, 32, 4, 3) if dim <= 128 else Tiling(_MAX_ROWS, 32, 8, 2)
-    # fp32 with IEEE dots runs on FMA units, holding far more per thread.
-    return Tiling(_MAX_ROWS, 16, 4, 3) if dim <= 128 else Tiling(16, 16, 8, 3)
+        return Tiling(_MAX_ROWS, 32, 4, 3) if dim <= 128 else Tiling(32, 32, 4, 2)
+    if dim <= 64:
+        return Tiling(_MAX_ROWS, 16, 4, 3)
+    return Tiling(32, 16, 4, 3) if dim <= 128 else Tiling(16, 16, 8, 3)
 
 
 @triton.jit
