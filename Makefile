@@ -19,7 +19,7 @@ MODEL :=
 PYTEST_ARGS ?=
 SOAK_MINUTES ?= 10
 
-.PHONY: setup test serve fleet loadtest soak bench fuzz clean
+.PHONY: setup test gpu-check serve fleet loadtest soak bench fuzz clean
 
 setup: $(STAMP) $(STEP_STAMP)
 
@@ -55,6 +55,14 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -p no:xdist -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# Every Triton-lang kernel compiled ahead of time, on this machine (no GPU needed), for
+# GPU_ARCHS (A100, H100, B200) at every launch the engine makes: registers, spills, shared
+# memory and occupancy per launch (docs/gpu.md). Fails on a compile error, a spill or shared
+# memory over the target's limit. `make test` compiles one launch per kernel for sm_90.
+GPU_ARCHS ?= 80,90,100
+gpu-check: $(STAMP)
+	$(PY) -m pagedbackend.kernels.gpu_report --arch $(GPU_ARCHS) --jobs $(TEST_WORKERS)
 
 # tritonserver and the OpenAI-compatible API in front of it (OPENAI_PORT); Ctrl-C
 # or SIGTERM stops both (each gets one SIGTERM from here; repeats that reach them

@@ -112,9 +112,33 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-# Query tokens per program are chosen so that (tokens x padded group) rows fill
+# Query tokens per plan tile are chosen so that (tokens x padded group) rows fill
 # at least the 16-row minimum of tl.dot and at most this many rows.
 _MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """A launch's shape: at most ``max_rows`` query rows per program (a plan
+    tile with more is split across programs), ``block_n`` key positions per
+    step, ``num_warps`` and ``num_stages``."""
+    max_rows: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def tiling(dim: int, lowp_dot: bool) -> Tiling:
+    """The tiling for a padded head dim ``dim`` and dot precision, chosen from
+    ``python -m pagedbackend.kernels.gpu_report`` (docs/gpu.md) so that no
+    launch spills on sm_80, sm_90 or sm_100: fewer query rows per program as
+    the head dim grows, and fp32 (IEEE dots on FMA units, far more held per
+    thread) fewer still. Which is fastest awaits a GPU run."""
+    if lowp_dot:   # fp16/bf16 tensor-core dots
+        return Tiling(_MAX_ROWS, 32, 4, 3) if dim <= 128 else Tiling(32, 32, 4, 2)
+    if dim <= 64:
+        return Tiling(_MAX_ROWS, 16, 4, 3)
+    return Tiling(32, 16, 4, 3) if dim <= 128 else Tiling(16, 16, 8, 3)
 
 
 @triton.jit
@@ -138,10 +162,14 @@ def _paged_attention_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
-    tile_q0 = tl.load(tile_q_start_ptr + tile)  # first query token of the tile, within its sequence
+    # First query token of the program, within its sequence: a plan tile may be
+    # split across programs (axis 2), BLOCK_Q tokens each.
+    tile_q0 = tl.load(tile_q_start_ptr + tile) + tl.program_id(2) * BLOCK_Q
     q_begin = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
     seq_len = tl.load(seq_lens_ptr + seq)
+    if tile_q0 >= q_len:   # a split past the sequence's last query
+        return
 
     rows = tl.arange(0, BLOCK_M)
     q_idx = tile_q0 + rows // GROUP_PAD  # query token within the sequence
@@ -296,8 +324,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if len(plan.tile_seq) == 0:
         return out
 
-    block_n = min(max(32, triton.next_power_of_2(block_size)), 64)
-    grid = (len(plan.tile_seq), num_kv_heads)
+    dim, group_pad, lowp = max(16, triton.next_power_of_2(head_dim)), triton.next_power_of_2(group), \
+        _half_precision_dot(q)
+    shape = tiling(dim, lowp)
+    block_q = min(plan.block_q, max(1, shape.max_rows // group_pad))
+    grid = (len(plan.tile_seq), num_kv_heads, plan.block_q // block_q)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, cu_seqlens_q, seq_lens, plan.tile_seq, plan.tile_q_start,
@@ -305,9 +336,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale * _LOG2E, head_dim, block_size, group, window or _NO_WINDOW,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
-        BLOCK_Q=plan.block_q, GROUP_PAD=triton.next_power_of_2(group), BLOCK_N=block_n,
-        DIM=max(16, triton.next_power_of_2(head_dim)), LOWP_DOT=_half_precision_dot(q),
-        HAS_SINKS=sinks is not None,
+        BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=shape.block_n, DIM=dim, LOWP_DOT=lowp,
+        HAS_SINKS=sinks is not None, num_warps=shape.num_warps, num_stages=shape.num_stages,
     )
     return out
 

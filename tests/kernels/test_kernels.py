@@ -257,6 +257,16 @@ def test_long_query_chunk_spans_several_query_tiles():
     assert_matches_sdpa(batch)
 
 
+def test_a_plan_tile_split_across_programs_matches_sdpa():
+    # fp32 at head dim 256 holds at most 16 rows per program (kernels.paged_attention.tiling),
+    # so a 64-token plan tile runs as four programs: 40 tokens fill three, the fourth returns.
+    from pagedbackend.kernels.paged_attention import plan_paged_attention, tiling
+    assert tiling(256, lowp_dot=False).max_rows == 16
+    batch = make_batch([(40, 52), (1, 7)], block_size=16, num_heads=1, num_kv_heads=1, head_dim=256, seed=7)
+    assert plan_paged_attention(batch.cu_seqlens_q, batch.seq_lens, 1, 1).block_q == 64
+    assert_matches_sdpa(batch)
+
+
 def test_explicit_scale_is_applied():
     batch = make_batch(MIXED[:4], block_size=16, num_heads=2, num_kv_heads=1, head_dim=64, seed=7)
     assert_matches_sdpa(batch, scale=0.3)
