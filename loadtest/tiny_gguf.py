@@ -34,7 +34,9 @@ FAMILIES = {
     "llama": ("llama", "llama", dict(TEXT)),
     "mistral": ("mistral", "llama", dict(TEXT, sliding_window=None)),
     "qwen2": ("qwen2", "qwen2", dict(TEXT)),
-    "qwen3": ("qwen3", "qwen3", dict(TEXT, head_dim=64, tie_word_embeddings=True)),
+    # transformers reads no head_dim from a qwen3 GGUF: its default (128) it is.
+    "qwen3": ("qwen3", "qwen3", dict(TEXT, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                     tie_word_embeddings=True)),
 }
 SCHEMES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M")
 
