@@ -37,6 +37,9 @@ FAMILIES = {
     # transformers reads no head_dim from a qwen3 GGUF: its default (128) it is.
     "qwen3": ("qwen3", "qwen3", dict(TEXT, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                      tie_word_embeddings=True)),
+    # Both layers sliding (transformers' default pattern from a GGUF), windows of 16 positions.
+    "gemma3": ("gemma3_text", "gemma3", dict(TEXT, head_dim=64, sliding_window=16, tie_word_embeddings=True)),
+    "phi3": ("phi3", "phi3", dict(TEXT)),
 }
 SCHEMES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M")
 
@@ -170,9 +173,15 @@ def gguf_tensors(state: Dict[str, torch.Tensor], cfg: dict, arch: str) -> Dict[s
     rename = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    if arch == "gemma3":
+        rename.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                       "post_feedforward_layernorm": "post_ffw_norm"})
     for name, tensor in state.items():
         t = tensor.detach().float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0   # llama.cpp stores Gemma's (1 + w) norms as 1 + w
         if name == "model.embed_tokens.weight":
             out["token_embd.weight"] = t
         elif name == "model.norm.weight":
@@ -209,6 +218,8 @@ def write_gguf(path, state: Dict[str, torch.Tensor], cfg: dict, arch: str, schem
     writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("sliding_window"):
+        writer.add_sliding_window(cfg["sliding_window"])
     tokens, types, merges = tiny_tokenizer()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -243,8 +254,11 @@ def build_tiny_gguf(folder, family: str, scheme: str, seed: int = 0, std: float 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            if name.endswith("norm.weight"):   # Gemma's norms multiply by 1 + w
+                param.copy_((0.0 if model_type.startswith("gemma") else 1.0) + 0.1 * torch.randn_like(param))
+            elif name.endswith("embed_tokens.weight") and model_type.startswith("gemma"):
+                # Gemma scales embeddings by sqrt(hidden); its tied head would otherwise echo the input token
+                param.normal_(0.0, std / 8)
             else:
                 param.normal_(0.0, std)
     cfg = {**config.to_dict(), "head_dim": getattr(config, "head_dim", None)}

@@ -126,17 +126,28 @@ class GGUFLinear(nn.Module):
     def __init__(self, shards: Sequence[torch.Tensor], types: Sequence[str], in_features: int,
                  row_maps: Optional[Sequence[Optional[torch.Tensor]]] = None):
         super().__init__()
-        row_maps = row_maps or [None] * len(shards)
+        row_maps = list(row_maps or [None] * len(shards))
         self.in_features = in_features
         self.types: List[int] = [TYPE_IDS[t] for t in types]
         self.type_names = list(types)
-        self.weights = [w for w in shards]   # views into the file's mapping: not buffers (never copied)
-        self.row_maps = [torch.empty(0, dtype=torch.int64) if m is None else m.to(torch.int64).contiguous()
-                         for m in row_maps]
-        for weight, type_id in zip(self.weights, self.types):
+        # Buffers (so a compiled step takes them as the module's state), not saved
+        # with it: views into the file's mapping, never copied.
+        self.parts = len(shards)
+        for i, (weight, type_id, row_map) in enumerate(zip(shards, self.types, row_maps)):
             _check_weight(weight, type_id, in_features)
-        self.out_features = sum(w.shape[0] for w in self.weights)
+            self.register_buffer(f"blocks{i}", weight, persistent=False)
+            self.register_buffer(f"row_map{i}", torch.empty(0, dtype=torch.int64) if row_map is None
+                                 else row_map.to(torch.int64).contiguous(), persistent=False)
+        self.out_features = sum(w.shape[0] for w in shards)
         load_library()
+
+    @property
+    def weights(self) -> List[torch.Tensor]:
+        return [getattr(self, f"blocks{i}") for i in range(self.parts)]
+
+    @property
+    def row_maps(self) -> List[torch.Tensor]:
+        return [getattr(self, f"row_map{i}") for i in range(self.parts)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -158,7 +169,8 @@ class GGUFEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, type_name: str, cols: int, dtype: torch.dtype):
         super().__init__()
         _check_weight(weight, TYPE_IDS[type_name], cols)
-        self.weight_blocks, self.type_id, self.cols, self.dtype = weight, TYPE_IDS[type_name], cols, dtype
+        self.register_buffer("weight_blocks", weight, persistent=False)   # a view into the file's mapping
+        self.type_id, self.cols, self.dtype = TYPE_IDS[type_name], cols, dtype
         self.num_embeddings, self.embedding_dim = weight.shape[0], cols
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

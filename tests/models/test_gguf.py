@@ -17,7 +17,8 @@ from pagedbackend.models.gguf_linear import GGUFLinear
 
 NEW_TOKENS = 10
 CASES = [(family, scheme) for family in ("llama", "qwen2", "qwen3") for scheme in ("Q8_0", "Q4_0", "Q4_K_M")]
-CASES += [("mistral", "Q4_K_M"), ("llama", "Q4_1"), ("qwen2", "Q5_K_M")]
+CASES += [("gemma3", "Q8_0"), ("gemma3", "Q4_K_M"), ("phi3", "Q8_0"), ("phi3", "Q4_K_M"),
+          ("mistral", "Q4_K_M"), ("llama", "Q4_1"), ("qwen2", "Q5_K_M")]
 
 
 @pytest.fixture(scope="module")
@@ -89,22 +90,26 @@ def test_engine_generates_what_transformers_generates_from_the_same_file(gguf_fi
     assert len({tuple(e) for e in expected}) > 1   # outputs differ: a real check
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     # 7 sequences of up to ~54 positions need ~45 blocks of 8: 14 force preemption
-    # (swap takes the 6 host blocks first, then falls back to recompute).
-    with LLM(model=str(path), compile=False, block_size=8, num_kv_blocks=14, preemption_mode="swap",
-             swap_space_blocks=6) as llm:
+    # (swap takes the 6 host blocks first, then falls back to recompute). Gemma 3's
+    # layers all slide (windows of 16) and give blocks back as they move on: 10 and 4.
+    blocks, host = (10, 4) if family == "gemma3" else (14, 6)
+    with LLM(model=str(path), compile=False, block_size=8, num_kv_blocks=blocks, preemption_mode="swap",
+             swap_space_blocks=host) as llm:
         first = llm.generate(prompts[:1], greedy)   # leaves the shared prefix in the prefix cache
         outs = llm.generate(prompts, greedy)
         stats = llm.engine.get_stats()
         types = llm.engine.runner.model.gguf_types
+        windows = llm.engine.runner.model.layer_windows
     assert first[0].outputs[0].token_ids == expected[0]
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert stats.prefix_cache_hits > 0
     assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions > 0
     served = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"},
               "Q4_0": {"Q4_0", "Q6_K"}, "Q4_1": {"Q4_1", "Q6_K"}}.get(scheme, {scheme})
-    if family == "qwen3":   # tied: no output tensor, the head reads token_embd
+    if family in ("qwen3", "gemma3"):   # tied: no output tensor, the head reads token_embd
         served -= {"Q6_K"} if scheme in ("Q4_0", "Q4_1") else set()
     assert set(types) == served
+    assert windows == ([16, 16] if family == "gemma3" else [None, None])   # sequences run past three windows
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_file(gguf_files):
