@@ -42,6 +42,11 @@ EXTRA_FLAGS = {"paged_decode": ["-ffast-math"]}
 # Other files of csrc/ that a kernel's source includes: part of its build key,
 # so a change to one rebuilds the kernels that include it.
 INCLUDES = {"fused_moe": ["packed_gemm.c"]}
+# Kernels that pick their instruction set when they load (gcc's target_clones:
+# AVX-512, AVX2 or baseline, by the CPU): on x86-64 they are built for the
+# baseline so that each clone keeps its own set; where ATEN_CPU_CAPABILITY
+# narrows the set they are built for it alone (NO_RUNTIME_DISPATCH).
+RUNTIME_DISPATCH = {"gguf_gemm"}
 LINK = ["-shared", "-fopenmp"]
 LIBS = ["-lm"]
 
@@ -84,12 +89,22 @@ def isa_flags() -> list:
     return ["-march=native"]
 
 
+def _isa_of(name: str) -> list:
+    import platform
+    flags = isa_flags()
+    if name not in RUNTIME_DISPATCH:
+        return flags
+    if flags == ["-march=native"] and platform.machine().lower() in ("x86_64", "amd64"):
+        return ["-march=x86-64", "-mtune=native"]
+    return flags + ["-DNO_RUNTIME_DISPATCH"]
+
+
 def build(name: str, cc: str, source: Optional[pathlib.Path] = None) -> pathlib.Path:
     """Compile ``csrc/<name>.c`` with ``cc`` unless this build is cached; its
     path. ``source``: another version of that file (an older revision, for a
     benchmark), built with the same flags."""
     source = CSRC / f"{name}.c" if source is None else pathlib.Path(source)
-    flags = FLAGS + isa_flags() + EXTRA_FLAGS.get(name, [])
+    flags = FLAGS + _isa_of(name) + EXTRA_FLAGS.get(name, [])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     included = [(source.parent / f).read_bytes() for f in INCLUDES.get(name, [])]
     key = hashlib.sha256(b"\0".join([source.read_bytes(), *included, version.encode(),

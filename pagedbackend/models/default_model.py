@@ -27,9 +27,15 @@ PREPARED_VERSION = "1"
 
 
 def resolve_model_path(model: str) -> pathlib.Path:
-    """Return the model folder for ``model`` ("default" or a folder path), checked."""
+    """Return the model folder for ``model`` ("default", a folder path or a
+    GGUF file, whose metadata is prepared into a folder: ``gguf_source``), checked."""
     if model == "default":
         return prepare_default_model()
+    from pagedbackend.models.gguf_source import is_gguf_path, prepare_gguf
+    if is_gguf_path(model):
+        path = prepare_gguf(model)
+        check_model_folder(path)
+        return path
     path = pathlib.Path(model).expanduser()
     check_model_folder(path)
     return path
@@ -44,10 +50,11 @@ def check_model_folder(path: pathlib.Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"model folder {path} has no config.json")
-    if not any(path.glob("*.safetensors")):
+    from pagedbackend.models.gguf_source import gguf_of
+    if gguf_of(path) is None and not any(path.glob("*.safetensors")):
         raise FileNotFoundError(
             f"model folder {path} has no *.safetensors weights "
-            "(only safetensors checkpoints are supported)")
+            "(safetensors folders and GGUF files are served)")
     config = json.loads(config_file.read_text())
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:

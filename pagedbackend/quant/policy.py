@@ -48,6 +48,12 @@ def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
     matmul that ``config`` asks for and this machine runs; ``calibration``:
     the prefill that w8a8's smoothing measures on (none: no smoothing)."""
     mode = config.quantization   # one of config.QUANTIZATION_MODES (EngineConfig checks it)
+    if getattr(model, "gguf_types", None) is not None:   # served from a GGUF file's own blocks
+        if mode != "none":
+            raise ValueError(f"quantization={mode} applies to float checkpoints; a GGUF file's weights are "
+                             "served in their own blocks: use quantization=none")
+        _require_cpu("a GGUF model", device)
+        return LinearPlan("gguf")
     if mode != "none" and moe.experts_of(model):
         raise ValueError(f"quantization={mode} does not cover the expert weights of a mixture-of-experts "
                          "model (most of its weights); serve it with quantization=none")

@@ -74,8 +74,8 @@ def setting_overrides(args: argparse.Namespace) -> Dict[str, str]:
         if not sep or name not in {f.name for f in fields(EngineConfig)}:
             raise SystemExit(f"--set expects FIELD=VALUE with an EngineConfig field, got {item!r}")
         overrides[ENV_PREFIX + name.upper()] = value
-    if args.model:
-        overrides[ENV_PREFIX + "MODEL"] = args.model
+    if args.model:   # a folder or GGUF file, made absolute: tritonserver's backend runs elsewhere
+        overrides[ENV_PREFIX + "MODEL"] = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
     return overrides
 
 

@@ -16,6 +16,7 @@ from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_memory import KVModel
 from pagedbackend.models import ModelArgs, model_args, model_class
 from pagedbackend.models.default_model import resolve_model_path
+from pagedbackend.models.gguf_source import gguf_of, load_gguf_weights
 from pagedbackend.models.linear import Reduce
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}   # EngineConfig.dtype
@@ -61,7 +62,11 @@ def load_model(config: EngineConfig, device: torch.device, tp_rank: int = 0, tp_
     with torch.device(device):
         model = model_class(hf_config["model_type"])(args, DTYPES[config.dtype], max_model_len,
                                                      tp_rank, tp_size, reduce)
-    model.load_weights(read_safetensors(path))
+    gguf = gguf_of(path)
+    if gguf is not None:   # its blocks served as the file holds them (models.gguf_source)
+        load_gguf_weights(model, gguf, DTYPES[config.dtype])
+    else:
+        model.load_weights(read_safetensors(path))
     return LoadedModel(path, hf_config, args, model, max_model_len)
 
 

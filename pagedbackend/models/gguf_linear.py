@@ -1,0 +1,178 @@
+"""Linear layers and embeddings over GGUF blocks, as the file holds them.
+
+``GGUFLinear`` multiplies x by the rows of one or more GGUF tensors (a merged
+q/k/v or gate/up projection: each shard its own tensor, each of its own type,
+as a Q4_K_M file mixes Q4_K and Q6_K) with ``kernels/csrc/gguf_gemm.c``: the
+blocks are widened to float32 in registers, exactly the values the reference
+dequantisation gives, and never stored wider. x stays in the run's dtype
+(bfloat16 rows widen exactly in the call). Rows a shard needs in another
+order (Llama-architecture q/k, which llama.cpp stores permuted for its RoPE)
+are read through a row map, so the blocks stay in the file's mapping.
+``GGUFEmbedding`` widens the rows of the looked-up tokens only.
+
+Both calls are ``torch.library`` operators, so a compiled step keeps them as
+opaque calls.
+"""
+import ctypes
+import threading
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pagedbackend.kernels import native
+
+# ggml type ids the kernels take.
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+_lock = threading.Lock()
+_library: Optional[ctypes.CDLL] = None
+
+
+def load_library() -> ctypes.CDLL:
+    """``gguf_gemm.c``, built on first use (RuntimeError saying why it cannot be)."""
+    global _library
+    with _lock:
+        if _library is None:
+            lib = native.load("gguf_gemm")
+            lib.gguf_gemm_parts.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_void_p, ctypes.c_int]
+            lib.gguf_gemm_parts.restype = ctypes.c_int
+            lib.gguf_get_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            lib.gguf_get_rows.restype = ctypes.c_int
+            _library = lib
+        return _library
+
+
+def _check_weight(weight: torch.Tensor, type_id: int, cols: int) -> None:
+    name = next((n for n, i in TYPE_IDS.items() if i == type_id), None)
+    if name is None:
+        raise ValueError(f"ggml type {type_id} is not one the GGUF kernels take ({', '.join(TYPE_IDS)})")
+    if (weight.dtype != torch.uint8 or weight.dim() != 2 or cols % BLOCK_VALUES[name]
+            or weight.shape[1] != cols // BLOCK_VALUES[name] * BLOCK_BYTES[name] or weight.stride(1) != 1
+            or weight.stride(0) != weight.shape[1]):
+        raise ValueError(f"a {name} weight of {cols} columns is uint8 [rows, "
+                         f"{cols // BLOCK_VALUES[name] * BLOCK_BYTES[name]}] contiguous; got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+
+
+_ops = torch.library.Library("pagedbackend", "FRAGMENT")
+_ops.define("gguf_linear(Tensor x, Tensor[] weights, Tensor[] row_maps, int[] types, int out_features) -> Tensor")
+_ops.define("gguf_embedding(Tensor ids, Tensor weight, int type, int cols) -> Tensor")
+
+
+def _gguf_linear_cpu(x, weights, row_maps, types, out_features):
+    """``x W^T`` for 2-D ``x``, W the rows of ``weights`` (GGUF blocks of ``types``) one after another."""
+    rows, cols = x.shape
+    parts = len(weights)
+    if not (parts == len(row_maps) == len(types)) or parts == 0:
+        raise ValueError("gguf_linear takes one row map and type per weight")
+    sizes = []
+    for weight, row_map, type_id in zip(weights, row_maps, types):
+        _check_weight(weight, type_id, cols)
+        if row_map.numel() and (row_map.dtype != torch.int64 or row_map.numel() != weight.shape[0]):
+            raise ValueError("a row map has one int64 index per weight row")
+        sizes.append(weight.shape[0])
+    if sum(sizes) != out_features:
+        raise ValueError(f"gguf_linear weights have {sum(sizes)} rows, not {out_features}")
+    xf = x.to(torch.float32).contiguous()
+    y = torch.empty((rows, out_features), dtype=torch.float32)
+    if rows:
+        lib = load_library()
+        ptrs = (ctypes.c_void_p * parts)(*[w.data_ptr() for w in weights])
+        maps = (ctypes.c_void_p * parts)(*[m.data_ptr() if m.numel() else None for m in row_maps])
+        kinds = (ctypes.c_int * parts)(*types)
+        counts = (ctypes.c_int64 * parts)(*sizes)
+        if lib.gguf_gemm_parts(xf.data_ptr(), rows, cols, parts, ptrs, maps, kinds, counts, y.data_ptr(),
+                               torch.get_num_threads()):
+            raise ValueError("gguf_gemm refused the weights (type or shape)")
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def _gguf_linear_fake(x, weights, row_maps, types, out_features):
+    return x.new_empty((x.shape[0], out_features))
+
+
+def _gguf_embedding_cpu(ids, weight, type_id, cols):
+    _check_weight(weight, type_id, cols)
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty((flat.numel(), cols), dtype=torch.float32)
+    if flat.numel() and load_library().gguf_get_rows(weight.data_ptr(), flat.data_ptr(), out.data_ptr(),
+                                                     flat.numel(), cols, weight.shape[0], weight.shape[1],
+                                                     type_id):
+        raise IndexError(f"token id outside the vocabulary of {weight.shape[0]}")
+    return out.view(*ids.shape, cols)
+
+
+def _gguf_embedding_fake(ids, weight, type_id, cols):
+    return torch.empty((*ids.shape, cols), dtype=torch.float32, device=ids.device)
+
+
+_ops.impl("gguf_linear", _gguf_linear_cpu, "CPU")
+_ops.impl("gguf_embedding", _gguf_embedding_cpu, "CPU")
+torch.library.register_fake("pagedbackend::gguf_linear")(_gguf_linear_fake)
+torch.library.register_fake("pagedbackend::gguf_embedding")(_gguf_embedding_fake)
+
+
+class GGUFLinear(nn.Module):
+    """``x W^T`` (no bias: the caller adds it), W the rows of ``shards`` one
+    after another: each a uint8 ``[rows, row bytes]`` GGUF tensor of ``type``
+    (a name of ``TYPE_IDS``), with an optional row map (``W[i] = shard[map[i]]``)."""
+
+    def __init__(self, shards: Sequence[torch.Tensor], types: Sequence[str], in_features: int,
+                 row_maps: Optional[Sequence[Optional[torch.Tensor]]] = None):
+        super().__init__()
+        row_maps = list(row_maps or [None] * len(shards))
+        self.in_features = in_features
+        self.types: List[int] = [TYPE_IDS[t] for t in types]
+        self.type_names = list(types)
+        # Buffers (so a compiled step takes them as the module's state), not saved
+        # with it: views into the file's mapping, never copied.
+        self.parts = len(shards)
+        for i, (weight, type_id, row_map) in enumerate(zip(shards, self.types, row_maps)):
+            _check_weight(weight, type_id, in_features)
+            self.register_buffer(f"blocks{i}", weight, persistent=False)
+            self.register_buffer(f"row_map{i}", torch.empty(0, dtype=torch.int64) if row_map is None
+                                 else row_map.to(torch.int64).contiguous(), persistent=False)
+        self.out_features = sum(w.shape[0] for w in shards)
+        load_library()
+
+    @property
+    def weights(self) -> List[torch.Tensor]:
+        return [getattr(self, f"blocks{i}") for i in range(self.parts)]
+
+    @property
+    def row_maps(self) -> List[torch.Tensor]:
+        return [getattr(self, f"row_map{i}") for i in range(self.parts)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.ops.pagedbackend.gguf_linear(flat, self.weights, self.row_maps, self.types, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight the kernel multiplies by (for tests)."""
+        return torch.cat([self._shard(i) for i in range(len(self.weights))])
+
+    def _shard(self, i: int) -> torch.Tensor:
+        ids = torch.arange(self.weights[i].shape[0]) if not self.row_maps[i].numel() else self.row_maps[i]
+        return torch.ops.pagedbackend.gguf_embedding(ids, self.weights[i], self.types[i], self.in_features)
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings from a GGUF tensor: the rows of the step's tokens, widened."""
+
+    def __init__(self, weight: torch.Tensor, type_name: str, cols: int, dtype: torch.dtype):
+        super().__init__()
+        _check_weight(weight, TYPE_IDS[type_name], cols)
+        self.register_buffer("weight_blocks", weight, persistent=False)   # a view into the file's mapping
+        self.type_id, self.cols, self.dtype = TYPE_IDS[type_name], cols, dtype
+        self.num_embeddings, self.embedding_dim = weight.shape[0], cols
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.pagedbackend.gguf_embedding(ids, self.weight_blocks, self.type_id, self.cols)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)

@@ -1,0 +1,185 @@
+"""GGUF files as a model source: tiny random checkpoints of the families,
+written as Q8_0, Q4_0 and Q4_K_M GGUF files (and Q4_1, Q5_K_M), generate
+greedily what transformers generates when it loads the same file (it
+dequantises every block to float32), batched, with prefix caching and under
+preemption; the blocks are multiplied as the file holds them. A truncated
+file or one with hostile tensor shapes is refused with a clear error."""
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from loadtest.tiny_gguf import VOCAB, build_tiny_gguf, load_hf_gguf, quantize
+from pagedbackend import LLM, SamplingParams
+from pagedbackend.models.gguf_file import GGUFError, GGUFFile
+from pagedbackend.models.gguf_linear import GGUFLinear
+
+NEW_TOKENS = 10
+CASES = [(family, scheme) for family in ("llama", "qwen2", "qwen3") for scheme in ("Q8_0", "Q4_0", "Q4_K_M")]
+CASES += [("gemma3", "Q8_0"), ("gemma3", "Q4_K_M"), ("phi3", "Q8_0"), ("phi3", "Q4_K_M"),
+          ("mistral", "Q4_K_M"), ("llama", "Q4_1"), ("qwen2", "Q5_K_M")]
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    files = {}
+
+    def file(family, scheme):
+        if (family, scheme) not in files:
+            files[family, scheme] = build_tiny_gguf(folder, family, scheme)
+        return files[family, scheme]
+    return file
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_blocks_widen_to_the_reference_values_and_multiply_in_any_dtype(kind):
+    import gguf
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(37, 512)).astype(np.float32)
+    blocks = quantize(w, kind)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]).copy())
+    layer = GGUFLinear([torch.from_numpy(blocks)], [kind], 512)
+    assert torch.equal(layer.dequantized(), reference)   # bit for bit: no second rounding
+    for rows in (1, 3, 9, 20):
+        x = torch.randn(rows, 512)
+        torch.testing.assert_close(layer(x), x @ reference.T, rtol=1e-5, atol=1e-4)
+    x = torch.randn(5, 512).bfloat16()
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), x.float() @ reference.T, rtol=1e-2, atol=1e-2)
+
+
+def test_a_merged_layer_mixes_types_and_reads_rows_through_a_map():
+    import gguf
+    rng = np.random.default_rng(2)
+    a, b = rng.normal(size=(16, 256)).astype(np.float32), rng.normal(size=(8, 256)).astype(np.float32)
+    qa, qb = quantize(a, "Q4_K"), quantize(b, "Q6_K")
+    order = torch.randperm(16)
+    layer = GGUFLinear([torch.from_numpy(qa), torch.from_numpy(qb)], ["Q4_K", "Q6_K"], 256, [order, None])
+    wa = torch.from_numpy(gguf.quants.dequantize(qa, gguf.GGMLQuantizationType.Q4_K).copy())[order]
+    wb = torch.from_numpy(gguf.quants.dequantize(qb, gguf.GGMLQuantizationType.Q6_K).copy())
+    x = torch.randn(4, 256)
+    torch.testing.assert_close(layer(x), x @ torch.cat([wa, wb]).T, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="Q4_K weight of 512 columns"):
+        GGUFLinear([torch.from_numpy(qa)], ["Q4_K"], 512)
+
+
+def prompts_for(seed=7):
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, VOCAB, (36,), generator=g).tolist()
+    return [prefix + torch.randint(3, VOCAB, (3 + i,), generator=g).tolist() for i in range(6)]
+
+
+def hf_greedy(hf, prompt):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    return tokens[:tokens.index(2) + 1] if 2 in tokens else tokens   # EOS is 2
+
+
+@pytest.mark.parametrize("family, scheme", CASES)
+def test_engine_generates_what_transformers_generates_from_the_same_file(gguf_files, family, scheme):
+    path = gguf_files(family, scheme)
+    hf = load_hf_gguf(path)
+    prompts = prompts_for()
+    expected = [hf_greedy(hf, p) for p in prompts]
+    assert len({tuple(e) for e in expected}) > 1   # outputs differ: a real check
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    # 7 sequences of up to ~54 positions need ~45 blocks of 8: 14 force preemption
+    # (swap takes the 6 host blocks first, then falls back to recompute). Gemma 3's
+    # layers all slide (windows of 16) and give blocks back as they move on: 10 and 4.
+    blocks, host = (10, 4) if family == "gemma3" else (14, 6)
+    with LLM(model=str(path), compile=False, block_size=8, num_kv_blocks=blocks, preemption_mode="swap",
+             swap_space_blocks=host) as llm:
+        first = llm.generate(prompts[:1], greedy)   # leaves the shared prefix in the prefix cache
+        outs = llm.generate(prompts, greedy)
+        stats = llm.engine.get_stats()
+        types = llm.engine.runner.model.gguf_types
+        windows = llm.engine.runner.model.layer_windows
+    assert first[0].outputs[0].token_ids == expected[0]
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert stats.prefix_cache_hits > 0
+    assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions > 0
+    served = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"},
+              "Q4_0": {"Q4_0", "Q6_K"}, "Q4_1": {"Q4_1", "Q6_K"}}.get(scheme, {scheme})
+    if family in ("qwen3", "gemma3"):   # tied: no output tensor, the head reads token_embd
+        served -= {"Q6_K"} if scheme in ("Q4_0", "Q4_1") else set()
+    assert set(types) == served
+    assert windows == ([16, 16] if family == "gemma3" else [None, None])   # sequences run past three windows
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_file(gguf_files):
+    path = gguf_files("qwen2", "Q8_0")
+    with LLM(model=str(path), compile=False, num_kv_blocks=16) as llm:
+        tokenizer = llm.engine.tokenizer
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True)
+        out = llm.generate(["import json"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert len(tokenizer) == VOCAB
+    assert out[0].prompt_token_ids == tokenizer("import json")["input_ids"]
+
+
+def test_quantization_settings_are_refused_for_a_gguf(gguf_files):
+    with pytest.raises(ValueError, match="GGUF file's weights are served in their own blocks"):
+        LLM(model=str(gguf_files("llama", "Q8_0")), compile=False, num_kv_blocks=16, quantization="int8")
+
+
+# ---------------------------------------------------------------- hostile files
+
+def _string(text: str) -> bytes:
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def _header(dims, type_id=8, offset=0, data=b"\0" * 64) -> bytes:
+    kv = _string("general.architecture") + struct.pack("<I", 8) + _string("llama")
+    info = _string("token_embd.weight") + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+    info += struct.pack("<IQ", type_id, offset)
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + kv + info
+    return head + b"\0" * (-len(head) % 32) + data
+
+
+@pytest.mark.parametrize("dims, message", [
+    ((256, 2 ** 62, 4), "overflows 64-bit"),                  # 2^72 elements
+    ((2 ** 64 - 1, 1), "dimension 18446744073709551615"),     # beyond 2^63
+    ((32, 1 << 40), "runs past the end"),                     # 34 TiB of blocks in a tiny file
+    ((33, 2), "not whole Q8_0 blocks"),
+    ((32, 2, 1, 1, 1), "5 dimensions"),
+    ((32, 0), "dimension 0"),
+])
+def test_hostile_tensor_shapes_are_refused(tmp_path, dims, message):
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(_header(dims))
+    with pytest.raises(GGUFError, match=message):
+        GGUFFile(path)
+    with pytest.raises(GGUFError, match=message):
+        LLM(model=str(path), compile=False)
+
+
+def test_offsets_counts_and_lengths_past_the_file_are_refused(tmp_path):
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(_header((32, 1), offset=1 << 40))
+    with pytest.raises(GGUFError, match="runs past the end"):
+        GGUFFile(path)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2 ** 60, 1))
+    with pytest.raises(GGUFError, match="more than a 24-byte file can hold"):
+        GGUFFile(path)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2 ** 63) + b"key")
+    with pytest.raises(GGUFError, match="truncated"):
+        GGUFFile(path)
+    path.write_bytes(b"GGML" + b"\0" * 40)
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        GGUFFile(path)
+
+
+def test_a_truncated_file_is_refused(gguf_files, tmp_path):
+    whole = gguf_files("llama", "Q8_0").read_bytes()
+    for keep in (len(whole) - 100, len(whole) // 2, 40):
+        path = tmp_path / f"cut{keep}.gguf"
+        path.write_bytes(whole[:keep])
+        with pytest.raises(GGUFError, match="truncated|runs past the end"):
+            LLM(model=str(path), compile=False)
