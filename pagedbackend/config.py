@@ -90,8 +90,11 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     # Host (CPU) blocks available to swapped-out groups.
     swap_space_blocks: int = 0
-    # Weights, activations and KV cache dtype: float32, float16 or bfloat16.
-    dtype: str = "float32"
+    # Weights, activations and KV cache dtype: float32, float16, bfloat16, or
+    # "auto" (vLLM's): a bfloat16 checkpoint in bfloat16 where the device
+    # multiplies bfloat16 natively (GPU; CPU with AVX512-BF16 or AMX), float32
+    # otherwise and for float32 checkpoints (pagedbackend.dtype_choice).
+    dtype: str = "auto"
     # "triton" (Triton-lang kernels), "torch" (reference twins), "sdpa" (one
     # gather per step, then scaled_dot_product_attention: the CPU serving path)
     # or "auto" (triton on CUDA, sdpa on CPU).
@@ -197,6 +200,13 @@ class EngineConfig:
     # Adapters whose weights stay in host memory, ready to page in (None: max_loras).
     max_cpu_loras: Optional[int] = None
 
+    def resolved(self, model_path: pathlib.Path) -> "EngineConfig":
+        """This config with ``dtype="auto"`` made the dtype it picks for the
+        checkpoint in ``model_path`` on this machine (``dtype_choice``)."""
+        from dataclasses import replace
+        from .dtype_choice import resolve_dtype
+        return replace(self, dtype=resolve_dtype(self.dtype, model_path, self.device))
+
     def __post_init__(self):
         def choice(name, allowed):
             value = getattr(self, name)
@@ -207,7 +217,7 @@ class EngineConfig:
         choice("preemption_mode", ("recompute", "swap"))
         choice("scheduling_policy", ("fcfs", "priority"))
         choice("kv_reservation", ("paged", "max", "pow2", "oracle"))
-        choice("dtype", ("float32", "float16", "bfloat16"))
+        choice("dtype", ("auto", "float32", "float16", "bfloat16"))
         choice("attention_backend", ("auto", "triton", "torch", "sdpa"))
         choice("device", ("auto", "cpu", "cuda"))
         choice("quantization", QUANTIZATION_MODES)

@@ -48,7 +48,7 @@ class LLMEngine(AdapterMethods):
         """``compile_in_background``: serve eager steps from the start and switch
         to the compiled step once it is built (``ModelRunner``); a server's choice."""
         model_path = resolve_model_path(config.model)
-        self.config = config = dataclasses.replace(config, model=str(model_path))
+        self.config = config = dataclasses.replace(config, model=str(model_path)).resolved(model_path)
         # The tokenizer (most of it importing transformers) loads beside the weights.
         tokenizer = TokenizerLoad(model_path)
         if runner is None:

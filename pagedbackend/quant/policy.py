@@ -4,7 +4,8 @@ and what this machine can run.
 
 - ``none``: float weights, through the packed C kernel
   (``models.packed_linear``) where it runs and ``linear_backend`` allows,
-  else torch's ``F.linear``;
+  else torch's ``F.linear``; a bfloat16 model through ``models.bf16_linear``
+  (bfloat16 products: AMX tiles, AVX512-BF16, or oneDNN where faster);
 - ``int8``: int8 weights (``int8``), packed the same way or in torch's kernel;
 - ``int4``: int4 weights in groups (``int4``; the default model's shipped
   Q4_1 blocks), an int8 LM head, as the GGUF keeps it at 8 bits;
@@ -22,7 +23,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import nn
 
-from pagedbackend.models import default_model, moe, packed_linear
+from pagedbackend.models import bf16_linear, default_model, moe, packed_linear
 from pagedbackend.quant import int4, smooth
 from pagedbackend.quant.int8 import INT8_KERNEL_MAX_ROWS, Int8Linear, PackedInt8Linear
 from pagedbackend.quant.w8a8 import W8A8Linear
@@ -35,7 +36,7 @@ logger = logging.getLogger("pagedbackend")
 @dataclass(frozen=True)
 class LinearPlan:
     """What the runner needs to know of the choice: which kernels serve the
-    float32 or int8 layers (``torch`` or ``packed``), and the step sizes at
+    float32 or int8 layers (``torch`` or ``packed``; ``bf16`` for bf16_linear), and the step sizes at
     which a layer takes a branch of its own (a graph to warm up each)."""
     backend: str = "torch"
     warm_up_rows: Tuple[int, ...] = ()
@@ -73,6 +74,9 @@ def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
             linear.use_matmul(int4.int4_layer(linear.weight, names, INT4_GROUP_SIZE, ready))
         model.use_head_matmul(Int8Linear(model.head_weight()))
         return LinearPlan()
+    if mode == "none" and _bf16_usable(config, device, dtype):
+        _serve_through(model, bf16_linear.Bf16Linear)
+        return LinearPlan("bf16")   # the op picks torch's GEMM inside: no graph of its own
     if _packed_usable(config, device, dtype):
         _serve_through(model, PackedInt8Linear if mode == "int8" else packed_linear.PackedLinear)
         return LinearPlan("packed")
@@ -96,6 +100,19 @@ def _require_cpu(mode: str, device: torch.device) -> None:
     if device.type != "cpu":
         raise ValueError(f"quantization={mode} runs on CPU only (torch's weight-only kernels used "
                          f"here are CPU kernels); got device {device.type}: use quantization=none")
+
+
+def _bf16_usable(config, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a bfloat16 model's layers go through ``bf16_linear``'s kernel."""
+    if config.linear_backend == "torch" or dtype != torch.bfloat16 or device.type != "cpu":
+        return False
+    reason = bf16_linear.unavailable(device, dtype)
+    if reason is not None:
+        if config.linear_backend == "packed":
+            raise ValueError(f"linear_backend=packed cannot run here: {reason}")
+        logger.info("pagedbackend: linear layers use torch's kernels: %s", reason)
+        return False
+    return True
 
 
 def _packed_usable(config, device: torch.device, dtype: torch.dtype) -> bool:

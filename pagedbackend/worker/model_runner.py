@@ -18,6 +18,7 @@ from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.kernels import get_attention_ops
 from pagedbackend.models import ModelArgs
 from pagedbackend.models.attention import step_context
+from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models import moe
 from pagedbackend.models.linear import Reduce
 from pagedbackend import quant
@@ -41,7 +42,7 @@ class ModelRunner:
         and compile in a thread of its own (``step_source.compile_in_background``); steps
         take the compiled function from the first one after it is warm
         (``step_source``)."""
-        self.config = config
+        self.config = config = config.resolved(resolve_model_path(config.model))   # dtype "auto" made one
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.attention_ops = get_attention_ops(config.attention_backend, self.device)

@@ -31,6 +31,7 @@ from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.models import model_args
 from pagedbackend.models.default_model import check_model_folder, resolve_model_path
 from pagedbackend.models.linear import even_split, kv_heads_of_rank, query_heads_of_rank
+from pagedbackend.dtype_choice import resolve_dtype
 from pagedbackend.worker.loader import DTYPES, kv_block_bytes, resolve_device
 from pagedbackend.worker.model_runner import ModelRunner
 from pagedbackend.worker.tp_protocol import (COPY, CONFIG_KEY, SWAP_IN, SWAP_OUT, Moves,
@@ -140,7 +141,8 @@ def _plan_kv_blocks(config: EngineConfig, path, world: int) -> Optional[int]:
     layout = kv_layout(args.layer_windows,
                        free_out_of_window=not config.disable_hybrid_kv_cache_manager)
     blocks = config.kv_cache_bytes // kv_block_bytes(args, config.block_size, heads,
-                                                     DTYPES[config.dtype], layers=layout.slots)
+                                                     DTYPES[resolve_dtype(config.dtype, path, config.device)],
+                                                     layers=layout.slots)
     return blocks or None   # None: rank 0's runner explains what one block needs
 
 

@@ -420,7 +420,7 @@ def test_paged_mode_holds_only_the_blocks_its_tokens_fill(tiny_model_dir):
 @pytest.mark.parametrize("settings,named", [
     (dict(kv_reservation="contiguous"), "kv_reservation must be one of"),
     (dict(block_size=24), "block_size must be a power of two"),
-    (dict(dtype="float64"), "dtype must be one of float32, float16, bfloat16"),
+    (dict(dtype="float64"), "dtype must be one of auto, float32, float16, bfloat16"),
     (dict(preemption_mode="pause"), "preemption_mode must be one of recompute, swap"),
     (dict(attention_backend="flash"), "attention_backend must be one of"),
     (dict(watermark=1.0), r"watermark must be in \[0, 1\)"),
