@@ -19,7 +19,7 @@ from pagedbackend.config import coerce
 from pagedbackend.errors import InvalidRequestError
 from pagedbackend.models.model_args import rope_positions
 from pagedbackend.sampling_params import MAX_PARAMETERS_DEPTH, SamplingParams
-from pagedbackend.structured_outputs import MAX_SCHEMA_DEPTH, text_depth
+from pagedbackend.structured.params import MAX_SCHEMA_DEPTH, text_depth
 
 Prompt = Union[str, List[int]]
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
