@@ -9,6 +9,10 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
+# Every port binds HOST (loopback by default). A non-loopback HOST needs API_KEY
+# (one key, or several comma-separated: PAGEDBACKEND_API_KEY); docs/security.md.
+HOST ?= 127.0.0.1
+API_KEY ?=
 REPLICAS ?= 2
 FLEET_BASE_PORT ?= 8100
 MIGRATION_LIMIT ?= 3
@@ -70,11 +74,13 @@ gpu-check: $(STAMP)
 serve: SHELL := /bin/bash
 serve: setup
 	@export PAGEDBACKEND_ADMIN_KEY=$${PAGEDBACKEND_ADMIN_KEY:-$$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}; \
-	$(PY) -m pagedbackend.serve --model-repository model_repository \
+	$(if $(API_KEY),export PAGEDBACKEND_API_KEY='$(API_KEY)';) \
+	$(PY) -m pagedbackend.serve --model-repository model_repository --host $(HOST) \
 	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 	  $(if $(MODEL),--model $(MODEL)) & triton=$$!; \
-	$(PY) -m pagedbackend.serving.openai_server --triton-url 127.0.0.1:$(GRPC_PORT) \
-	  --port $(OPENAI_PORT) $(if $(MODEL),--tokenizer $(MODEL)) & openai=$$!; \
+	$(PY) -m pagedbackend.serving.openai_server \
+	  --triton-url $(if $(filter 0.0.0.0 ::,$(HOST)),127.0.0.1,$(HOST)):$(GRPC_PORT) \
+	  --host $(HOST) --port $(OPENAI_PORT) $(if $(MODEL),--tokenizer $(MODEL)) & openai=$$!; \
 	stopped=; stop() { [ -n "$$stopped" ] && return; stopped=1; trap '' INT TERM; \
 	  kill $$triton $$openai 2>/dev/null; }; \
 	trap stop INT TERM; \

@@ -30,6 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--tokenizer", help="tokenizer folder for --chat (default: the default model's)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole request")
+    parser.add_argument("--api-key", help="the server's API key (default: the first of $PAGEDBACKEND_API_KEY)")
     return parser.parse_args(argv)
 
 
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     live = params.get("n", 1) == 1 and not args.beam_width  # one output: print it as it grows
     try:
         for delta in stream_fn(prompt, params, url=url, model=args.model, stream=args.stream,
-                               exclude_input=True, timeout=args.timeout):
+                               exclude_input=True, timeout=args.timeout, api_key=args.api_key):
             result.add(delta)
             if live:
                 print(delta.text, end="", flush=True)

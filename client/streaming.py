@@ -8,6 +8,7 @@ delta knows how many tokens it carries. n > 1 and beam search: a response holds
 one element per output, which become one delta each (``Delta.index``).
 """
 import json
+import os
 import queue
 import time
 import urllib.error
@@ -28,6 +29,26 @@ OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "num_input_toke
 class ServerError(RuntimeError):
     """The server refused the request or failed it."""
 
+
+
+# The servers' API key (docs/security.md): the client sends ``api_key``, else
+# the first key of $PAGEDBACKEND_API_KEY; None sends none.
+API_KEY_ENV = "PAGEDBACKEND_API_KEY"
+API_KEY_HEADER = "pagedbackend-api-key"   # tritonserver's HTTP port; gRPC adds a prefix
+GRPC_API_KEY_HEADER = "triton-grpc-protocol-" + API_KEY_HEADER
+
+
+def api_key_of(api_key: Optional[str] = None) -> Optional[str]:
+    if api_key:
+        return api_key
+    keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    return keys[0] if keys else None
+
+
+def triton_headers(api_key: Optional[str] = None, grpc: bool = False) -> Dict[str, str]:
+    """The key header of tritonserver's HTTP (or gRPC) port, if there is a key."""
+    key = api_key_of(api_key)
+    return {GRPC_API_KEY_HEADER if grpc else API_KEY_HEADER: key} if key else {}
 
 @dataclass
 class Delta:
@@ -172,10 +193,11 @@ def _arrays(result) -> Dict[str, list]:
 
 def grpc_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAULT_GRPC_URL,
                 model: str = DEFAULT_MODEL, stream: bool = True, exclude_input: Optional[bool] = None,
-                timeout: float = 300.0, cumulative_logprob: bool = False) -> Iterator[Delta]:
+                timeout: float = 300.0, cumulative_logprob: bool = False,
+                api_key: Optional[str] = None) -> Iterator[Delta]:
     """One request over a gRPC stream (tritonclient.grpc). Closing the generator
     early cancels the request on the server. ``cumulative_logprob``: ask for it
-    (``Delta.cumulative_logprob``)."""
+    (``Delta.cumulative_logprob``); ``api_key``: see ``api_key_of``."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -185,7 +207,7 @@ def grpc_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAUL
     complete = False  # cancelling a completed request makes tritonserver 2.51 hold the model
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)),
-                            stream_timeout=timeout)
+                            stream_timeout=timeout, headers=triton_headers(api_key, grpc=True) or None)
         start = time.perf_counter()
         client.async_stream_infer(model, _grpc_inputs(grpcclient, prompt, params, stream, exclude_input,
                                                       cumulative_logprob),
@@ -217,7 +239,8 @@ def grpc_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAUL
 async def grpc_stream_async(prompt: str, params: Optional[dict] = None, *, url: str = DEFAULT_GRPC_URL,
                             model: str = DEFAULT_MODEL, stream: bool = True,
                             exclude_input: Optional[bool] = None, timeout: float = 300.0,
-                            client=None, cumulative_logprob: bool = False) -> AsyncIterator[Delta]:
+                            client=None, cumulative_logprob: bool = False,
+                            api_key: Optional[str] = None) -> AsyncIterator[Delta]:
     """One request over a gRPC stream (tritonclient.grpc.aio); pass ``client`` to
     share one connection between many concurrent requests. Closing the generator
     early cancels the request."""
@@ -235,7 +258,8 @@ async def grpc_stream_async(prompt: str, params: Optional[dict] = None, *, url: 
         yield request
 
     start = time.perf_counter()
-    responses = client.stream_infer(requests(), stream_timeout=timeout)
+    responses = client.stream_infer(requests(), stream_timeout=timeout,
+                                    headers=triton_headers(api_key, grpc=True) or None)
     complete = False
     try:
         async for result, error in responses:
@@ -263,7 +287,7 @@ async def grpc_stream_async(prompt: str, params: Optional[dict] = None, *, url: 
 def http_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAULT_HTTP_URL,
                 model: str = DEFAULT_MODEL, stream: bool = True, exclude_input: Optional[bool] = None,
                 timeout: float = 300.0, as_request_parameters: bool = False,
-                cumulative_logprob: bool = False) -> Iterator[Delta]:
+                cumulative_logprob: bool = False, api_key: Optional[str] = None) -> Iterator[Delta]:
     """One request to /v2/models/<model>/generate_stream (server-sent events).
 
     Sampling parameters go in the ``sampling_parameters`` input, or with
@@ -283,7 +307,7 @@ def http_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAUL
     request = urllib.request.Request(f"{base}/v2/models/{model}/generate_stream",
                                      data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json",
-                                              "Accept": "text/event-stream"})
+                                              "Accept": "text/event-stream", **triton_headers(api_key)})
     decoder = _Decoder(_expected_outputs(params))
     start = time.perf_counter()
     try:
@@ -313,11 +337,14 @@ def standard_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-def sse_events(url: str, body: dict, timeout: float) -> Iterator[dict]:
+def sse_events(url: str, body: dict, timeout: float, api_key: Optional[str] = None) -> Iterator[dict]:
     """POST ``body`` as JSON and yield each server-sent event's JSON ``data``
-    until ``[DONE]`` or the end; an event with an ``error`` raises ServerError."""
+    until ``[DONE]`` or the end; an event with an ``error`` raises ServerError.
+    ``api_key`` (``api_key_of``) goes as ``Authorization: Bearer``."""
+    key = api_key_of(api_key)
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                                     headers={"Content-Type": "application/json", "Accept": "text/event-stream",
+                                              **({"Authorization": f"Bearer {key}"} if key else {})})
     with urllib.request.urlopen(request, timeout=timeout) as reply:
         for raw in reply:
             line = raw.decode("utf-8").strip()
@@ -334,7 +361,8 @@ def sse_events(url: str, body: dict, timeout: float) -> Iterator[dict]:
 
 
 def openai_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAULT_OPENAI_URL,
-                  model: str = DEFAULT_MODEL, chat: bool = False, timeout: float = 300.0) -> Iterator[Delta]:
+                  model: str = DEFAULT_MODEL, chat: bool = False, timeout: float = 300.0,
+                  api_key: Optional[str] = None) -> Iterator[Delta]:
     """One streamed request to the OpenAI-compatible API (``pagedbackend.serving.openai``):
     ``/v1/completions``, or ``/v1/chat/completions`` with ``prompt`` as the user's message.
 
@@ -352,7 +380,7 @@ def openai_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFA
     expected, finished, tokens_seen = _expected_outputs(params), set(), 0
     start = time.perf_counter()
     try:
-        for event in sse_events(f"{base.rstrip('/')}{path}", body, timeout):
+        for event in sse_events(f"{base.rstrip('/')}{path}", body, timeout, api_key):
             usage = event.get("usage") or {}
             new_tokens = usage.get("completion_tokens", tokens_seen) - tokens_seen
             tokens_seen += new_tokens

@@ -90,8 +90,10 @@ class TritonServer(Started):
                  host: str = "127.0.0.1", env: Optional[Mapping[str, str]] = None,
                  log_verbose: int = 0, ready_timeout_s: float = 300.0,
                  exit_timeout_s: int = EXIT_TIMEOUT_S, log_path=None, extra_args: Sequence[str] = (),
-                 required_models: Optional[Sequence[str]] = None, wait_for_compiled_step: bool = False):
-        """``wait_for_compiled_step``: ``start`` returns once every model's
+                 required_models: Optional[Sequence[str]] = None, wait_for_compiled_step: bool = False,
+                 api_key: Optional[str] = None):
+        """``api_key``: inference, metadata and model configuration need it
+        (``security.API_KEY_HEADER``). ``wait_for_compiled_step``: ``start`` returns once every model's
         ``pagedbackend:model_step_compiled`` gauge is 1 (a server is ready
         with eager steps and compiles its step in the background; a benchmark
         measures the compiled one)."""
@@ -108,6 +110,7 @@ class TritonServer(Started):
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = list(extra_args)
         self.admin_key = secrets.token_hex(16)   # opens the model repository API (GRPC_ADMIN_HEADER)
+        self.api_key = api_key
         self._own_log_dir = None if log_path else tempfile.mkdtemp(prefix="tritonserver-")
         self.log_path = pathlib.Path(log_path or pathlib.Path(self._own_log_dir) / "server.log")
         self.process: Optional[subprocess.Popen] = None
@@ -139,7 +142,8 @@ class TritonServer(Started):
     def _launch(self) -> None:
         command = server_command(self.model_repository, self._bound["http"], self._bound["grpc"],
                                  self._bound["metrics"], self.host, self.log_verbose,
-                                 self.exit_timeout_s, self.extra_args, admin_key=self.admin_key)
+                                 self.exit_timeout_s, self.extra_args, admin_key=self.admin_key,
+                                 api_key=self.api_key)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         # The model sees the key too: loading adapters at run time needs it (serving/triton/lora.py).

@@ -22,15 +22,25 @@ from typing import Dict
 
 from pagedbackend.config import ENV_PREFIX, EngineConfig
 from pagedbackend.serving.constants import ADMIN_HEADER, ADMIN_KEY_ENV, EXIT_TIMEOUT_S
-from pagedbackend.serving.harness import is_ready, models_not_ready, wait_until
+from pagedbackend.serving.harness import is_model_ready, is_ready, models_not_ready, wait_until
 from pagedbackend.serving.process import (prepare_backend, server_command, server_env, signal_group,
                                           start_server_process)
 from pagedbackend.serving.repository import (MODEL_REPOSITORY_ENV, build_step_packages, default_model_repository,
                                              prepare_models, repository_models)
+from pagedbackend.serving.security import (API_KEY_ENV, API_KEY_HEADER, PUBLIC_BIND_FLAG, api_keys,
+                                           refuse_public_bind)
 
 # After SIGTERM, tritonserver gets its exit timeout and this much more to exit
 # before the launcher kills it.
 DRAIN_MARGIN_S = 5
+# The exit status when a model that was ready stops being ready while no stop
+# was asked for (its engine failed and it unloaded itself: serving/triton/health.py),
+# so that a supervisor (systemd, Kubernetes) restarts the server.
+MODEL_FAILED_STATUS = 3
+MODEL_POLL_S = 0.25
+# After a model failed its engine has ended every request: tritonserver gets
+# this long after SIGTERM, not the drain, before the launcher kills it.
+FAILED_DRAIN_S = 2.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +67,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV),
                         help=f"value of the {ADMIN_HEADER} header that the model repository API "
                              f"(load, unload, index) requires (${ADMIN_KEY_ENV}); random if not given")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help=f"inference, model metadata and configuration on the HTTP and gRPC ports need "
+                             f"the {API_KEY_HEADER} header with this key (gRPC: triton-grpc-protocol-"
+                             f"{API_KEY_HEADER}); repeatable, as the OpenAI server's, but tritonserver "
+                             f"takes the first alone (default: ${API_KEY_ENV}, comma-separated)")
+    parser.add_argument(PUBLIC_BIND_FLAG, action="store_true",
+                        help="serve a non-loopback --host without an API key (refused otherwise)")
+    parser.add_argument("--keep-serving-after-model-failure", action="store_true",
+                        help="keep tritonserver up when a model that was ready stops being ready (by "
+                             f"default the launcher stops it and exits with status {MODEL_FAILED_STATUS})")
     parser.add_argument("--prepare-only", action="store_true",
                         help="copy the backend stub and prepare the models, then exit")
     parser.add_argument("--build-step", action="store_true",
@@ -82,6 +102,15 @@ def setting_overrides(args: argparse.Namespace) -> Dict[str, str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     overrides = setting_overrides(args)
+    try:
+        keys = api_keys(args.api_key)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    refusal = refuse_public_bind(args.host, keys, args.allow_public_without_api_key, "tritonserver")
+    if refusal and not args.prepare_only:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     failures = []
     try:
         repository = args.model_repository or default_model_repository()
@@ -108,7 +137,7 @@ def main(argv=None) -> int:
     overrides[ADMIN_KEY_ENV] = admin_key
     command = server_command(repository, args.http_port, args.grpc_port, args.metrics_port,
                              args.host, args.log_verbose, args.exit_timeout, args.tritonserver_args,
-                             admin_key=admin_key)
+                             admin_key=admin_key, api_key=keys[0] if keys else None)
     process = start_server_process(command, server_env(overrides=overrides))
     stop_requested = []   # monotonic times of SIGTERM / SIGINT
     drain_s = args.exit_timeout + DRAIN_MARGIN_S
@@ -138,25 +167,62 @@ def main(argv=None) -> int:
         print(f"tritonserver not ready after {args.ready_timeout:.0f} s; stopping it", file=sys.stderr)
         stop(signal.SIGTERM, None)
         ready = False
+    watched = []
     if ready:
-        for name in models_not_ready(http_url, repository_models(repository)):
+        names = repository_models(repository)
+        failed = models_not_ready(http_url, names)
+        for name in failed:
             print(f"warning: model {name} is not ready (did not load, or not asked to; "
                   "see the server log)", file=sys.stderr, flush=True)
         print(f"ready: HTTP {http_url}  gRPC {args.host}:{args.grpc_port}  "
               f"metrics http://{args.host}:{args.metrics_port}/metrics", flush=True)
-    return wait_for_exit(process, stop_requested, drain_s)
+        if not args.keep_serving_after_model_failure:
+            watched = [name for name in names if name not in failed]
+    return wait_for_exit(process, stop_requested, drain_s, ModelWatch(http_url, watched, stop_requested))
 
 
-def wait_for_exit(process, stop_requested: list, drain_s: float) -> int:
+class ModelWatch:
+    """The models that were ready at start; ``failed`` names one that is not
+    any more (two probes in a row, ``MODEL_POLL_S`` apart), unless a stop was asked for."""
+
+    def __init__(self, http_url: str, names: list, stop_requested: list):
+        self.http_url, self.names, self.stop_requested = http_url, names, stop_requested
+        self.misses = {name: 0 for name in names}
+        self.next_probe = time.monotonic()
+
+    def failed(self):
+        if self.stop_requested or time.monotonic() < self.next_probe:
+            return None
+        self.next_probe = time.monotonic() + MODEL_POLL_S
+        for name in self.names:
+            self.misses[name] = 0 if is_model_ready(self.http_url, name, timeout=MODEL_POLL_S) \
+                else self.misses[name] + 1
+            if self.misses[name] >= 2:
+                return name
+        return None
+
+
+def wait_for_exit(process, stop_requested: list, drain_s: float, watch: ModelWatch = None) -> int:
     """Wait for tritonserver to exit, killing its group once a stop has had
-    ``drain_s``; report how it ended and return the exit status to give."""
+    ``drain_s``; report how it ended and return the exit status to give
+    (``MODEL_FAILED_STATUS`` once ``watch`` saw a model fail)."""
+    model_failed = None
     while process.poll() is None:
+        failed = watch.failed() if watch is not None and model_failed is None else None
+        if failed is not None:
+            model_failed = failed
+            print(f"error: model {failed} stopped being ready (its engine failed; see the server log); "
+                  f"stopping tritonserver, exit status {MODEL_FAILED_STATUS}", file=sys.stderr, flush=True)
+            stop_requested.append(time.monotonic())
+            signal_group(process.pid, signal.SIGTERM)
+            drain_s = FAILED_DRAIN_S
         if stop_requested and time.monotonic() - stop_requested[0] > drain_s:
             # tritonserver 2.51 cannot unload a model, nor exit, while a client
             # keeps a gRPC stream open (docs/robustness.md); every request has
             # had its final response by now.
-            print("tritonserver did not exit after SIGTERM (a client holding a gRPC stream open?); "
-                  "killing it", file=sys.stderr)
+            if model_failed is None:
+                print("tritonserver did not exit after SIGTERM (a client holding a gRPC stream open?); "
+                      "killing it", file=sys.stderr)
             signal_group(process.pid, signal.SIGKILL)
         time.sleep(0.2)
     signal_group(process.pid, signal.SIGKILL)   # a dead server's stubs and workers go with it
@@ -165,6 +231,8 @@ def wait_for_exit(process, stop_requested: list, drain_s: float) -> int:
         print(f"tritonserver was killed by {signal.Signals(-status).name}", file=sys.stderr)
     else:
         print(f"stopped: tritonserver exited with status {status}", file=sys.stderr, flush=True)
+    if model_failed is not None:
+        return MODEL_FAILED_STATUS
     return 128 - status if status < 0 else status
 
 

@@ -17,6 +17,7 @@ from typing import Dict, Mapping, Optional, Sequence
 
 from pagedbackend.serving.constants import ADMIN_HEADER, EXIT_TIMEOUT_S
 from pagedbackend.serving.repository import only_our_models
+from pagedbackend.serving.security import API_KEY_HEADER
 
 # Without a GPU these silence CUDA probing (RECIPES.md); harmless with one.
 NO_GPU_FLAGS = ("--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
@@ -24,6 +25,7 @@ NO_GPU_FLAGS = ("--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
 # Explicit model control lets a model unload itself when its engine fails
 # (pagedbackend/serving/triton/health.py); the model repository API that this
 # opens to clients (load, unload, index) is restricted to requests carrying a key.
+# So are the other APIs that change or reveal the server's state (ADMIN_APIS).
 MODEL_CONTROL_FLAGS = ("--model-control-mode=explicit", "--load-model=*",
                        # A model that fails to load is reported (in the log and as
                        # not ready); the others serve: /v2/models/NAME/ready tells which.
@@ -38,6 +40,12 @@ NO_AUTO_COMPLETE_FLAGS = ("--disable-auto-complete-config",)
 # RLIMIT_STACK-sized stacks, so the server starts with 1 GiB (virtual; pages are
 # touched only by such bodies), which moves the threshold from 4 MB to 536 MB.
 SERVER_STACK_BYTES = 1 << 30
+# tritonserver's APIs behind the admin key, always: model control, system and
+# CUDA shared memory (a registered region is read and written by the server),
+# statistics, trace and logging settings. Behind the API key, when one is
+# given: inference, model metadata and configuration. Health stays open (probes).
+ADMIN_APIS = "model-repository,shared-memory,statistics,trace,logging"
+CLIENT_APIS = "inference,metadata,model-config"
 
 
 def triton_home() -> pathlib.Path:
@@ -101,9 +109,11 @@ def server_env(base: Optional[Mapping[str, str]] = None,
 def server_command(model_repository, http_port: int, grpc_port: int, metrics_port: int,
                    host: str = "127.0.0.1", log_verbose: int = 0,
                    exit_timeout_s: Optional[int] = EXIT_TIMEOUT_S, extra: Sequence[str] = (),
-                   admin_key: Optional[str] = None) -> list:
+                   admin_key: Optional[str] = None, api_key: Optional[str] = None) -> list:
     """The tritonserver command line. ``admin_key`` (random if not given) is the
-    value of the ``pagedbackend-admin-key`` header that the model repository API needs."""
+    value of the ``pagedbackend-admin-key`` header that ADMIN_APIS need;
+    ``api_key`` (None: open) that of the ``pagedbackend-api-key`` header that
+    CLIENT_APIS need."""
     home = triton_home()
     key = admin_key or secrets.token_hex(16)
     command = [str(find_tritonserver()),
@@ -113,9 +123,12 @@ def server_command(model_repository, http_port: int, grpc_port: int, metrics_por
                f"--grpc-address={host}", f"--grpc-port={grpc_port}",
                f"--metrics-address={host}", f"--metrics-port={metrics_port}",
                *NO_GPU_FLAGS, *MODEL_CONTROL_FLAGS,
-               f"--http-restricted-api=model-repository:{ADMIN_HEADER}={key}",
-               f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={key}",
+               f"--http-restricted-api={ADMIN_APIS}:{ADMIN_HEADER}={key}",
+               f"--grpc-restricted-protocol={ADMIN_APIS}:{ADMIN_HEADER}={key}",
                f"--log-verbose={log_verbose}"]
+    if api_key:
+        command += [f"--http-restricted-api={CLIENT_APIS}:{API_KEY_HEADER}={api_key}",
+                    f"--grpc-restricted-protocol={CLIENT_APIS}:{API_KEY_HEADER}={api_key}"]
     if exit_timeout_s is not None:
         command.append(f"--exit-timeout-secs={exit_timeout_s}")
     if only_our_models(model_repository):

@@ -123,12 +123,17 @@ def test_server_command_binds_every_endpoint_to_loopback_with_the_cpu_flags():
 def test_server_command_lets_models_unload_themselves_but_keeps_the_repository_api_behind_a_key():
     command = server_command("model_repository", 18000, 18001, 18002, admin_key="k3y")
     other = server_command("model_repository", 18000, 18001, 18002)
+    keyed = server_command("model_repository", 18000, 18001, 18002, admin_key="k3y", api_key="s3cret")
+    admin = "model-repository,shared-memory,statistics,trace,logging:pagedbackend-admin-key=k3y"
 
     assert "--model-control-mode=explicit" in command and "--load-model=*" in command
-    assert "--http-restricted-api=model-repository:pagedbackend-admin-key=k3y" in command
-    assert "--grpc-restricted-protocol=model-repository:pagedbackend-admin-key=k3y" in command
+    assert f"--http-restricted-api={admin}" in command
+    assert f"--grpc-restricted-protocol={admin}" in command
     assert "--exit-timeout-secs=5" in command
     assert not [flag for flag in other if flag.endswith("=k3y")]  # a random key otherwise
+    assert not [flag for flag in command if "inference" in flag]   # open without an API key
+    assert "--http-restricted-api=inference,metadata,model-config:pagedbackend-api-key=s3cret" in keyed
+    assert "--grpc-restricted-protocol=inference,metadata,model-config:pagedbackend-api-key=s3cret" in keyed
 
 
 def test_config_auto_completion_is_skipped_only_for_a_repository_of_our_own_models(tmp_path):

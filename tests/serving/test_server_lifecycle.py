@@ -317,3 +317,48 @@ def test_waiting_for_the_compiled_step_survives_the_metrics_service_starting_aft
     assert server._step_compiled() is False
     server.log_path.write_text("pagedbackend: the model step runs eager\n")
     assert server._step_compiled() is True
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_tensor_parallel_worker_fails_the_engine_and_both_servers_exit_non_zero(tmp_path,
+                                                                                         tiny_model_dir):
+    """A real fault, nothing injected: SIGKILL to rank 1's process. The engine
+    fails, the model unloads itself, the launcher stops tritonserver and exits
+    with status 3, and the OpenAI server in front exits 3 too, so that a
+    supervisor restarts them; nothing of either is left."""
+    from pagedbackend.serving.openai.harness import OpenAIServer
+    from processes import processes_mentioning
+    repo = make_model_repository(tmp_path / "repo", {"model": tiny_model_dir, **SETTINGS,
+                                                     "tensor_parallel_size": 2})
+    launcher = Launcher(repo, tmp_path / "launcher.log")
+    api = OpenAIServer(launcher.grpc_url, tokenizer=tiny_model_dir, extra_args=["--exit-after-triton-lost", "1"])
+    try:
+        launcher.wait_ready()
+        api.start()
+        group = group_members(launcher.server_pid())
+        workers = [p for p in processes_mentioning("pagedbackend.worker.tp_worker") if p in group]
+        assert len(workers) == 1
+        stream = grpc_stream("Story", LONG, url=launcher.grpc_url, timeout=120)
+        next(stream)
+
+        os.kill(workers[0], signal.SIGKILL)
+        killed = time.monotonic()
+        model_ready = launcher.http_url + "/v2/models/paged_llm/ready"
+        assert wait_until(lambda: status(model_ready) != 200 or launcher.process.poll() is not None, 10.0)
+        red_after = time.monotonic() - killed
+        launcher.process.wait(timeout=20)
+        exit_after = time.monotonic() - killed
+        api_status = api.process.wait(timeout=20) if api.process else None
+
+        with pytest.raises(ServerError):
+            list(stream)
+        assert launcher.process.returncode == 3, launcher.text()[-3000:]
+        assert "model paged_llm stopped being ready" in launcher.text()
+        assert api_status == 3
+        assert wait_until(lambda: not [p for p in group if alive(p)], 10.0)
+        print(f"health red {red_after:.2f} s, launcher exited {exit_after:.2f} s after the kill")
+        assert exit_after < 10.0, (red_after, exit_after)
+    finally:
+        api.stop()
+        if launcher.process.poll() is None:
+            launcher.kill_everything()

@@ -12,9 +12,10 @@ Large bodies, texts and answers are handled off the event loop (``offload``).
 """
 import asyncio
 import json
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -23,13 +24,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedbackend.serving.constants import SERVED_MODEL
 from pagedbackend.serving.openai import adapters as lora
 from pagedbackend.serving.openai.answers import ChatAnswer, CompletionAnswer
-from pagedbackend.serving.openai.asgi import BodySizeLimit, CatchAll, h11_protocol_with_error_objects
+from pagedbackend.serving.openai.asgi import ApiKeyAuth, BodySizeLimit, CatchAll, h11_protocol_with_error_objects
 from pagedbackend.serving.openai.generations import OpenGenerations, answer
 from pagedbackend.serving.openai.offload import run_sized
 from pagedbackend.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   OpenAIError, TokenizeChatRequest, TokenizeRequest, map_openai,
                                                   openai_checked, parse_request, sampling_parameters)
 from pagedbackend.serving.openai.reasoning import Reasoning, template_kwargs
+from pagedbackend.serving.openai.schema import add_request_bodies
 from pagedbackend.serving.openai.structured import (Tools, messages_with_tools, structured_outputs,
                                                     template_knows_tools)
 from pagedbackend.serving.openai.triton_client import Triton, is_text_model
@@ -50,6 +52,8 @@ class Settings:
     # What one request may ask for (requests.RequestLimits); max_model_len None:
     # the tokenizer folder's config.json says it.
     limits: RequestLimits = field(default_factory=RequestLimits)
+    api_keys: Sequence[str] = ()               # Bearer keys every route but /health needs; (): open
+    triton_api_key: Optional[str] = None       # the key of tritonserver's inference APIs (serve --api-key)
 
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: Optional[Tools] = None) -> str:
@@ -68,7 +72,7 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: Optional[Tools] = 
 
 
 def create_app(settings: Settings, tokenizer=None) -> FastAPI:
-    triton = Triton(settings.triton_url, settings.admin_key)
+    triton = Triton(settings.triton_url, settings.admin_key, settings.triton_api_key)
     adapters = lora.Adapters(triton, settings.model_name, settings.admin_key)
     if tokenizer is None:   # the engine's, from local files only ("default": the engine's default model)
         from pagedbackend.engine.tokenizer import load_tokenizer
@@ -88,6 +92,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
 
     app = FastAPI(title="pagedbackend OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ApiKeyAuth, keys=settings.api_keys)   # before any body is read
     app.add_middleware(CatchAll)   # outermost of ours: it also sees BodySizeLimit's errors
 
     @app.exception_handler(OpenAIError)
@@ -118,7 +123,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     async def health():
         if await triton.ready(settings.model_name):
             return {"status": "ok"}
-        return JSONResponse(OpenAIError(503, f"Triton at {triton.url} or its model {settings.model_name} "
+        return JSONResponse(OpenAIError(503, f"Triton or its model {settings.model_name} "
                                              "is not ready").body(), status_code=503)
 
     @app.get("/v1/models")
@@ -212,17 +217,28 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         return {"prompt": await run_sized(len(req.tokens), tokenizer.decode, req.tokens)}
 
     lora.add_routes(app, adapters)
+    add_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                             "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     app.state.triton = triton
     app.state.open_generations = open_generations
     return app
 
 
+# The exit status of a server whose Triton model was ready and then stayed
+# unready for ``lost_s`` (its engine failed, or tritonserver went away).
+TRITON_LOST_STATUS = 3
+
+
 def serve(app: FastAPI, host: str, port: int, log_level: str = "warning",
-          max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> None:
+          max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, model: str = SERVED_MODEL, lost_s: float = 0.0) -> int:
     """uvicorn (headers over ``max_header_bytes`` get a 431 error object), whose first SIGTERM or SIGINT also ends every open generation
     at once with the error "the server is shutting down" (uvicorn alone would
-    wait for them to finish); later signals change nothing."""
+    wait for them to finish); later signals change nothing. With ``lost_s`` >
+    0, a ``model`` that was ready and stays unready that long stops the server
+    with ``TRITON_LOST_STATUS`` (so that a supervisor restarts it); returns the
+    exit status."""
     import uvicorn
+    outcome = {"status": 0}
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -235,8 +251,26 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "warning",
         async def startup(self, sockets=None):
             self.loop = asyncio.get_running_loop()
             await super().startup(sockets)
+            if lost_s > 0:
+                self.watch = asyncio.create_task(self.watch_triton())
+
+        async def watch_triton(self):
+            seen_ready, unready_since = False, None
+            while not self.should_exit:
+                ready = await app.state.triton.ready(model)
+                now = time.monotonic()
+                seen_ready |= ready
+                unready_since = None if ready else (unready_since or now)
+                if seen_ready and unready_since is not None and now - unready_since >= lost_s:
+                    print(f"error: Triton's model {model} has not been ready for {lost_s:g} s (its engine "
+                          f"failed, or tritonserver stopped); exiting with status {TRITON_LOST_STATUS}",
+                          file=sys.stderr, flush=True)
+                    outcome["status"] = TRITON_LOST_STATUS
+                    self.handle_exit(None, None)
+                    return
+                await asyncio.sleep(0.25)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             http=h11_protocol_with_error_objects(), h11_max_incomplete_event_size=max_header_bytes)
     Server(config).run()
-
+    return outcome["status"]

@@ -1,17 +1,43 @@
-"""The HTTP plumbing under the OpenAI app: ASGI middleware that caps request
+"""The HTTP plumbing under the OpenAI app: ASGI middleware that checks API
+keys, caps request
 bodies and turns unanswered exceptions into OpenAI error objects, uvicorn's
 HTTP protocol answering a malformed or oversized request head with one too,
 and a server-sent-events response fed straight from an async iterator."""
 import json
 import logging
-from typing import AsyncIterator
+import uuid
+from typing import AsyncIterator, Sequence
 
 from fastapi.responses import JSONResponse, Response
 
 from pagedbackend.serving.openai.protocol import OpenAIError
+from pagedbackend.serving.security import bearer, key_matches
 
 logger = logging.getLogger("pagedbackend.openai")
 DRAIN_AFTER_REFUSAL_S = 5.0   # how long a refused request head may still be sent
+
+
+class ApiKeyAuth:
+    """ASGI middleware: with ``keys``, every route but ``open_paths`` needs
+    ``Authorization: Bearer KEY`` with one of them; others get 401 and an
+    OpenAI error object (``invalid_api_key``) before anything else runs."""
+
+    def __init__(self, app, keys: Sequence[str], open_paths: Sequence[str] = ("/health",)):
+        self.app, self.keys, self.open_paths = app, list(keys), set(open_paths)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.keys or scope["path"] in self.open_paths \
+                or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        token = bearer(headers.get(b"authorization", b"").decode("latin-1"))
+        if key_matches(token, self.keys):
+            return await self.app(scope, receive, send)
+        error = OpenAIError(401, "Incorrect API key provided: send it as 'Authorization: Bearer KEY'"
+                            if token else "Missing API key: send it as 'Authorization: Bearer KEY'",
+                            None, "invalid_api_key")
+        response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
 
 class BodySizeLimit:
@@ -78,13 +104,17 @@ class CatchAll:
         try:
             await self.app(scope, receive, tracked)
         except Exception as exc:
-            logger.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            # The client learns an id to quote, not the exception (it may name
+            # internal files, addresses or shared-memory regions).
+            incident = uuid.uuid4().hex[:12]
+            logger.error("unhandled error %s in %s %s", incident, scope.get("method"), scope.get("path"),
+                         exc_info=exc)
             if state["ended"]:
                 return
             if state["started"]:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
-            error = OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}")
+            error = OpenAIError(500, f"internal error (logged on the server as {incident})")
             await JSONResponse(error.body(), status_code=500)(scope, receive, send)
 
 

@@ -13,6 +13,7 @@ from pagedbackend.serving.openai.app import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX
                                              serve)
 from pagedbackend.serving.openai.reasoning import REASONING_PARSERS
 from pagedbackend.serving.requests import RequestLimits
+from pagedbackend.serving.security import API_KEY_ENV, PUBLIC_BIND_FLAG, api_keys, refuse_public_bind
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,6 +42,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a request limit (repeatable), e.g. max_n=16 or max_stop_strings=8; the limits "
                              "and their defaults: " + ", ".join(f"{k}={v}" for k, v in
                                                                vars(RequestLimits()).items() if v is not None))
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="every route but /health needs 'Authorization: Bearer KEY' with one of these "
+                             f"keys; repeatable (default: ${API_KEY_ENV}, comma-separated). The first is "
+                             "also sent to tritonserver (python -m pagedbackend.serve --api-key)")
+    parser.add_argument(PUBLIC_BIND_FLAG, action="store_true",
+                        help="serve a non-loopback --host without an API key (refused otherwise)")
+    parser.add_argument("--exit-after-triton-lost", type=float, default=5.0, metavar="SECONDS",
+                        help="exit with status 3 when the model was ready and has not been for this long "
+                             "(its engine failed, or tritonserver stopped); 0: keep answering 503")
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return parser.parse_args(argv)
 
@@ -52,14 +62,23 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: --request-limit: {exc}", file=sys.stderr)
         return 2
+    try:
+        keys = api_keys(args.api_key)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    refusal = refuse_public_bind(args.host, keys, args.allow_public_without_api_key, "the OpenAI API")
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     settings = Settings(args.triton_url, args.model_name, args.tokenizer, args.max_body_bytes,
-                        args.triton_admin_key, args.reasoning_parser, limits)
+                        args.triton_admin_key, args.reasoning_parser, limits, keys, keys[0] if keys else None)
     try:
         app = create_app(settings)
     except (OSError, ValueError) as exc:
         print(f"error: cannot load the tokenizer from {args.tokenizer!r}: {exc}", file=sys.stderr)
         return 1
     print(f"OpenAI API: http://{args.host}:{args.port}/v1 (Triton gRPC {args.triton_url})", flush=True)
-    serve(app, args.host, args.port, args.log_level, args.max_header_bytes)
-    return 0
+    return serve(app, args.host, args.port, args.log_level, args.max_header_bytes, args.model_name,
+                 args.exit_after_triton_lost)
 

@@ -1,8 +1,9 @@
 """The OpenAI server as a child process on a loopback port, for tests and benchmarks."""
+import os
 import subprocess
 import sys
 import tempfile
-from typing import Optional
+from typing import Mapping, Optional
 
 from pagedbackend.serving.harness import Started, answers_ok, free_port, wait_until
 
@@ -16,8 +17,9 @@ class OpenAIServer(Started):
     """
 
     def __init__(self, triton_url: str, tokenizer: str = "default", port: Optional[int] = None,
-                 extra_args=(), ready_timeout_s: float = 120.0):
+                 extra_args=(), ready_timeout_s: float = 120.0, env: Optional[Mapping[str, str]] = None):
         self.triton_url, self.tokenizer, self.port = triton_url, str(tokenizer), port
+        self.env = dict(env or {})
         self.extra_args, self.ready_timeout_s = list(extra_args), ready_timeout_s
         self.process: Optional[subprocess.Popen] = None
         self.output = ""
@@ -32,7 +34,7 @@ class OpenAIServer(Started):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pagedbackend.serving.openai_server", "--triton-url", self.triton_url,
              "--port", str(self.port), "--tokenizer", self.tokenizer, *self.extra_args],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         try:
             if wait_until(lambda: answers_ok(f"{self.url}/health", timeout=2.0), self.process,
                           self.ready_timeout_s):

@@ -17,6 +17,7 @@ import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
 from pagedbackend.serving.constants import GRPC_ADMIN_HEADER
+from pagedbackend.serving.security import GRPC_API_KEY_HEADER, redact
 from pagedbackend.serving.openai.protocol import OpenAIError, parse_logprobs
 
 # Messages the model sends when it, not the request, failed (model.py).
@@ -139,11 +140,11 @@ class TritonStream:
                 raise OpenAIError(500, f"model {self.model} ended the stream without a final response") from None
             if isinstance(exc, grpc.aio.AioRpcError):
                 status = 503 if exc.code() == grpc.StatusCode.UNAVAILABLE else 500
-                raise OpenAIError(status, f"Triton failed the request: {exc.details()}") from None
+                raise OpenAIError(status, f"Triton failed the request: {redact(exc.details() or '')}") from None
             raise
         if error is not None:
             self.done = True
-            message = error.message() or str(error)
+            message = redact(error.message() or str(error))
             if "unknown model" in message.lower():
                 raise OpenAIError(404, f"model {self.model} is not ready on Triton: {message}",
                                   "model", "model_not_found")
@@ -247,8 +248,11 @@ class Generation:
 class Triton:
     """The gRPC client of the tritonserver (one channel, shared by all requests)."""
 
-    def __init__(self, url: str, admin_key: Optional[str] = None):
+    def __init__(self, url: str, admin_key: Optional[str] = None, api_key: Optional[str] = None):
         self.url = url
+        # tritonserver's inference, metadata and configuration need this key
+        # when it was started with one (python -m pagedbackend.serve --api-key).
+        self.headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
         # tritonserver started by pagedbackend.serve serves its model repository
         # API (the list of models) only to requests carrying this key.
         self.admin_key = admin_key
@@ -290,12 +294,13 @@ class Triton:
         read_at, config = self._configs.get(model, (None, None))
         if read_at is None or time.monotonic() - read_at > CONFIG_TTL_S:
             try:
-                reply = await self.client.get_model_config(model, as_json=True, client_timeout=10.0)
+                reply = await self.client.get_model_config(model, headers=self.headers, as_json=True,
+                                                           client_timeout=10.0)
             except InferenceServerException as exc:
                 if "NOT_FOUND" in str(exc.status()) or "unknown model" in str(exc.message()).lower():
                     raise OpenAIError(404, f"the model {model!r} does not exist", "model",
                                       "model_not_found") from None
-                raise OpenAIError(503, f"Triton at {self.url} did not answer: {exc.message()}") from None
+                raise OpenAIError(503, f"Triton did not answer: {redact(exc.message() or '')}") from None
             config = reply["config"]
             self._configs[model] = (time.monotonic(), config)
         return config
@@ -308,17 +313,18 @@ class Triton:
         if self.admin_key:
             try:
                 index = await self.client.get_model_repository_index(
-                    headers={GRPC_ADMIN_HEADER: self.admin_key}, as_json=True, client_timeout=10.0)
+                    headers={GRPC_ADMIN_HEADER: self.admin_key, **(self.headers or {})}, as_json=True,
+                    client_timeout=10.0)
                 names = sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
             except InferenceServerException as exc:
-                raise OpenAIError(503, f"Triton at {self.url} did not answer: {exc.message()}") from None
+                raise OpenAIError(503, f"Triton did not answer: {redact(exc.message() or '')}") from None
         ready = []
         for name in names:
             try:
                 if not await self.client.is_model_ready(name, client_timeout=10.0):
                     continue
             except InferenceServerException as exc:
-                raise OpenAIError(503, f"Triton at {self.url} did not answer: {exc.message()}") from None
+                raise OpenAIError(503, f"Triton did not answer: {redact(exc.message() or '')}") from None
             if is_text_model(await self.config(name)):
                 ready.append(name)
         return ready
@@ -342,7 +348,7 @@ class Triton:
 
         async def one_request():
             yield request
-        return TritonStream(self.client.stream_infer(one_request()), model)
+        return TritonStream(self.client.stream_infer(one_request(), headers=self.headers), model)
 
 
     async def control(self, model: str, order: dict) -> dict:
@@ -355,7 +361,7 @@ class Triton:
         async def one_request():
             yield request
         texts = []
-        async for update in TritonStream(self.client.stream_infer(one_request()), model):
+        async for update in TritonStream(self.client.stream_infer(one_request(), headers=self.headers), model):
             texts += update.texts
         return json.loads("".join(texts))
 

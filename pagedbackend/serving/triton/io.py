@@ -13,6 +13,7 @@ import triton_python_backend_utils as pb_utils
 from pagedbackend.sample.sampler import finite_logprob
 from pagedbackend.serving.requests import (MAX_PARAMETERS_BYTES, EngineRequest, RequestLimits, map_request,
                                            triton_fields)
+from pagedbackend.serving.security import redact
 
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
          "return_logprobs", "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens",
@@ -127,7 +128,7 @@ def read_request(request, limits: RequestLimits) -> EngineRequest:
 
 
 def send_error(sender, message: str, code) -> None:
-    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), FINAL)
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(redact(message), code)), FINAL)
 
 
 def send_json(sender, answer) -> None:
