@@ -62,12 +62,16 @@ def interleaved(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, 
 
 
 def source_at(rev: str, name: str) -> ctypes.CDLL:
-    """``kernels/csrc/<name>.c`` as of git revision ``rev``, built with the
-    flags of this tree's kernel and loaded."""
+    """``pagedbackend/kernels/csrc/<name>.c`` as of git revision ``rev`` (at
+    ``kernels/csrc/`` in revisions before the folder moved into the package),
+    built with the flags of this tree's kernel and loaded."""
     from pagedbackend.kernels import native
     root = pathlib.Path(__file__).resolve().parents[2]
-    shown = subprocess.run(["git", "show", f"{rev}:kernels/csrc/{name}.c"], cwd=root,
-                           capture_output=True, text=True)
+    for folder in ("pagedbackend/kernels/csrc", "kernels/csrc"):
+        shown = subprocess.run(["git", "show", f"{rev}:{folder}/{name}.c"], cwd=root,
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
     if shown.returncode != 0:
         raise SystemExit(f"--against {rev}: {shown.stderr.strip()}")
     cc = native.compiler()
@@ -80,7 +84,7 @@ def source_at(rev: str, name: str) -> ctypes.CDLL:
 
 
 def kernel_at(rev: str) -> ctypes.CDLL:
-    """``kernels/csrc/packed_gemm.c`` as of git revision ``rev``, declared as
+    """``packed_gemm.c`` as of git revision ``rev``, declared as
     this tree's is."""
     from pagedbackend.models import packed_linear
     return packed_linear.declare(source_at(rev, "packed_gemm"))

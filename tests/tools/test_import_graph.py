@@ -7,8 +7,8 @@ import pathlib
 from typing import Dict, List, Optional, Set, Tuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# Source folder -> the package it installs as (kernels/ installs as pagedbackend.kernels).
-SOURCES = {ROOT / "pagedbackend": "pagedbackend", ROOT / "kernels": "pagedbackend.kernels"}
+# Source folder -> the package it installs as.
+SOURCES = {ROOT / "pagedbackend": "pagedbackend"}
 
 # Bottom up; a module may import its own layer and those below. "data" is
 # every module directly under pagedbackend/ (config, params, errors: plain
@@ -77,7 +77,7 @@ def layer_of(module: str) -> str:
     if module in FEATURE_DATA:
         return "data"
     parts = module.split(".")
-    if len(parts) == 2 and not (ROOT / "pagedbackend" / parts[1]).is_dir() and parts[1] != "kernels":
+    if len(parts) == 2 and not (ROOT / "pagedbackend" / parts[1]).is_dir():
         return "data"
     return parts[1]
 

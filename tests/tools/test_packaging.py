@@ -25,7 +25,7 @@ def test_the_wheel_carries_every_kernel_source(tmp_path):
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     wheel = next(tmp_path.glob("pagedbackend-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = sorted(p.name for p in (ROOT / "kernels" / "csrc").iterdir() if p.suffix in (".c", ".cpp"))
+    sources = sorted(p.name for p in (ROOT / "pagedbackend" / "kernels" / "csrc").iterdir() if p.suffix in (".c", ".cpp"))
     assert "packed_ops.cpp" in sources
     missing = [name for name in sources if f"pagedbackend/kernels/csrc/{name}" not in names]
     assert missing == [], f"the wheel lacks {missing}"

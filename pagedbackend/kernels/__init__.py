@@ -1,8 +1,9 @@
-"""Triton-lang kernels for the paged KV cache, each with a torch reference twin.
+"""Every kernel of the package: the Triton-lang kernels for the paged KV
+cache, each with a torch reference twin, and the C kernels of the CPU path
+(``csrc/``, built and loaded by ``native``).
 
-Installed as ``pagedbackend.kernels`` (the folder stays at the top of the
-repository, as DESIGN.md lays it out). Importing it stays cheap: the kernel modules (and with them ``triton``)
-load on first use, through :func:`get_attention_ops` or attribute access.
+Importing it stays cheap: the kernel modules (and with them ``triton``) load
+on first use, through :func:`get_attention_ops` or attribute access.
 """
 import importlib
 import os
