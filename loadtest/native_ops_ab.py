@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     from pagedbackend.config import EngineConfig
-    from pagedbackend.models import packed_linear
+    from pagedbackend.kernels import packed_linear
     from pagedbackend.worker import model_runner, step_source
     from pagedbackend.worker.batch import SeqEntry
     from pagedbackend.worker.compiled import CompiledStep

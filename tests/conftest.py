@@ -18,7 +18,7 @@ SLOW_FILES_FIRST = (
     "engine/test_speculative.py", "serving/test_server_lifecycle.py", "tools/test_bench.py",
     "worker/test_model_runner.py", "serving/test_openai_server.py", "engine/test_structured_outputs.py",
     "worker/test_step_package.py", "serving/test_lora_server.py", "serving/test_stop_routes.py",
-    "models/test_packed_linear.py", "models/test_moe_models.py", "serving/test_openai_structured_server.py",
+    "kernels/test_packed_linear.py", "models/test_moe_models.py", "serving/test_openai_structured_server.py",
     "worker/test_tensor_parallel.py", "tools/test_loadtest.py", "serving/test_fleet.py", "models/test_quant.py")
 _TESTS = pathlib.Path(__file__).resolve().parent
 

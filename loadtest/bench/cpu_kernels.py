@@ -86,15 +86,15 @@ def source_at(rev: str, name: str) -> ctypes.CDLL:
 def kernel_at(rev: str) -> ctypes.CDLL:
     """``packed_gemm.c`` as of git revision ``rev``, declared as
     this tree's is."""
-    from pagedbackend.models import packed_linear
-    return packed_linear.declare(source_at(rev, "packed_gemm"))
+    from pagedbackend.kernels import native, packed_linear
+    return packed_linear.hand_over_settings(native.declare("packed_gemm", source_at(rev, "packed_gemm")))
 
 
 def bench_matmuls(ms: List[int], rounds: int, with_int8: bool = False,
                   against: Optional[str] = None, head_rows: Optional[int] = None,
                   unpacked: bool = False) -> List[dict]:
-    from pagedbackend.models import packed_linear
-    from pagedbackend.models.packed_linear import PackedLinear
+    from pagedbackend.kernels import packed_linear
+    from pagedbackend.kernels.packed_linear import PackedLinear
     from pagedbackend.quant.int8 import Int8Linear, PackedInt8Linear
     torch.manual_seed(0)
     layers = [{name: torch.randn(*shape) * shape[1] ** -0.5 for name, shape in LAYER_SHAPES.items()}

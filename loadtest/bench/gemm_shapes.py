@@ -82,8 +82,8 @@ def bench_shapes(ms: List[int], rounds: int, threads: int, copies: int = COPIES,
     """Per M and shape: GFLOP/s streamed (``copies`` distinct weights) and
     cache-resident, and the bandwidth of the moment (a sum over
     ``bandwidth_floats``; 540 MB by default, past every cache here)."""
-    from pagedbackend.models import packed_linear
-    from pagedbackend.models.packed_linear import PackedLinear
+    from pagedbackend.kernels import packed_linear
+    from pagedbackend.kernels.packed_linear import PackedLinear
     library = packed_linear.load_library()
     torch.manual_seed(0)
     weights = {name: [PackedLinear(torch.randn(n, k) * k ** -0.5) for _ in range(1 if name == "lm_head" else copies)]

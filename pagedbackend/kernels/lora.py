@@ -15,7 +15,6 @@ Three kernels compute it: ``sgmv_ref`` (torch, the reference twin),
 ``sgmv_triton`` (Triton-lang, a shrink and an expand kernel, for GPUs) and
 ``sgmv_c`` (``csrc/lora_sgmv.c``, float32 on CPU, built at first use).
 """
-import ctypes
 
 import torch
 
@@ -41,16 +40,10 @@ def sgmv_ref(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
 
 # ---------------------------------------------------------------- C (CPU)
 
-_ARGS = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-
-
 def c_kernel():
     """``lora_sgmv_f32`` of ``csrc/lora_sgmv.c``, built on first use; raises
     RuntimeError saying why it cannot be (no compiler, a failed build)."""
-    kernel = native.load("lora_sgmv").lora_sgmv_f32
-    kernel.argtypes, kernel.restype = _ARGS, ctypes.c_int
-    return kernel
+    return native.load("lora_sgmv").lora_sgmv_f32
 
 
 def sgmv_c(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, rows: torch.Tensor,

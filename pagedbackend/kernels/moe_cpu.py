@@ -22,8 +22,6 @@ from pagedbackend.kernels import native
 
 ACTIVATIONS = {"silu": 0, "swigluoai": 1}   # csrc/fused_moe.c's ACT_* codes
 
-_lock = threading.Lock()
-_library: Optional[ctypes.CDLL] = None
 
 
 class ReadCounter:
@@ -47,33 +45,8 @@ bytes_read = ReadCounter()
 
 
 def load_library() -> ctypes.CDLL:
-    """The compiled kernel with its ctypes signatures; raises RuntimeError saying why not."""
-    global _library
-    library = native.load("fused_moe")
-    with _lock:
-        if _library is None:
-            library.fused_moe.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-                                          + [ctypes.c_void_p] * 4
-                                          + [ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_void_p,
-                                             ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
-            library.fused_moe.restype = ctypes.c_int
-            library.fused_moe_block_cols.restype = ctypes.c_int
-            _library = library
-    return _library
-
-
-def unavailable(device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    """Why the kernel cannot serve here (None when it can)."""
-    if device.type != "cpu":
-        return f"the fused MoE C kernel runs on CPU; the model runs on {device.type}"
-    if dtype != torch.float32:
-        return f"the fused MoE C kernel is float32; the model's dtype is {dtype}"
-    try:
-        load_library()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
+    """The compiled kernel, declared (``native``); raises RuntimeError saying why not."""
+    return native.load("fused_moe")
 
 
 def exact_in_bfloat16(*weights: torch.Tensor) -> bool:

@@ -14,6 +14,12 @@ A C++ file in ``csrc/`` defines ATen operators instead (``load_op_library``):
 it is compiled against the installed torch's headers and libraries (the build
 key holds torch's version) and loaded with ``torch.ops.load_library``, so
 that compiled graphs call its kernels through the dispatcher without Python.
+
+This module is the one loader of those libraries: ``load`` and
+``load_op_library`` give every library its functions' ctypes signatures
+(``SIGNATURES``) when it opens, and ``unavailable`` is the one check of
+whether a C kernel can serve a model here. A new kernel is a file in
+``csrc/`` and, where Python calls its functions, an entry in ``SIGNATURES``.
 """
 import ctypes
 import hashlib
@@ -49,6 +55,30 @@ INCLUDES = {"fused_moe": ["packed_gemm.c"]}
 RUNTIME_DISPATCH = {"gguf_gemm"}
 LINK = ["-shared", "-fopenmp"]
 LIBS = ["-lm"]
+
+_P, _INT, _LONG, _LLONG, _FLOAT = (ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_longlong,
+                                   ctypes.c_float)
+# Library -> function -> (argument types, result type): what Python calls in
+# each build of csrc/ (a function a build lacks, as older trees' do, is left out).
+SIGNATURES = {
+    "packed_gemm": {"packed_gemm": ([_P] * 3 + [_INT] * 4, None),
+                    "packed_gemm_bf16": ([_P] * 3 + [_INT] * 4, None),
+                    "packed_gemm_i8": ([_P] * 4 + [_INT] * 4, _INT),
+                    "packed_gemm_block_cols": ([], _INT),
+                    "packed_gemm_set_bf16_rows": ([_INT], _INT),
+                    "packed_gemm_has_bf16": ([], _INT)},
+    "fused_moe": {"fused_moe": ([_P, _INT, _INT, _INT, _P, _P, _INT, _INT] + [_P] * 4
+                                + [_INT, _FLOAT, _FLOAT, _P, _INT, _P, _INT], _INT),
+                  "fused_moe_block_cols": ([], _INT)},
+    "w8a8_gemm": {"w8a8_gemm_available": ([], _INT), "w8a8_gemm_max_rows": ([], _INT)},
+    "paged_decode": {"paged_decode": ([_P] * 5 + [_INT, _P] + [_INT] * 5 + [_FLOAT, _INT, _P, _INT], _INT),
+                     "paged_write": ([_P] * 5 + [_INT, _INT] + [_LLONG] * 3, _INT)},
+    "lora_sgmv": {"lora_sgmv_f32": ([_P, _LONG, _LONG, _P, _LONG, _LONG] + [_P] * 5 + [_INT], _INT)},
+    "token_mask": {"apply_token_mask": ([_P, _LONG, _P, _INT, _P, _INT, _INT], None)},
+    "omp_park": {"omp_park_team": ([_INT], _INT)},
+    "packed_ops.cpp": {"packed_ops_set_kernels": ([_P] * 3 + [_LLONG], None),
+                       "packed_ops_set_w8a8": ([_P, _P, _LLONG], None)},
+}
 
 _lock = threading.Lock()
 _loaded: Dict[str, ctypes.CDLL] = {}
@@ -137,13 +167,40 @@ def _build_into(target: pathlib.Path, tool: str, source: pathlib.Path, commands,
     return target
 
 
+def declare(name: str, library: ctypes.CDLL) -> ctypes.CDLL:
+    """Give ``library`` (a build of ``csrc/<name>``) its functions' ctypes
+    signatures from ``SIGNATURES``; returns it."""
+    for function, (argtypes, restype) in SIGNATURES.get(name, {}).items():
+        if hasattr(library, function):
+            getattr(library, function).argtypes = argtypes
+            getattr(library, function).restype = restype
+    return library
+
+
 def load(name: str) -> ctypes.CDLL:
-    """The compiled ``csrc/<name>.c``, built on first use; raises RuntimeError
-    saying why it cannot be (no compiler, a failed build), every time it is asked."""
+    """The compiled ``csrc/<name>.c``, built on first use, its functions
+    declared; raises RuntimeError saying why it cannot be (no compiler, a
+    failed build), every time it is asked."""
     importlib.import_module("torch")   # loaded first, so the kernel binds to torch's libgomp
     return _load_once(name, compiler, "the CPU kernels need a C compiler (gcc or cc) on PATH, "
                                       "and none is there",
-                      lambda cc: ctypes.CDLL(str(build(name, cc))))
+                      lambda cc: declare(name, ctypes.CDLL(str(build(name, cc)))))
+
+
+def unavailable(device, dtype, name: str = "packed_gemm") -> Optional[str]:
+    """Why the C kernel ``csrc/<name>.c`` cannot serve a model on ``device``
+    in ``dtype`` here (None when it can): the CPU kernels are float32 and
+    need a compiler and a build."""
+    import torch
+    if torch.device(device).type != "cpu":
+        return f"the C kernel {name}.c runs on CPU; the model runs on {torch.device(device).type}"
+    if dtype != torch.float32:
+        return f"the C kernel {name}.c is float32; the model's dtype is {dtype}"
+    try:
+        load(name)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 def _load_once(key: str, find_tool, missing: str, open_library) -> ctypes.CDLL:
@@ -202,6 +259,6 @@ def load_op_library(name: str) -> ctypes.CDLL:
     def open_library(cxx: str) -> ctypes.CDLL:
         path = build_op_library(name, cxx)
         torch.ops.load_library(str(path))
-        return ctypes.CDLL(str(path))
+        return declare(f"{name}.cpp", ctypes.CDLL(str(path)))
     return _load_once(f"{name}.cpp", cxx_compiler, "the CPU operators need a C++ compiler (g++ or c++) "
                                                    "on PATH, and none is there", open_library)

@@ -36,7 +36,6 @@ The KV write is one call of the C ``paged_write`` (float32 on CPU), else one
 (``decode_step``) that checks once what its layers share, so each layer makes
 just the two C calls. Shapes and arguments follow ``paged_attention.py``.
 """
-import ctypes
 import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Union
@@ -276,24 +275,13 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
                           plan=plan, key=k, value=v, window=window, sinks=sinks)
 
 
-# ctypes signatures of the functions of csrc/paged_decode.c (each returns int)
-_SIGNATURES = {
-    "paged_decode": [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5
-                    + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int],
-    "paged_write": [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 3,
-}
-
-
 def _native(function: str):
-    """``function`` of the C kernel's library, or None where it cannot be built."""
+    """``function`` of the C kernel's library (declared by ``native``), or None where it cannot be built."""
     if function not in _natives:
         try:
-            kernel = getattr(native.load("paged_decode"), function)
+            _natives[function] = getattr(native.load("paged_decode"), function)
         except RuntimeError:
             _natives[function] = False
-        else:
-            kernel.argtypes, kernel.restype = _SIGNATURES[function], ctypes.c_int
-            _natives[function] = kernel
     return _natives[function] or None
 
 

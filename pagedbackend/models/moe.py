@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedbackend.kernels import moe_cpu, moe_ref
+from pagedbackend.kernels import moe_cpu, moe_ref, native
 from pagedbackend.models.linear import Reduce, _identity, all_reduce_sum, even_split
 
 SCORINGS = ("softmax", "topk_softmax")
@@ -287,7 +287,7 @@ def select_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str
     if backend == "triton" and device.type != "cuda":
         raise ValueError("moe_backend=triton needs a CUDA device (the Triton-lang kernel); "
                          f"the model runs on {device.type}")
-    reason = moe_cpu.unavailable(device, dtype) if backend in ("auto", "packed") else None
+    reason = native.unavailable(device, dtype, "fused_moe") if backend in ("auto", "packed") else None
     if backend == "packed" and reason is not None:
         raise ValueError(f"moe_backend=packed cannot run here: {reason}")
     if backend == "auto":

@@ -9,7 +9,7 @@ fp32 ``F.linear`` for float32 ones (``loadtest.bench quant_kernels``;
 ``act_dtype=torch.float32`` keeps that path for comparison). That kernel costs
 about one pass over the weight per row of x, so larger steps (prefills) compute
 ``(x q^T) * s`` with ``F.linear`` on ``q`` widened to float32 instead.
-``PackedInt8Linear`` (the packed C kernel, ``models.packed_linear``) serves
+``PackedInt8Linear`` (the packed C kernel, ``kernels.packed_linear``) serves
 int8 on CPU wherever that kernel builds; its steps of ``INT8_BF16_ROWS`` rows
 or more round x to bfloat16 on AMD CPUs with AVX512_BF16, where that is faster.
 """
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedbackend.models import packed_linear
+from pagedbackend.kernels import packed_linear
 
 # Rows of x up to which the int8 kernel beats widening q for F.linear (about
 # even between 32 and 128 rows here; loadtest.bench quant_kernels).

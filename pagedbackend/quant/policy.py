@@ -3,7 +3,7 @@ model multiply, from ``EngineConfig.quantization`` and ``linear_backend``
 and what this machine can run.
 
 - ``none``: float weights, through the packed C kernel
-  (``models.packed_linear``) where it runs and ``linear_backend`` allows,
+  (``kernels.packed_linear``) where it runs and ``linear_backend`` allows,
   else torch's ``F.linear``; a bfloat16 model through ``models.bf16_linear``
   (bfloat16 products: AMX tiles, AVX512-BF16, or oneDNN where faster);
 - ``int8``: int8 weights (``int8``), packed the same way or in torch's kernel;
@@ -23,7 +23,8 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import nn
 
-from pagedbackend.models import bf16_linear, default_model, moe, packed_linear
+from pagedbackend.kernels import native, packed_linear
+from pagedbackend.models import bf16_linear, default_model, moe
 from pagedbackend.quant import int4, smooth
 from pagedbackend.quant.int8 import INT8_KERNEL_MAX_ROWS, Int8Linear, PackedInt8Linear
 from pagedbackend.quant.w8a8 import W8A8Linear
@@ -120,7 +121,7 @@ def _packed_usable(config, device: torch.device, dtype: torch.dtype) -> bool:
     config asks (or leaves it to us) and they can run here."""
     if config.linear_backend == "torch":
         return False
-    reason = packed_linear.unavailable(device, dtype)
+    reason = native.unavailable(device, dtype)
     if reason is not None:
         if config.linear_backend == "packed":
             raise ValueError(f"linear_backend=packed cannot run here: {reason}")

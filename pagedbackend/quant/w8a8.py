@@ -12,7 +12,7 @@ from typing import Tuple
 import torch
 from torch import nn
 
-from pagedbackend.models import packed_linear
+from pagedbackend.kernels import packed_linear
 from pagedbackend.quant.int8 import quantize_int8
 
 

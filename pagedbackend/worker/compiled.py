@@ -68,15 +68,16 @@ def ops_digest(schemas: Iterable[str], sources: Iterable[Tuple[str, bytes]], tor
 
 def custom_ops_digest() -> str:
     """``ops_digest`` of this build: the schemas of the ops that
-    ``models.attention`` and ``models.packed_linear`` define, their modules'
+    ``models.attention`` and ``kernels.packed_linear`` define, their modules'
     text and the kernels' source (Python and C/C++, where the native ops'
     schemas are written)."""
     import pagedbackend.kernels
-    from pagedbackend.models import attention, packed_linear
+    from pagedbackend.kernels import packed_linear
+    from pagedbackend.models import attention
     schemas = [str(schema) for module in (attention, packed_linear) for name in sorted(module._ops._op_defs)
                for schema in torch._C._jit_get_schemas_for_operator(name)]
     kernels = pathlib.Path(pagedbackend.kernels.__file__).parent
-    files = [pathlib.Path(attention.__file__), pathlib.Path(packed_linear.__file__),
+    files = [pathlib.Path(attention.__file__),
              *sorted(kernels.glob("*.py")), *sorted(kernels.glob("csrc/*.c*"))]
     return ops_digest(schemas, [(path.name, path.read_bytes()) for path in files], torch.__version__)
 

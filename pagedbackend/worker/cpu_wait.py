@@ -20,7 +20,6 @@ waiting stops, the team is let go and the long spin returns. The decision is
 taken every ``WINDOW_S`` by a thread of the governor's own, with thresholds
 that tell a busy neighbour from our own serving load.
 """
-import ctypes
 import glob
 import logging
 import os
@@ -213,6 +212,5 @@ def build_governor(torch_threads: int) -> Optional[WaitGovernor]:
         logger.info("pagedbackend: no contention governor: %s", exc)
         return None
     park = library.omp_park_team
-    park.argtypes, park.restype = [ctypes.c_int], ctypes.c_int
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return WaitGovernor(park, max(cpus, torch_threads))

@@ -106,7 +106,7 @@ class ModelRunner:
     def describe(self) -> Dict[str, object]:
         """How the step computes: the linear layers (and whether through the
         C++ operators), attention, the LoRA kernel."""
-        from pagedbackend.models.packed_linear import native_ops
+        from pagedbackend.kernels.packed_linear import native_ops
         packed = self.linear_backend == "packed"
         return {"linear_backend": self.linear_backend,
                 "native_ops": bool(native_ops().use_native_ops) if packed else False,

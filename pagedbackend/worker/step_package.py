@@ -72,7 +72,7 @@ def _cpu_flags() -> str:
 
 def step_key(runner) -> str:
     """The package name for ``runner``'s model step on this machine."""
-    from pagedbackend.models.packed_linear import native_ops
+    from pagedbackend.kernels.packed_linear import native_ops
     model = runner.model
     shapes = [(name, tuple(t.shape), str(t.dtype)) for name, t in constants(model).items()]
     parts = {"torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability(),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedbackend.kernels import fused_moe as fm
-from pagedbackend.kernels import moe_cpu
+from pagedbackend.kernels import moe_cpu, native
 
 
 def expert_case(tokens, hidden, inter, experts, top_k, *, bias=False, seed=0):
@@ -60,7 +60,7 @@ def test_swigluoai_clamps_gate_above_and_up_on_both_sides():
     torch.testing.assert_close(out, expected)
 
 
-needs_c_kernel = pytest.mark.skipif(moe_cpu.unavailable(torch.device("cpu"), torch.float32) is not None,
+needs_c_kernel = pytest.mark.skipif(native.unavailable(torch.device("cpu"), torch.float32, "fused_moe") is not None,
                                     reason="the fused MoE C kernel cannot be built here (no C compiler)")
 
 

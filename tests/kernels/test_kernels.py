@@ -494,7 +494,7 @@ def test_compiled_kernels_match_sdpa_on_gpu(dtype):
 def test_loading_the_cpu_kernels_keeps_subnormal_floats():
     # A library linked with -ffast-math would flush subnormals to zero in the
     # whole process (crtfastmath.o), changing every float computation after it.
-    from pagedbackend.models import packed_linear
+    from pagedbackend.kernels import packed_linear
     packed_linear.load_library()
     assert sa.native_decode() is not None
     assert torch.tensor([1e-40], dtype=torch.float32).item() != 0.0

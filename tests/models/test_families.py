@@ -14,7 +14,7 @@ from pagedbackend import LLM, SamplingParams
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.models import model_args
-from pagedbackend.models.packed_linear import PackedLinear
+from pagedbackend.kernels.packed_linear import PackedLinear
 from pagedbackend.worker.model_runner import ModelRunner
 from runner_reference import greedy_hf, greedy_paged, random_prompts
 

@@ -10,11 +10,11 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from pagedbackend.kernels import moe_cpu
+from pagedbackend.kernels import native
 from pagedbackend.models import moe, mxfp4
 
 HIDDEN, INTER, EXPERTS = 32, 24, 8
-KERNELS = ["torch"] + ([] if moe_cpu.unavailable(torch.device("cpu"), torch.float32) else ["packed"])
+KERNELS = ["torch"] + ([] if native.unavailable(torch.device("cpu"), torch.float32, "fused_moe") else ["packed"])
 
 
 def randomised(module: torch.nn.Module, seed: int) -> torch.nn.Module:

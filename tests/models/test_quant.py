@@ -11,7 +11,7 @@ from greedy import default_model_greedy
 from tiny_model import build_tiny_llama
 from pagedbackend.config import EngineConfig, engine_config
 from pagedbackend.models import default_model
-from pagedbackend.models import packed_linear
+from pagedbackend.kernels import packed_linear
 from pagedbackend.models.gguf_q4 import cached_q4_1_weights, unpack_q4_1
 from pagedbackend.quant import apply, smooth
 from pagedbackend.quant.int4 import Int4Linear, dequantize_int4, quantize_int4

@@ -435,8 +435,8 @@ def test_every_registered_benchmark_has_a_main():
 
 def test_cpu_kernels_bench_times_each_kernel_beside_what_it_replaces(tmp_path):
     from pagedbackend.kernels import sdpa_attention as sa
-    from pagedbackend.models import packed_linear
-    if packed_linear.unavailable(torch.device("cpu"), torch.float32) or sa.native_decode() is None:
+    from pagedbackend.kernels import native
+    if native.unavailable(torch.device("cpu"), torch.float32) or sa.native_decode() is None:
         pytest.skip("no C compiler here for the CPU kernels")
     from loadtest.bench import cpu_kernels
     result = cpu_kernels.main(["--quick", "--int8", "--threads", "1", "--out", str(tmp_path)])
@@ -458,8 +458,8 @@ def test_cpu_kernels_bench_times_each_kernel_beside_what_it_replaces(tmp_path):
 
 
 def test_cpu_kernels_bench_sets_the_kernel_beside_its_version_at_a_git_revision(tmp_path):
-    from pagedbackend.models import packed_linear
-    if packed_linear.unavailable(torch.device("cpu"), torch.float32):
+    from pagedbackend.kernels import native
+    if native.unavailable(torch.device("cpu"), torch.float32):
         pytest.skip("no C compiler here for the CPU kernels")
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout: there is no revision to build the kernel of")
@@ -483,8 +483,8 @@ def test_cpu_kernels_bench_sets_the_kernel_beside_its_version_at_a_git_revision(
 
 def test_quant_quality_bench_compares_settings_and_kernels_with_fp32(default_model_dir, tmp_path):
     from loadtest.bench import quant_quality
-    from pagedbackend.models import packed_linear
-    if packed_linear.unavailable(torch.device("cpu"), torch.float32):
+    from pagedbackend.kernels import native
+    if native.unavailable(torch.device("cpu"), torch.float32):
         pytest.skip("no C compiler here for the packed kernels")
     result = quant_quality.main(["--quick", "--order", "none,int8,int8/torch", "--threads", "1",
                                  "--out", str(tmp_path)])
@@ -592,8 +592,8 @@ def test_models_bench_times_our_decode_step_beside_transformers_forward(tiny_fam
 
 def test_moe_bench_reads_the_active_experts_once_per_step_and_generates_hugging_faces_tokens(tmp_path):
     from loadtest.bench import moe
-    from pagedbackend.kernels import moe_cpu
-    if moe_cpu.unavailable(torch.device("cpu"), torch.float32):
+    from pagedbackend.kernels import native
+    if native.unavailable(torch.device("cpu"), torch.float32, "fused_moe"):
         pytest.skip("no C compiler here for the fused MoE kernel")
     result = moe.main(["--small", "--enforce-eager", "--streams", "1,2", "--decode-tokens", "4",
                        "--prompt-tokens", "8", "--prefill-tokens", "16", "--rounds", "1",

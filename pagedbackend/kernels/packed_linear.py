@@ -3,11 +3,12 @@
 A decode step multiplies a few dozen rows by every weight matrix of the model.
 At 4 to 64 rows torch's ``F.linear`` (MKL sgemm) reaches a fraction of the
 machine's peak: each call repacks the weight and the weight streams from
-memory while the cores wait. ``kernels/csrc/packed_gemm.c`` reads a weight
+memory while the cores wait. ``csrc/packed_gemm.c`` reads a weight
 packed once, at load, in blocks of output columns, keeps each block in L2
 while every chunk of rows multiplies it, prefetches the next one, and splits
 the blocks over torch's OpenMP threads (BENCHMARKS.md, "cpu_kernels"). It is
-compiled on this machine at first use (``kernels.native``). Above
+compiled on this machine at first use and loaded by ``native``, which also
+says whether it can serve (``native.unavailable``). Above
 ``KERNEL_MAX_ROWS`` rows (long prefills) torch's GEMM wins even after
 unpacking the weight for the call, so it is used there and one packed copy
 serves every step.
@@ -17,7 +18,7 @@ graph as an opaque call, as it keeps torch's own GEMM. Two versions of each
 operator do the same: ``packed_linear`` (and ``packed_linear_int8``) has a
 Python kernel that calls the C function through ctypes; ``packed_linear_native``
 (and ``packed_linear_int8_native``) has a C++ kernel
-(``kernels/csrc/packed_ops.cpp``, built at first use against the installed
+(``csrc/packed_ops.cpp``, built at first use against the installed
 torch) that calls the same C function. A compiled step calls the C++ kernel
 straight from its C++ wrapper, without entering Python: a step makes 121 such
 calls for SmolLM2. The layers use the C++ operators wherever they build
@@ -156,30 +157,21 @@ def native_ops() -> NativeOps:
 
 
 def load_library() -> ctypes.CDLL:
-    """The compiled kernel (``kernels/csrc/packed_gemm.c``); raises RuntimeError saying why not."""
+    """The compiled kernel (``csrc/packed_gemm.c``), its bfloat16 row setting
+    handed over; raises RuntimeError saying why not."""
     state = native_ops()
     library = native.load("packed_gemm")
     if state.gemm is None:
-        declare(library)
+        hand_over_settings(library)
         state.gemm, state.gemm_bf16, state.gemm_i8 = (library.packed_gemm, library.packed_gemm_bf16,
                                                       library.packed_gemm_i8)
     return library
 
 
-def declare(library: ctypes.CDLL) -> ctypes.CDLL:
-    """Give a build of ``packed_gemm.c`` its functions' ctypes signatures."""
-    library.packed_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    library.packed_gemm.restype = None
-    library.packed_gemm_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    library.packed_gemm_i8.restype = ctypes.c_int
-    library.packed_gemm_block_cols.restype = ctypes.c_int
-    if hasattr(library, "packed_gemm_bf16"):   # (builds of older trees lack it)
-        library.packed_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-        library.packed_gemm_bf16.restype = None
-    if hasattr(library, "packed_gemm_set_bf16_rows"):   # (builds of older trees lack it)
-        library.packed_gemm_set_bf16_rows.argtypes = [ctypes.c_int]
-        library.packed_gemm_set_bf16_rows.restype = ctypes.c_int
-        library.packed_gemm_has_bf16.restype = ctypes.c_int
+def hand_over_settings(library: ctypes.CDLL) -> ctypes.CDLL:
+    """Give a build of ``packed_gemm.c`` (declared by ``native``) this
+    process's int8 bfloat16 row setting, where it has one (builds of older trees lack it)."""
+    if hasattr(library, "packed_gemm_set_bf16_rows"):
         library.packed_gemm_set_bf16_rows(native_ops().int8_bf16_min_rows)
     return library
 
@@ -215,8 +207,6 @@ def load_native_ops() -> None:
     ops = native.load_op_library("packed_ops")
     with state.register_lock:
         if not state.registered:
-            ops.packed_ops_set_kernels.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_longlong]
-            ops.packed_ops_set_kernels.restype = None
             ops.packed_ops_set_kernels(ctypes.cast(library.packed_gemm, ctypes.c_void_p),
                                        ctypes.cast(library.packed_gemm_bf16, ctypes.c_void_p),
                                        ctypes.cast(library.packed_gemm_i8, ctypes.c_void_p), KERNEL_MAX_ROWS)
@@ -231,12 +221,8 @@ def _hand_over_w8a8_kernel(ops: ctypes.CDLL) -> None:
     """Give the C++ w8a8 operator the VNNI kernel, where it builds and this CPU
     has AVX-512 VNNI; otherwise every step goes to torch._int_mm."""
     state = native_ops()
-    ops.packed_ops_set_w8a8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
-    ops.packed_ops_set_w8a8.restype = None
     try:
         library = native.load("w8a8_gemm")
-        library.w8a8_gemm_available.restype = ctypes.c_int
-        library.w8a8_gemm_max_rows.restype = ctypes.c_int
         state.w8a8_library = library   # its w8a8_rescale serves every CPU
         if not library.w8a8_gemm_available():
             raise RuntimeError("w8a8_gemm.c was built without AVX-512 VNNI (this CPU, or "
@@ -266,19 +252,6 @@ def _w8a8_linear_fake(a, row_scales, qweight, colsum, scales):
 def _decide_native_ops() -> bool:
     """``native_ops().decide()`` (the name callers used before ``NativeOps``)."""
     return native_ops().decide()
-
-
-def unavailable(device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    """Why packed linear layers cannot serve here (None when they can)."""
-    if device.type != "cpu":
-        return f"packed linear layers are a CPU kernel; the model runs on {device.type}"
-    if dtype != torch.float32:
-        return f"packed linear layers are float32; the model's dtype is {dtype}"
-    try:
-        load_library()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
 
 
 def block_cols() -> int:

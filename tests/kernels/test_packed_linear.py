@@ -16,12 +16,11 @@ import torch.nn.functional as F
 
 from greedy import default_model_greedy
 from pagedbackend.config import EngineConfig
-from pagedbackend.kernels import native
-from pagedbackend.models import packed_linear
+from pagedbackend.kernels import native, packed_linear
 from pagedbackend.quant.int8 import Int8Linear, PackedInt8Linear
 from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
 
-REASON = packed_linear.unavailable(torch.device("cpu"), torch.float32)
+REASON = native.unavailable(torch.device("cpu"), torch.float32)
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"packed kernel unavailable: {REASON}")
 
 
@@ -290,8 +289,8 @@ def test_unsupported_linear_backend_is_refused_by_name(settings, named):
 
 
 def test_packed_backend_where_it_cannot_run_is_refused_by_name(tiny_model_dir):
-    with pytest.raises(ValueError, match="linear_backend=packed cannot run here: packed linear "
-                                         "layers are float32; the model's dtype is torch.bfloat16"):
+    with pytest.raises(ValueError, match="linear_backend=packed cannot run here: the C kernel "
+                                         "packed_gemm.c is float32; the model's dtype is torch.bfloat16"):
         runner(tiny_model_dir, linear_backend="packed", dtype="bfloat16")
     auto = runner(tiny_model_dir, dtype="bfloat16")   # auto falls back to F.linear
     assert auto.linear_backend == "torch"
@@ -426,14 +425,14 @@ def test_kernels_built_for_avx2_only_compute_the_same():
     x86-64-v3, the code a CPU without AVX-512 runs (16-column blocks, 6-row
     chunks): the layer, decode-kernel and expert-kernel tests pass again in a process held to it."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}   # a build of its own: the flags key it
-    probe = subprocess.run([sys.executable, "-c", "from pagedbackend.models import packed_linear as p; "
+    probe = subprocess.run([sys.executable, "-c", "from pagedbackend.kernels import packed_linear as p; "
                             "from pagedbackend.kernels import native as n; print(p.block_cols(), *n.isa_flags())"],
                            env=env, capture_output=True, text=True, timeout=600)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["16", "-march=x86-64-v3", "-mtune=native"]
     tests = pathlib.Path(__file__).parents[1]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(tests / "models" / "test_packed_linear.py"), str(tests / "kernels" / "test_kernels.py"),
+                          str(tests / "kernels" / "test_packed_linear.py"), str(tests / "kernels" / "test_kernels.py"),
                           str(tests / "kernels" / "test_fused_moe.py"),
                           "-k", f"({' or '.join(AVX2_TESTS)}) and not avx2_only"], env=env, capture_output=True, text=True,
                          timeout=1200, cwd=tests.parent)
