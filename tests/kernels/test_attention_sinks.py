@@ -10,7 +10,7 @@ import torch
 import pagedbackend.kernels as kernels
 from pagedbackend.kernels import paged_attention as pa
 from pagedbackend.kernels import sdpa_attention as sa
-from test_kernels import TOL, PagedBatch, make_batch
+from paged_batch import TOL, PagedBatch, make_batch
 
 
 def sink_reference(batch: PagedBatch, sinks: torch.Tensor, window: Optional[int] = None,

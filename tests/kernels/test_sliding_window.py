@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import pagedbackend.kernels as kernels
 from pagedbackend.kernels import paged_attention as pa
 from pagedbackend.kernels import sdpa_attention as sa
-from test_kernels import TOL, PagedBatch, make_batch
+from paged_batch import TOL, PagedBatch, make_batch
 
 
 def windowed_reference(batch: PagedBatch, window: Optional[int], scale: Optional[float] = None) -> torch.Tensor:
