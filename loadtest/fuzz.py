@@ -78,8 +78,8 @@ def cases_sent(report_dir: pathlib.Path) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     from loadtest.tiny_model import build_tiny_llama
-    from pagedbackend.serving.harness import TritonServer
-    from pagedbackend.serving.openai.harness import OpenAIServer
+    from loadtest.harness.triton import TritonServer
+    from loadtest.harness.openai import OpenAIServer
     from pagedbackend.serving.repository import make_model_repository
 
     out = pathlib.Path(args.out)

@@ -111,9 +111,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from loadtest.bench.common import bench_model
-    from pagedbackend.serving.harness import TritonServer
+    from loadtest.harness.triton import TritonServer
     from pagedbackend.serving.repository import make_model_repository
-    from pagedbackend.serving.openai.harness import OpenAIServer
+    from loadtest.harness.openai import OpenAIServer
     settings = dict(s.split("=", 1) for s in args.set)
     settings["model"] = bench_model(args.model)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:

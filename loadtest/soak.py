@@ -84,7 +84,7 @@ def serving_limits(repo: pathlib.Path) -> dict:
 def run_soak(out: pathlib.Path, minutes: float, users: int, settings: dict, seed: int = 0,
              max_output_tokens: int = 32) -> dict:
     """Start a server over a copy of the shipped repository with ``settings`` and soak it."""
-    from pagedbackend.serving.harness import TritonServer
+    from loadtest.harness.triton import TritonServer
     from pagedbackend.serving.repository import make_model_repository
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -147,9 +147,9 @@ class _Ours:
         self.model, self.port, self.threads = model, port, threads
 
     def __enter__(self):
-        from pagedbackend.serving.harness import TritonServer
+        from loadtest.harness.triton import TritonServer
         from pagedbackend.serving.repository import make_model_repository
-        from pagedbackend.serving.openai.harness import OpenAIServer
+        from loadtest.harness.openai import OpenAIServer
         self.tmp = tempfile.mkdtemp(prefix="bench-aiperf-")
         repo = make_model_repository(self.tmp, {"model": self.model})
         env = {"OMP_NUM_THREADS": str(self.threads)} if self.threads else {}
@@ -189,7 +189,7 @@ def main(argv=None):
     if args.quick:
         args.concurrency, args.request_count, args.isl, args.osl, args.systems = [2], 4, 32, 16, ["ours"]
     from pagedbackend.models.default_model import resolve_model_path
-    from pagedbackend.serving.harness import free_port
+    from loadtest.harness.triton import free_port
     model_dir = str(resolve_model_path("default"))
     aiperf = tool_command(args.aiperf, "aiperf-venv", "aiperf", [[f"aiperf=={AIPERF_VERSION}"]])
     out_dir = pathlib.Path(args.out) / "aiperf"

@@ -127,7 +127,7 @@ def main(argv=None):
     started = time.perf_counter()
     from transformers import AutoTokenizer
     from pagedbackend.models.default_model import resolve_model_path
-    from pagedbackend.serving.harness import free_port
+    from loadtest.harness.triton import free_port
     model = bench_model(args.model)
     model_dir = str(resolve_model_path(model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

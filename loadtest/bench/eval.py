@@ -78,7 +78,7 @@ def main(argv=None):
         args.limit = 4
     from loadtest.bench.aiperf import _Ours
     from pagedbackend.models.default_model import resolve_model_path
-    from pagedbackend.serving.harness import free_port
+    from loadtest.harness.triton import free_port
     folder = str(resolve_model_path("default"))
     # The CPU torch first: lm-eval would otherwise pull a CUDA build. hf: transformers for
     # local-completions' tokenizer and for the offline model.

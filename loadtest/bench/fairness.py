@@ -140,8 +140,8 @@ def main(argv=None):
     from transformers import AutoTokenizer
     from loadtest.bench.common import bench_model
     from pagedbackend.models.default_model import resolve_model_path
-    from pagedbackend.serving.harness import TritonServer
-    from pagedbackend.serving.openai.harness import OpenAIServer
+    from loadtest.harness.triton import TritonServer
+    from loadtest.harness.openai import OpenAIServer
     from pagedbackend.serving.repository import make_model_repository
     model = bench_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(model)), local_files_only=True)

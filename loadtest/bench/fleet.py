@@ -310,9 +310,9 @@ def main(argv=None):
 
     from pagedbackend.models.default_model import resolve_model_path
     from pagedbackend.serving.fleet import frontend_workers
-    from pagedbackend.serving.fleet_harness import FleetProcess
-    from pagedbackend.serving.harness import free_port
-    from pagedbackend.serving.openai.harness import OpenAIServer
+    from loadtest.harness.fleet import FleetProcess
+    from loadtest.harness.triton import free_port
+    from loadtest.harness.openai import OpenAIServer
     from pagedbackend.serving.fleet import stop as stop_process
     model = bench_model(args.model)
     folder = str(resolve_model_path(model))

@@ -10,7 +10,7 @@ import random
 import tempfile
 from typing import Dict, List
 
-from pagedbackend.serving.harness import free_port
+from loadtest.harness.triton import free_port
 
 from . import peer_servers
 from .specdecode import closed_loop, summarise

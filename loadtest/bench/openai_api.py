@@ -171,9 +171,9 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     from pagedbackend.models.default_model import resolve_model_path
-    from pagedbackend.serving.harness import TritonServer
+    from loadtest.harness.triton import TritonServer
     from pagedbackend.serving.repository import make_model_repository
-    from pagedbackend.serving.openai.harness import OpenAIServer
+    from loadtest.harness.openai import OpenAIServer
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(model)), local_files_only=True)
     prompts = workloads.make_text_prompts(workloads.alpaca_like(args.rounds, args.seed), tokenizer, args.seed)
     chat_prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

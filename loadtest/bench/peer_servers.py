@@ -151,7 +151,7 @@ class Server:
 def ours(model: str, port: int, threads: int, settings: Dict[str, object], repo_dir: str) -> Server:
     """tritonserver with our model, through the launcher, engine settings in a
     copy of the model repository."""
-    from pagedbackend.serving.harness import free_port
+    from loadtest.harness.triton import free_port
     from pagedbackend.serving.repository import make_model_repository
     repo = make_model_repository(repo_dir, {"model": model, **settings})
     metrics_port = free_port()

@@ -340,7 +340,7 @@ def main(argv=None):
         print(offline_report("vLLM", rows[-1]), flush=True)
     if "llama" in peers["found"]:
         binary, ggufs = peers["found"]["llama"]
-        from pagedbackend.serving.harness import free_port
+        from loadtest.harness.triton import free_port
         for gguf in ggufs:
             label = gguf_label(gguf)
             try:
@@ -374,7 +374,7 @@ def main(argv=None):
 
 def serving(args, model: str, model_dir: str, peers: dict) -> dict:
     from transformers import AutoTokenizer
-    from pagedbackend.serving.harness import free_port
+    from loadtest.harness.triton import free_port
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     trace = workloads.alpaca_like(args.serve_requests, args.seed)
     prompts = workloads.make_text_prompts(trace, tokenizer, args.seed)

@@ -90,7 +90,7 @@ def main(argv=None):
         args.model, args.low, args.high, args.low_tokens, args.kv_blocks, args.gap = "tiny", 8, 3, 48, 24, 0.3
         args.max_num_seqs = 4
     from loadtest.bench.common import bench_model
-    from pagedbackend.serving.harness import TritonServer
+    from loadtest.harness.triton import TritonServer
     from pagedbackend.serving.repository import make_model_repository
     model = bench_model(args.model)
     low_prompts = [f"Story {i}: once upon a time in a land far away," for i in range(args.low)]

@@ -99,7 +99,7 @@ def run_in_process(settings: dict, prompts, lengths, arrival_sets) -> list:
 
 def run_server(settings: dict, prompts, lengths, arrival_sets, threads: int) -> list:
     from client import generate, grpc_stream_async
-    from pagedbackend.serving.harness import TritonServer
+    from loadtest.harness.triton import TritonServer
     from pagedbackend.serving.repository import make_model_repository
     import tritonclient.grpc.aio as aioclient
 

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable, Dict, Iterator, List
 
-from pagedbackend.serving.harness import free_port
+from loadtest.harness.triton import free_port
 
 from . import peer_servers
 from .common import write_result

@@ -58,7 +58,7 @@ def burst(http: str, streams: int, max_tokens: int, timeout_s: float) -> dict:
 
 def one_start(cache: pathlib.Path, args, log_path: pathlib.Path) -> dict:
     from client import generate
-    from pagedbackend.serving.harness import free_port
+    from loadtest.harness.triton import free_port
     ports = [free_port() for _ in range(3)]
     env = {**os.environ, "PAGEDBACKEND_CACHE": str(cache)}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)   # beside the prepared model, in this cache

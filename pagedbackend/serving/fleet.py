@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 from pagedbackend.config import ENV_PREFIX
 from pagedbackend.serving.constants import SERVED_MODEL
-from pagedbackend.serving.harness import is_model_ready
+from pagedbackend.serving.readiness import is_model_ready
 
 HOST = "127.0.0.1"
 NAMESPACE = "pagedbackend"

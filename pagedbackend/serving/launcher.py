@@ -9,7 +9,7 @@ Engine settings come from the ``parameters`` of each model's ``config.pbtxt``
 file; ``--set field=value`` and ``--model`` set those variables for the server.
 This module is the command line alone: the model repository is read and
 prepared in ``repository``, tritonserver started and stopped in ``process``,
-and its readiness awaited as in ``harness``.
+and its readiness awaited through ``readiness``.
 """
 import argparse
 import os
@@ -22,7 +22,7 @@ from typing import Dict
 
 from pagedbackend.config import ENV_PREFIX, EngineConfig
 from pagedbackend.serving.constants import ADMIN_HEADER, ADMIN_KEY_ENV, EXIT_TIMEOUT_S
-from pagedbackend.serving.harness import is_model_ready, is_ready, models_not_ready, wait_until
+from pagedbackend.serving.readiness import is_model_ready, is_ready, models_not_ready, wait_until
 from pagedbackend.serving.process import (prepare_backend, server_command, server_env, signal_group,
                                           start_server_process)
 from pagedbackend.serving.repository import (MODEL_REPOSITORY_ENV, build_step_packages, default_model_repository,

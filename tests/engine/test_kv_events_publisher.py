@@ -10,7 +10,7 @@ import pytest
 from kv_router_view import RouterView, Subscriber, decode_event, replay
 from pagedbackend import LLM, SamplingParams
 from pagedbackend.core.kv_events import AllBlocksCleared
-from pagedbackend.serving.harness import free_port
+from loadtest.harness.triton import free_port
 
 BLOCK = 16
 # 12 blocks of 16 positions: the rounds below fill the cache and evict from it.

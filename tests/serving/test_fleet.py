@@ -19,7 +19,7 @@ import pytest
 
 from pagedbackend.serving.dynamo.replica import parse_load
 from pagedbackend.serving.fleet import frontend_workers
-from pagedbackend.serving.fleet_harness import FleetProcess
+from loadtest.harness.fleet import FleetProcess
 from pagedbackend.serving.openai.triton_client import Triton
 from processes import alive, children_of
 

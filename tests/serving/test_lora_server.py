@@ -21,8 +21,8 @@ import pytest
 from client.streaming import ServerError, generate
 from pagedbackend import LLM, LoRARequest, SamplingParams
 from pagedbackend.serving.constants import ADMIN_HEADER
-from pagedbackend.serving.harness import TritonServer
-from pagedbackend.serving.openai.harness import OpenAIServer
+from loadtest.harness.triton import TritonServer
+from loadtest.harness.openai import OpenAIServer
 from pagedbackend.serving.repository import make_model_repository
 from peft_reference import save_random_adapter
 

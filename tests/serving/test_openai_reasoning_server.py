@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from loadtest.tiny_families import build_tiny_family, load_hf
-from pagedbackend.serving.harness import TritonServer
-from pagedbackend.serving.openai.harness import OpenAIServer
+from loadtest.harness.triton import TritonServer
+from loadtest.harness.openai import OpenAIServer
 from pagedbackend.serving.repository import make_model_repository
 
 pytestmark = pytest.mark.slow

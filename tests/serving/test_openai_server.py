@@ -16,10 +16,10 @@ import openai
 import pytest
 
 from client import generate
-from pagedbackend.serving.harness import TritonServer, free_port
+from loadtest.harness.triton import TritonServer, free_port
 from pagedbackend.serving.repository import make_model_repository
 from processes import alive, children_of, processes_mentioning
-from pagedbackend.serving.openai.harness import OpenAIServer
+from loadtest.harness.openai import OpenAIServer
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import jsonschema
 import openai
 import pytest
 
-from pagedbackend.serving.harness import TritonServer
+from loadtest.harness.triton import TritonServer
 from pagedbackend.serving.repository import make_model_repository
-from pagedbackend.serving.openai.harness import OpenAIServer
+from loadtest.harness.openai import OpenAIServer
 from strict_json import strict_loads
 
 pytestmark = pytest.mark.slow

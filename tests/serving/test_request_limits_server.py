@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from client import ServerError, generate, http_stream
-from pagedbackend.serving.harness import TritonServer
-from pagedbackend.serving.openai.harness import OpenAIServer
+from loadtest.harness.triton import TritonServer
+from loadtest.harness.openai import OpenAIServer
 from pagedbackend.serving.repository import make_model_repository
 
 pytestmark = pytest.mark.slow

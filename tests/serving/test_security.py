@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from pagedbackend.serving.constants import ADMIN_HEADER, GRPC_ADMIN_HEADER
-from pagedbackend.serving.harness import TritonServer
+from loadtest.harness.triton import TritonServer
 from pagedbackend.serving.security import (API_KEY_ENV, API_KEY_HEADER, GRPC_API_KEY_HEADER, api_keys, bearer,
                                            is_loopback, key_matches, redact, refuse_public_bind)
 from test_serve import REPO, write_echo_repository

@@ -14,7 +14,7 @@ import pytest
 
 from pagedbackend.config import EngineConfig, engine_config
 from processes import group_members, processes_mentioning
-from pagedbackend.serving.harness import ServerError, TritonServer
+from loadtest.harness.triton import ServerError, TritonServer
 from pagedbackend.serving.process import find_tritonserver, prepare_backend, server_command, triton_home
 from pagedbackend.serving.repository import make_model_repository, read_parameters
 from pagedbackend.serving.triton.settings import ModelSettings
@@ -343,7 +343,7 @@ def test_a_model_that_fails_to_load_is_reported_with_the_server_log(tmp_path):
 def test_serve_cli_prints_the_urls_and_exits_cleanly_on_sigterm(tmp_path):
     repo = write_echo_repository(tmp_path / "repo")
     make_model_repository(repo, {"model": str(tmp_path / "absent")}, name="broken")
-    from pagedbackend.serving.harness import free_port
+    from loadtest.harness.triton import free_port
     ports = [str(free_port()) for _ in range(3)]
     command = [sys.executable, "-m", "pagedbackend.serve", "--model-repository", str(repo),
                "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],

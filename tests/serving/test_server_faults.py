@@ -15,7 +15,7 @@ import pytest
 
 from client import ServerError, acollect, generate, grpc_stream, grpc_stream_async
 from fault_injection import make_faulty_repository
-from pagedbackend.serving.harness import TritonServer
+from loadtest.harness.triton import TritonServer
 
 pytestmark = pytest.mark.slow
 

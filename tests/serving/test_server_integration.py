@@ -10,7 +10,7 @@ import pytest
 
 from strict_json import strict_loads
 from client import ServerError, acollect, generate, grpc_stream, grpc_stream_async, http_stream
-from pagedbackend.serving.harness import TritonServer
+from loadtest.harness.triton import TritonServer
 from pagedbackend.serving.repository import make_model_repository
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 
 from client import ServerError, generate, grpc_stream, http_stream
 from fault_injection import make_faulty_repository
-from pagedbackend.serving.harness import TritonServer, free_port
+from loadtest.harness.triton import TritonServer, free_port
 from pagedbackend.serving.repository import make_model_repository
 from processes import group_members
 
@@ -326,7 +326,7 @@ def test_a_killed_tensor_parallel_worker_fails_the_engine_and_both_servers_exit_
     fails, the model unloads itself, the launcher stops tritonserver and exits
     with status 3, and the OpenAI server in front exits 3 too, so that a
     supervisor restarts them; nothing of either is left."""
-    from pagedbackend.serving.openai.harness import OpenAIServer
+    from loadtest.harness.openai import OpenAIServer
     from processes import processes_mentioning
     repo = make_model_repository(tmp_path / "repo", {"model": tiny_model_dir, **SETTINGS,
                                                      "tensor_parallel_size": 2})

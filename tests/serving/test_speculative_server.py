@@ -13,7 +13,7 @@ import pytest
 
 from client import generate
 from pagedbackend import LLM, SamplingParams
-from pagedbackend.serving.harness import TritonServer
+from loadtest.harness.triton import TritonServer
 from pagedbackend.serving.repository import make_model_repository
 from strict_json import strict_loads
 

@@ -18,7 +18,7 @@ from strict_json import strict_loads
 from client import http_stream
 from loadtest.tiny_model import build_tiny_llama
 from pagedbackend.serving.constants import EXIT_TIMEOUT_S
-from pagedbackend.serving.harness import free_port
+from loadtest.harness.triton import free_port
 from processes import alive, children_of, processes_mentioning
 
 pytestmark = pytest.mark.slow

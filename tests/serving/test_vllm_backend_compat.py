@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from strict_json import strict_loads
-from pagedbackend.serving.harness import TritonServer, is_model_ready, is_ready
+from loadtest.harness.triton import TritonServer, is_model_ready, is_ready
 from pagedbackend.serving.repository import make_model_repository
 
 pytestmark = pytest.mark.slow

@@ -346,7 +346,7 @@ def test_a_peer_server_that_dies_at_start_is_reported_with_its_signal_and_last_l
     the signal and keeps the end of its log, also when cut to length."""
     import sys
     from loadtest.bench import peer_servers
-    from pagedbackend.serving.harness import free_port
+    from loadtest.harness.triton import free_port
     code = ("import os, resource, signal, sys\n"
             "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"   # no core file
             "print('\\n'.join(f'line {i}' for i in range(400)), flush=True)\n"

@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    from pagedbackend.serving.harness import TritonServer
+    from loadtest.harness.triton import TritonServer
     from pagedbackend.serving.repository import make_model_repository
     repo = make_model_repository(tmp_path_factory.mktemp("repo"),
                                  {"model": str(tiny_model_dir), "num_kv_blocks": 128, "max_num_seqs": 16,

@@ -56,7 +56,7 @@ def test_a_non_editable_install_serves_with_the_native_operators(tmp_path, tiny_
 import pathlib, sys
 import pagedbackend
 assert pathlib.Path(pagedbackend.__file__).is_relative_to({purelib!r}), pagedbackend.__file__
-from pagedbackend.serving.harness import TritonServer
+from loadtest.harness.triton import TritonServer
 from pagedbackend.serving.repository import make_model_repository
 from client import generate
 repo = make_model_repository({str(tmp_path / 'repo')!r}, {{"model": {str(tiny_model_dir)!r}, "num_kv_blocks": 64,

@@ -12,7 +12,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from pagedbackend.serving.harness import Started, free_port
+from loadtest.harness.triton import Started, free_port
 
 
 def free_port_block(size: int, low: int = 20000, high: int = 32000, tries: int = 200) -> int:

@@ -5,7 +5,7 @@ import sys
 import tempfile
 from typing import Mapping, Optional
 
-from pagedbackend.serving.harness import Started, answers_ok, free_port, wait_until
+from loadtest.harness.triton import Started, answers_ok, free_port, wait_until
 
 
 class OpenAIServer(Started):

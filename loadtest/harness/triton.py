@@ -1,6 +1,6 @@
 """Servers for tests and benchmarks: a tritonserver on free loopback ports,
-started and stopped as a context, and the readiness probes and waits that the
-launcher's command line uses as well."""
+started and stopped as a context (the readiness probes are the product's,
+``pagedbackend.serving.readiness``)."""
 import pathlib
 import secrets
 import shutil
@@ -12,6 +12,7 @@ import urllib.request
 from typing import Callable, Mapping, Optional, Sequence
 
 from pagedbackend.serving.constants import ADMIN_KEY_ENV, EXIT_TIMEOUT_S
+from pagedbackend.serving.readiness import answers_ok, is_model_ready, is_ready, models_not_ready, wait_until  # noqa: F401
 from pagedbackend.serving.process import (prepare_backend, server_command, server_env, start_server_process,
                                           stop_process_group)
 from pagedbackend.serving.repository import repository_models
@@ -21,43 +22,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def answers_ok(url: str, timeout: float = 1.0) -> bool:
-    """Whether a GET of ``url`` answers 200."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
-
-
-def is_ready(http_url: str, timeout: float = 1.0) -> bool:
-    return answers_ok(f"{http_url}/v2/health/ready", timeout)
-
-
-def is_model_ready(http_url: str, model: str, timeout: float = 1.0) -> bool:
-    return answers_ok(f"{http_url}/v2/models/{model}/ready", timeout)
-
-
-def models_not_ready(http_url: str, names: Sequence[str]) -> list:
-    return [name for name in names if not is_model_ready(http_url, name)]
-
-
-def wait_until(probe: Callable[[], bool], process: subprocess.Popen, timeout_s: float,
-               stopping: Callable[[], bool] = lambda: False, poll_s: float = 0.2) -> bool:
-    """Poll ``probe`` (e.g. ``is_ready``) until it holds (True), or the process
-    exits or ``stopping()`` holds (False); TimeoutError after ``timeout_s``.
-    With explicit model control tritonserver is ready before its models load:
-    ask ``models_not_ready`` after it."""
-    deadline = time.monotonic() + timeout_s
-    while process.poll() is None and not stopping():
-        if probe():
-            return True
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not ready after {timeout_s:.0f} s")
-        time.sleep(poll_s)
-    return False
 
 
 class ServerError(RuntimeError):
