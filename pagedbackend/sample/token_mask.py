@@ -45,11 +45,7 @@ def _mask_kernel():
     if "kernel" not in _kernel_state:
         from pagedbackend.kernels import native
         try:
-            library = native.load("token_mask")
-            kernel = library.apply_token_mask
-            kernel.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-            kernel.restype = None
+            kernel = native.load("token_mask").apply_token_mask
         except RuntimeError:
             kernel = None
         _kernel_state["kernel"] = kernel
