@@ -15,7 +15,7 @@ from pagedbackend.serving.constants import ADMIN_HEADER, GRPC_ADMIN_HEADER
 from loadtest.harness.triton import TritonServer
 from pagedbackend.serving.security import (API_KEY_ENV, API_KEY_HEADER, GRPC_API_KEY_HEADER, api_keys, bearer,
                                            is_loopback, key_matches, redact, refuse_public_bind)
-from test_serve import REPO, write_echo_repository
+from echo_repository import REPO, write_echo_repository
 
 KEY, OTHER = "sk-test-0123456789", "sk-second-key"
 
