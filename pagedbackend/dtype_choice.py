@@ -4,7 +4,8 @@ runs in, from its checkpoint and the machine.
 - a bfloat16 checkpoint runs in bfloat16 where the device multiplies bfloat16
   natively: a CUDA GPU, or a CPU with AVX512-BF16 or AMX-BF16 (and the
   kernels not held to a narrower set by ``ATEN_CPU_CAPABILITY``); float32
-  on other CPUs, where bfloat16 products are emulated;
+  on other CPUs, where bfloat16 products are emulated, and on a CPU for a
+  mixture of experts, whose packed expert kernel takes float32 activations;
 - a float16 checkpoint runs in float16 on a GPU, in float32 on a CPU;
 - a float32 checkpoint (the default model) and one that names no dtype run
   in float32.
@@ -51,6 +52,17 @@ def cpu_multiplies_bf16() -> bool:
     return False
 
 
+def has_experts(model_path: pathlib.Path) -> bool:
+    """Whether ``config.json`` describes a mixture of experts."""
+    try:
+        config = json.loads((pathlib.Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    parts = (config, config.get("text_config") or {})
+    return any((part.get(key) or 0) > 1 for part in parts
+               for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
 def _on_cuda(device: str) -> bool:
     if device == "cuda":
         return True
@@ -67,7 +79,9 @@ def resolve_dtype(dtype: str, model_path: pathlib.Path, device: str = "auto") ->
         return dtype
     stored = checkpoint_dtype(model_path)
     if stored == "bfloat16":
-        return "bfloat16" if _on_cuda(device) or cpu_multiplies_bf16() else "float32"
+        if _on_cuda(device):
+            return "bfloat16"
+        return "bfloat16" if cpu_multiplies_bf16() and not has_experts(model_path) else "float32"
     if stored == "float16" and _on_cuda(device):
         return "float16"
     return "float32"
