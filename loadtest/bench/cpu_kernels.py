@@ -196,8 +196,8 @@ def bench_attention(seq_counts: List[int], mean_lens: List[int], rounds: int,
     heads, kv_heads, dim, block_size = 9, 3, 64, 16
     before = None
     if against:   # the C kernel at REV, called as this tree's is
-        before = source_at(against, "paged_decode").paged_decode
-        before.argtypes, before.restype = sa._SIGNATURES["paged_decode"], ctypes.c_int
+        from pagedbackend.kernels import native
+        before = native.declare("paged_decode", source_at(against, "paged_decode")).paged_decode
     rows = []
     for n in seq_counts:
         for mean_len in mean_lens:

@@ -183,7 +183,11 @@ def main(argv=None) -> int:
 
 class ModelWatch:
     """The models that were ready at start; ``failed`` names one that is not
-    any more (two probes in a row, ``MODEL_POLL_S`` apart), unless a stop was asked for."""
+    any more (two probes in a row, ``MODEL_POLL_S`` apart) while tritonserver
+    itself still answers ready, unless a stop was asked for. A server that was
+    told to stop by someone else (SIGTERM to it alone) stops answering
+    ``/v2/health/ready`` at once while its models drain: that is a stop, not a
+    failed engine (whose model unloads itself under a server that stays ready)."""
 
     def __init__(self, http_url: str, names: list, stop_requested: list):
         self.http_url, self.names, self.stop_requested = http_url, names, stop_requested
@@ -198,6 +202,9 @@ class ModelWatch:
             self.misses[name] = 0 if is_model_ready(self.http_url, name, timeout=MODEL_POLL_S) \
                 else self.misses[name] + 1
             if self.misses[name] >= 2:
+                if not is_ready(self.http_url, timeout=MODEL_POLL_S):   # the server is stopping
+                    self.names = []
+                    return None
                 return name
         return None
 

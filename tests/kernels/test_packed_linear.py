@@ -7,6 +7,7 @@ count, called through the Python operators or the C++ ones; an engine serving th
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from greedy import default_model_greedy
 from pagedbackend.config import EngineConfig
 from pagedbackend.kernels import native, packed_linear
+from pagedbackend.models import bf16_linear
 from pagedbackend.quant.int8 import Int8Linear, PackedInt8Linear
 from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
 
@@ -290,10 +292,17 @@ def test_unsupported_linear_backend_is_refused_by_name(settings, named):
 
 def test_packed_backend_where_it_cannot_run_is_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match="linear_backend=packed cannot run here: the C kernel "
-                                         "packed_gemm.c is float32; the model's dtype is torch.bfloat16"):
-        runner(tiny_model_dir, linear_backend="packed", dtype="bfloat16")
-    auto = runner(tiny_model_dir, dtype="bfloat16")   # auto falls back to F.linear
+                                         "packed_gemm.c is float32; the model's dtype is torch.float16"):
+        runner(tiny_model_dir, linear_backend="packed", dtype="float16")
+    auto = runner(tiny_model_dir, dtype="float16")   # auto falls back to F.linear
     assert auto.linear_backend == "torch"
+    # bfloat16 goes through bf16_linear's kernel where this CPU multiplies bfloat16, else is refused by name
+    reason = bf16_linear.unavailable(torch.device("cpu"), torch.bfloat16)
+    if reason is None:
+        assert runner(tiny_model_dir, linear_backend="packed", dtype="bfloat16").linear_backend == "bf16"
+    else:
+        with pytest.raises(ValueError, match="linear_backend=packed cannot run here: " + re.escape(reason)):
+            runner(tiny_model_dir, linear_backend="packed", dtype="bfloat16")
 
 
 @pytest.mark.parametrize("x", [torch.randn(2, 15), torch.randn(2, 16, dtype=torch.float64)], ids=["width", "dtype"])
