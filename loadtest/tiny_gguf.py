@@ -41,7 +41,8 @@ FAMILIES = {
     "gemma3": ("gemma3_text", "gemma3", dict(TEXT, head_dim=64, sliding_window=16, tie_word_embeddings=True)),
     "phi3": ("phi3", "phi3", dict(TEXT)),
 }
-SCHEMES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M")
+SCHEMES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "F16", "BF16", "F32")
+FLOAT_SCHEMES = ("F16", "BF16", "F32")
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -152,6 +153,8 @@ def tensor_kind(name: str, scheme: str, layers: int) -> str:
     """The GGUF type of tensor ``name`` in a file of ``scheme``."""
     if name.endswith(("norm.weight", ".bias")):
         return "F32"
+    if scheme in FLOAT_SCHEMES:   # a converted, unquantised file: every matrix in that type
+        return scheme
     if scheme in ("Q8_0", "Q4_0", "Q4_1"):
         return "Q6_K" if name == "output.weight" and scheme != "Q8_0" else scheme
     base = "Q4_K" if scheme == "Q4_K_M" else "Q5_K"
@@ -235,6 +238,12 @@ def write_gguf(path, state: Dict[str, torch.Tensor], cfg: dict, arch: str, schem
         kind = tensor_kind(name, scheme, cfg["num_hidden_layers"])
         if kind == "F32":
             writer.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+        elif kind == "F16":
+            writer.add_tensor(name, np.ascontiguousarray(t, dtype=np.float16))
+        elif kind == "BF16":
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t, dtype=np.float32),
+                                                         gguf.GGMLQuantizationType.BF16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
         else:
             writer.add_tensor(name, quantize(t, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
     writer.write_header_to_file()

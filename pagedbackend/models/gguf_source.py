@@ -127,16 +127,26 @@ def load_gguf_weights(model, path: pathlib.Path, dtype: torch.dtype) -> Dict[str
     types: Dict[str, int] = {}
     used = set()
 
-    def quantized(name: str) -> Tuple[torch.Tensor, str]:
+    def matrix(name: str) -> Tuple[torch.Tensor, str]:
         if name not in gguf.tensors:
             raise GGUFError(f"{path.name} lacks tensor {name}, which the model needs")
         info = gguf.tensors[name]
-        if info.type_name not in QUANTIZED:
-            raise GGUFError(f"{path.name}: {name} is {info.type_name}; projections are served from quantised "
-                            f"blocks ({', '.join(sorted(QUANTIZED))})")
         used.add(name)
         types[info.type_name] = types.get(info.type_name, 0) + 1
         return gguf.tensor(name), info.type_name
+
+    params = dict(model.named_parameters())
+    param_names = {id(param): name for name, param in params.items()}
+    loaded = set()
+
+    def fill(param: torch.nn.Parameter, tensor: torch.Tensor, what: str) -> None:
+        """A float tensor of the file (F32, F16, BF16) into ``param``, in the run's dtype."""
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise GGUFError(f"{path.name}: {what} is {tuple(tensor.shape)}, the model's config "
+                            f"{tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))
+        loaded.add(param_names[id(param)])
 
     for hf_names, linear in model.hf_projections():
         if getattr(linear, "tp_size", 1) != 1:
@@ -145,10 +155,17 @@ def load_gguf_weights(model, path: pathlib.Path, dtype: torch.dtype) -> Dict[str
         for hf_name in hf_names:
             parts = hf_name.split(".")
             name = f"blk.{parts[2]}.{_PROJECTIONS[parts[-2]]}.weight"
-            tensor, kind = quantized(name)
+            tensor, kind = matrix(name)
             shards.append(tensor)
             kinds.append(kind)
             maps.append(_rope_map(arch, parts[-2], tensor.shape[0], args))
+        if all(kind not in QUANTIZED for kind in kinds):   # an unquantised file: the float weight as loaded
+            fill(linear.weight, torch.cat([t.float() if m is None else t.float()[m] for t, m in zip(shards, maps)]),
+                 ", ".join(hf_names))
+            continue
+        if any(kind not in QUANTIZED for kind in kinds):
+            raise GGUFError(f"{path.name}: the tensors of {', '.join(hf_names)} mix float and quantised types "
+                            f"({', '.join(kinds)}); one merged projection is served from one or the other")
         rows, in_features = linear.weight.shape
         layer = GGUFLinear(shards, kinds, in_features, maps)
         if layer.out_features != rows:
@@ -156,17 +173,25 @@ def load_gguf_weights(model, path: pathlib.Path, dtype: torch.dtype) -> Dict[str
                             f"the model's config {rows}")
         linear.use_matmul(layer)
 
-    embed, embed_kind = quantized("token_embd.weight")
-    model.embed_tokens = GGUFEmbedding(embed, embed_kind, args.hidden_size, dtype)
-    if "output.weight" in gguf.tensors:
-        head, head_kind = quantized("output.weight")
-        model.use_head_matmul(GGUFLinear([head], [head_kind], args.hidden_size))
+    embed, embed_kind = matrix("token_embd.weight")
+    head, head_kind = matrix("output.weight") if "output.weight" in gguf.tensors else (None, None)
+    if embed_kind in QUANTIZED:
+        model.embed_tokens = GGUFEmbedding(embed, embed_kind, args.hidden_size, dtype)
     else:
-        model.use_head_matmul(GGUFLinear([embed], [embed_kind], args.hidden_size))
-    model.lm_head = None
-
-    params = dict(model.named_parameters())
-    loaded = set()
+        fill(model.embed_tokens.weight, embed.float(), "token_embd.weight")
+    if head is None and embed_kind not in QUANTIZED:   # tied: the head reads the embedding's float weight
+        if model.lm_head is not None:
+            fill(model.lm_head.weight, embed.float(), "token_embd.weight (as the head)")
+    elif head is not None and head_kind not in QUANTIZED:
+        if model.lm_head is None:
+            raise GGUFError(f"{path.name} has its own output.weight, but its metadata ties the head "
+                            "to the embedding")
+        fill(model.lm_head.weight, head.float(), "output.weight")
+    else:
+        blocks, kind = (embed, embed_kind) if head is None else (head, head_kind)
+        model.use_head_matmul(GGUFLinear([blocks], [kind], args.hidden_size))
+        model.lm_head = None
+    params = dict(model.named_parameters())   # without the float weights that GGUF layers replaced
     for name, info in gguf.tensors.items():
         if name in used:
             continue

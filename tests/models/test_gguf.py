@@ -1,5 +1,6 @@
 """GGUF files as a model source: tiny random checkpoints of the families,
-written as Q8_0, Q4_0 and Q4_K_M GGUF files (and Q4_1, Q5_K_M), generate
+written as Q8_0, Q4_0 and Q4_K_M GGUF files (and Q4_1, Q5_K_M, and the
+unquantised F16 and BF16 files a conversion writes), generate
 greedily what transformers generates when it loads the same file (it
 dequantises every block to float32), batched, with prefix caching and under
 preemption; the blocks are multiplied as the file holds them. A truncated
@@ -18,7 +19,7 @@ from pagedbackend.models.gguf_linear import GGUFLinear
 NEW_TOKENS = 10
 CASES = [(family, scheme) for family in ("llama", "qwen2", "qwen3") for scheme in ("Q8_0", "Q4_0", "Q4_K_M")]
 CASES += [("gemma3", "Q8_0"), ("gemma3", "Q4_K_M"), ("phi3", "Q8_0"), ("phi3", "Q4_K_M"),
-          ("mistral", "Q4_K_M"), ("llama", "Q4_1"), ("qwen2", "Q5_K_M")]
+          ("mistral", "Q4_K_M"), ("llama", "Q4_1"), ("qwen2", "Q5_K_M"), ("llama", "F16"), ("qwen3", "BF16")]
 
 
 @pytest.fixture(scope="module")
