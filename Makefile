@@ -17,6 +17,9 @@ REPLICAS ?= 2
 FLEET_BASE_PORT ?= 8100
 MIGRATION_LIMIT ?= 3
 FLEET_ARGS ?=
+# More options of the OpenAI server (python -m pagedbackend.serving.openai_server --help),
+# e.g. OPENAI_ARGS="--max-concurrent-per-key 8 --request-limit max_n=16".
+OPENAI_ARGS ?=
 # `make serve MODEL=FOLDER` (and `make fleet MODEL=FOLDER`) serves a Hugging Face model folder
 # instead of the default model.
 MODEL :=
@@ -80,7 +83,7 @@ serve: setup
 	  $(if $(MODEL),--model $(MODEL)) & triton=$$!; \
 	$(PY) -m pagedbackend.serving.openai_server \
 	  --triton-url $(if $(filter 0.0.0.0 ::,$(HOST)),127.0.0.1,$(HOST)):$(GRPC_PORT) \
-	  --host $(HOST) --port $(OPENAI_PORT) $(if $(MODEL),--tokenizer $(MODEL)) & openai=$$!; \
+	  --host $(HOST) --port $(OPENAI_PORT) $(if $(MODEL),--tokenizer $(MODEL)) $(OPENAI_ARGS) & openai=$$!; \
 	stopped=; stop() { [ -n "$$stopped" ] && return; stopped=1; trap '' INT TERM; \
 	  kill $$triton $$openai 2>/dev/null; }; \
 	trap stop INT TERM; \

@@ -182,3 +182,47 @@ def test_the_client_sends_the_given_key_else_the_first_of_the_environment(monkey
     assert triton_headers() == {API_KEY_HEADER: KEY} and triton_headers(grpc=True) == {GRPC_API_KEY_HEADER: KEY}
     monkeypatch.delenv(API_KEY_ENV)
     assert triton_headers() == {} and api_key_of() is None
+
+
+# ---------------------------------------------------------------- requests in flight per key
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+def test_a_key_over_its_concurrent_requests_gets_429_while_other_keys_are_served(tmp_path, tiny_model_dir):
+    import socket
+    from loadtest.harness.openai import OpenAIServer
+    repo = write_echo_repository(tmp_path / "repo")
+    with TritonServer(repo, ready_timeout_s=60) as triton, \
+            OpenAIServer(triton.grpc_url, tokenizer=tiny_model_dir,
+                         extra_args=["--model-name", "echo", "--api-key", KEY, "--api-key", OTHER,
+                                     "--max-concurrent-per-key", "1"]) as api:
+        tokenize = f"{api.url}/tokenize"
+        body = {"model": "echo", "prompt": "hello"}
+        # A request of KEY's whose body is still arriving holds KEY's one place.
+        held = socket.create_connection(("127.0.0.1", api.port))
+        held.sendall(f"POST /tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"".encode())
+        try:
+            deadline, over = time.monotonic() + 10, None
+            while time.monotonic() < deadline:   # until the server has read the held head
+                over = post(tokenize, body, {**JSON, "Authorization": f"Bearer {KEY}"})
+                if over[0] == 429:
+                    break
+                time.sleep(0.05)
+            other = post(tokenize, body, {**JSON, "Authorization": f"Bearer {OTHER}"})
+            health = get(f"{api.url}/health")
+        finally:
+            held.close()
+        deadline, after = time.monotonic() + 10, None
+        while time.monotonic() < deadline:   # the place comes back once the held request ends
+            after = post(tokenize, body, {**JSON, "Authorization": f"Bearer {KEY}"})
+            if after[0] == 200:
+                break
+            time.sleep(0.05)
+    assert over[0] == 429, over
+    error = json.loads(over[1])["error"]
+    assert error["code"] == "rate_limit_exceeded" and "max_concurrent_per_key" in error["message"]
+    assert other[0] == 200 and json.loads(other[1])["tokens"] and health == 200
+    assert after[0] == 200 and after[1] == other[1]

@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedbackend.serving.constants import SERVED_MODEL
 from pagedbackend.serving.openai import adapters as lora
 from pagedbackend.serving.openai.answers import ChatAnswer, CompletionAnswer
-from pagedbackend.serving.openai.asgi import ApiKeyAuth, BodySizeLimit, CatchAll, h11_protocol_with_error_objects
+from pagedbackend.serving.openai.asgi import (ApiKeyAuth, BodySizeLimit, CatchAll, ConcurrencyPerKey,
+                                             h11_protocol_with_error_objects)
 from pagedbackend.serving.openai.generations import OpenGenerations, answer
 from pagedbackend.serving.openai.offload import run_sized
 from pagedbackend.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -54,6 +55,7 @@ class Settings:
     limits: RequestLimits = field(default_factory=RequestLimits)
     api_keys: Sequence[str] = ()               # Bearer keys every route but /health needs; (): open
     triton_api_key: Optional[str] = None       # the key of tritonserver's inference APIs (serve --api-key)
+    max_concurrent_per_key: int = 0            # requests in flight per key (per address without keys); 0: no cap
 
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: Optional[Tools] = None) -> str:
@@ -92,6 +94,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
 
     app = FastAPI(title="pagedbackend OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ConcurrencyPerKey, limit=settings.max_concurrent_per_key, keyed=bool(settings.api_keys))
     app.add_middleware(ApiKeyAuth, keys=settings.api_keys)   # before any body is read
     app.add_middleware(CatchAll)   # outermost of ours: it also sees BodySizeLimit's errors
 

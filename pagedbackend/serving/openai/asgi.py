@@ -1,12 +1,11 @@
 """The HTTP plumbing under the OpenAI app: ASGI middleware that checks API
-keys, caps request
-bodies and turns unanswered exceptions into OpenAI error objects, uvicorn's
+keys, caps the requests in flight per key, caps request bodies and turns unanswered exceptions into OpenAI error objects, uvicorn's
 HTTP protocol answering a malformed or oversized request head with one too,
 and a server-sent-events response fed straight from an async iterator."""
 import json
 import logging
 import uuid
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Dict, Sequence
 
 from fastapi.responses import JSONResponse, Response
 
@@ -38,6 +37,38 @@ class ApiKeyAuth:
                             None, "invalid_api_key")
         response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
+
+
+class ConcurrencyPerKey:
+    """ASGI middleware: at most ``limit`` requests in flight per API key (per
+    client address when the API has no keys); one more gets 429 and an OpenAI
+    error object (``rate_limit_exceeded``) naming the limit. A request counts
+    from its head to the last byte of its answer (a body still arriving and a
+    stream still open hold their place); ``open_paths`` are not counted."""
+
+    def __init__(self, app, limit: int, keyed: bool, open_paths: Sequence[str] = ("/health",)):
+        self.app, self.limit, self.keyed, self.open_paths = app, limit, keyed, set(open_paths)
+        self.in_flight: Dict[str, int] = {}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.limit <= 0 or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        if self.keyed:   # ApiKeyAuth, outside this one, admitted only the keys
+            who = bearer(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")) or ""
+        else:
+            who = (scope.get("client") or ("",))[0]
+        if self.in_flight.get(who, 0) >= self.limit:
+            error = OpenAIError(429, f"too many concurrent requests: {self.limit} per "
+                                f"{'API key' if self.keyed else 'client address'} (max_concurrent_per_key)",
+                                None, "rate_limit_exceeded")
+            return await JSONResponse(error.body(), status_code=429)(scope, receive, send)
+        self.in_flight[who] = self.in_flight.get(who, 0) + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight[who] -= 1
+            if not self.in_flight[who]:
+                del self.in_flight[who]
 
 
 class BodySizeLimit:

@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="every route but /health needs 'Authorization: Bearer KEY' with one of these "
                              f"keys; repeatable (default: ${API_KEY_ENV}, comma-separated). The first is "
                              "also sent to tritonserver (python -m pagedbackend.serve --api-key)")
+    parser.add_argument("--max-concurrent-per-key", type=int, default=0, metavar="N",
+                        help="at most N requests in flight per API key (per client address without keys); "
+                             "one more gets 429. 0 (default): no cap")
     parser.add_argument(PUBLIC_BIND_FLAG, action="store_true",
                         help="serve a non-loopback --host without an API key (refused otherwise)")
     parser.add_argument("--exit-after-triton-lost", type=float, default=5.0, metavar="SECONDS",
@@ -72,7 +75,8 @@ def main(argv=None) -> int:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
     settings = Settings(args.triton_url, args.model_name, args.tokenizer, args.max_body_bytes,
-                        args.triton_admin_key, args.reasoning_parser, limits, keys, keys[0] if keys else None)
+                        args.triton_admin_key, args.reasoning_parser, limits, keys, keys[0] if keys else None,
+                        max(0, args.max_concurrent_per_key))
     try:
         app = create_app(settings)
     except (OSError, ValueError) as exc:
