@@ -59,7 +59,7 @@ def cases_in_report(path: pathlib.Path) -> int:
 def round_command(schema_url: str, api_key: str, examples: int, seed: int, coverage: bool, workers: int,
                   report: pathlib.Path) -> List[str]:
     phases = "examples,coverage,fuzzing" if coverage else "examples,fuzzing"
-    return [str(pathlib.Path(sys.executable).parent / "st"), "run", schema_url,
+    return [sys.executable, "-m", "schemathesis.cli", "run", schema_url,
             "--checks", "not_a_server_error", "--phases", phases, "--max-examples", str(examples),
             "--seed", str(seed), "--workers", str(workers),
             "--request-timeout", "120", "--header", f"Authorization: Bearer {api_key}",
@@ -81,6 +81,7 @@ def failure_lines(output: str) -> List[str]:
 def run_rounds(schema_url: str, api_key: str, out: pathlib.Path, cases: int, max_time: float,
                coverage: bool = True, seed: int = 0, workers: int = 2) -> SchemaFuzz:
     """``st run`` rounds until ``cases`` cases were sent or ``max_time`` seconds passed."""
+    out = out.resolve()   # schemathesis runs in it
     out.mkdir(parents=True, exist_ok=True)
     result = SchemaFuzz()
     started = time.monotonic()
@@ -103,8 +104,11 @@ def run_rounds(schema_url: str, api_key: str, out: pathlib.Path, cases: int, max
         except subprocess.TimeoutExpired as stopped:
             status, output = None, _text(stopped.stdout) + _text(stopped.stderr)
         (out / f"{name}.txt").write_text(output)
-        result.cases += cases_in_report(report) if report.exists() else 0
         result.rounds += 1
+        if not report.exists():
+            result.problems.append(f"schemathesis round {result.rounds} wrote no report:\n{output[-2000:]}")
+            break
+        result.cases += cases_in_report(report)
         failures = failure_lines(output)
         if failures:
             result.server_errors.append("\n".join(failures))
