@@ -37,15 +37,16 @@ DATATYPES = ("BYTES", "BOOL", "INT64", "INT32", "INT8", "UINT32", "FP32", "FP16"
 # (docs/security.md): infer's 501 for a decoupled model, and generate's 500
 # for a body whose JSON does not convert to the model's inputs (a string for
 # a BOOL input, a number beyond INT64, parameters that are no object of
-# scalars, a body that is no object). Counted apart; any other 5xx fails.
+# scalars, a body that is no object, a field name holding a NUL character,
+# which Triton cuts short and then cannot find). Counted apart; any other 5xx fails.
 TRITONSERVER_5XX = re.compile(
     r'^\{"error":"(HTTP end point doesn\'t support models with decoupled transaction policy"'
     r"|Unable to parse 'data': |Unable to parse JSON bytes array: attempt to access JSON "
     r"|attempt to get members for non-object|Expected JSON object for keyword: "
-    r"|Converting keyword: 'parameters': )")
+    r"|(Converting keyword: 'parameters': )?parameter key '.*' was not found in the JSON)")
 # Markers of an internal error in a stream's error event (the model's INTERNAL
-# replies and anything a traceback would leave); refusals name the bad input.
-INTERNAL_MARKERS = ("could not start the request", "Traceback", "internal error", "unexpected")
+# replies, a request the engine failed, a traceback); refusals name the bad input.
+INTERNAL_MARKERS = ("could not start the request", "failed while", "engine failed", "Traceback", "internal error")
 
 numbers = st.one_of(
     st.integers(min_value=-3, max_value=200), st.integers(), st.integers(min_value=2 ** 62, max_value=2 ** 80),
