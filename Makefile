@@ -98,9 +98,16 @@ fleet: setup
 	@exec $(PY) -m pagedbackend.serving.fleet --replicas $(REPLICAS) --openai-port $(OPENAI_PORT) \
 	  --base-port $(FLEET_BASE_PORT) --migration-limit $(MIGRATION_LIMIT) $(if $(MODEL),--model $(MODEL)) $(FLEET_ARGS)
 
-# Arbitrary request payloads against the engine (10,000 examples; not part of `make test`).
+# Fuzzing, not part of `make test` (a short run of it is, tests/serving/test_fuzz_smoke.py;
+# docs/security.md). The engine with 10,000 arbitrary payloads (at most 30 minutes), then
+# loadtest.fuzz on real servers: 10,000 schemathesis cases against the OpenAI API's schema
+# (at most 40 minutes) and 5,000 JSON bodies against tritonserver's generate, generate_stream
+# and infer routes (at most 5 minutes). Summaries and failures land in results/fuzz.
 fuzz: setup
-	PAGEDBACKEND_FUZZ_EXAMPLES=$${PAGEDBACKEND_FUZZ_EXAMPLES:-10000} $(PY) -m pytest -q tests/engine/test_request_fuzz.py
+	PAGEDBACKEND_FUZZ_EXAMPLES=$${PAGEDBACKEND_FUZZ_EXAMPLES:-10000} timeout 1800 \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/engine/test_request_fuzz.py
+	$(PY) -m loadtest.fuzz --cases 10000 --max-time 2400 --triton-cases 5000 --triton-max-time 300 \
+	  --out results/fuzz
 
 loadtest: setup
 	$(PY) -m loadtest.run_locust --out results/loadtest

@@ -1,41 +1,61 @@
-"""Schema fuzzing of the OpenAI-compatible API (``make fuzz``; docs/security.md).
+"""Fuzzing of the serving front ends (``make fuzz``; docs/security.md).
 
-    python -m loadtest.fuzz --max-examples 1300 --out results/fuzz
+    python -m loadtest.fuzz --cases 10000 --triton-cases 2000 --out results/fuzz
 
 Starts a tritonserver on a tiny random model and the OpenAI server in front
-of it (with an API key), runs schemathesis (``st run``) against the app's
-``/openapi.json`` with the ``not_a_server_error`` check, then checks what
-must hold afterwards: both servers still up and healthy, no KV block left in
-use (``pagedbackend:kv_blocks_used`` back to 0) and a canary completion
-answered. Prints one JSON summary line (cases, seconds, failures); exits
-non-zero on any failure. ``--max-examples`` is per API operation and phase;
-the summary counts every case schemathesis sent.
+of it (both with an API key), then runs two parts:
+
+- ``schema``: schemathesis against the OpenAI app's ``/openapi.json`` with the
+  ``not_a_server_error`` check, in rounds until ``--cases`` cases were sent
+  or ``--max-time`` passed (``loadtest.fuzz_schema``);
+- ``triton``: hypothesis-drawn JSON bodies against tritonserver's own
+  ``generate``, ``generate_stream`` and ``infer`` routes, ``--triton-cases``
+  of them within ``--triton-max-time`` (``loadtest.fuzz_triton``).
+
+After each part what must hold is checked: no 5xx but the documented 503s,
+both servers still up and ready, no KV block left in use
+(``pagedbackend:kv_blocks_used`` back to 0) and a canary completion answered.
+Prints one JSON summary line per part (cases, seconds, failures) and writes
+the failures found under ``--out``; exits non-zero on any failure.
 """
 import argparse
 import json
 import pathlib
-import re
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from typing import List
+
+from loadtest.fuzz_schema import run_rounds
+from loadtest.fuzz_triton import run_bodies
 
 KEY = "fuzz-key-0123456789"
-# Small limits keep each generated request cheap: a 128-position context on
-# a tiny model, so no case runs longer than 128 tokens.
+# Small limits keep each generated request cheap: a 64-position context on
+# a tiny model, so no case runs longer than 64 tokens.
 SETTINGS = dict(block_size=16, num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=512,
-                max_model_len=128, dtype="float32", device="cpu", compile=False)
+                max_model_len=64, dtype="float32", device="cpu", compile=False)
+PARTS = ("schema", "triton")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtest.fuzz", description=__doc__.split("\n")[0])
-    parser.add_argument("--max-examples", type=int, default=1300, help="per API operation and phase")
-    parser.add_argument("--max-time", type=float, default=1800.0, help="seconds for schemathesis, at most")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated: schema, triton")
+    parser.add_argument("--cases", type=int, default=10_000, help="schemathesis cases, in all rounds together")
+    parser.add_argument("--max-time", type=float, default=1200.0, help="seconds for the schemathesis rounds, at most")
+    parser.add_argument("--no-coverage", action="store_true",
+                        help="skip schemathesis' coverage phase (its fixed set of edge values per operation)")
+    parser.add_argument("--triton-cases", type=int, default=2000, help="JSON bodies sent to tritonserver's routes")
+    parser.add_argument("--triton-max-time", type=float, default=300.0, help="seconds for the bodies, at most")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=4, help="requests in flight at once (schemathesis workers)")
     parser.add_argument("--out", default="results/fuzz")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.parts = [p for p in args.parts.split(",") if p]
+    unknown = set(args.parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    return args
 
 
 def metric(triton, name: str) -> float:
@@ -55,6 +75,14 @@ def wait_for(predicate, timeout_s: float) -> bool:
     return predicate()
 
 
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
 def canary(api_url: str) -> str:
     body = {"model": "paged_llm", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     request = urllib.request.Request(f"{api_url}/v1/completions", data=json.dumps(body).encode(), method="POST",
@@ -63,71 +91,73 @@ def canary(api_url: str) -> str:
         return json.loads(reply.read())["choices"][0]["text"]
 
 
-def cases_sent(report_dir: pathlib.Path) -> int:
-    """Test cases in schemathesis' ndjson report (one ``ScenarioFinished``
-    event per scenario, each recording the cases it ran)."""
-    total = 0
-    for path in report_dir.glob("*.ndjson"):
-        for line in path.read_text().splitlines():
-            event = json.loads(line)
-            finished = event.get("ScenarioFinished")
-            if finished:
-                total += len((finished.get("recorder") or {}).get("cases") or {})
-    return total
+def still_serving(triton, api) -> List[str]:
+    """What no longer holds after a part: both servers up and ready, no KV
+    block in use, a canary completion answered."""
+    problems = []
+    if api.process is None or api.process.poll() is not None:
+        problems.append("the OpenAI server is down")
+    if triton.process is None or triton.process.poll() is not None:
+        problems.append("tritonserver is down")
+    if problems:
+        return problems
+    if not answers(f"{triton.http_url}/v2/models/paged_llm/ready"):
+        problems.append("the Triton model is not ready")
+    if not answers(f"{api.url}/health"):
+        problems.append("the OpenAI server's /health is not 200")
+    if not wait_for(lambda: metric(triton, "kv_blocks_used") == 0, 60.0):
+        problems.append(f"KV blocks still in use: {metric(triton, 'kv_blocks_used'):.0f}")
+    try:
+        canary(api.url)
+    except OSError as exc:
+        problems.append(f"the canary completion failed: {exc}")
+    return problems
 
 
-def run(args: argparse.Namespace) -> dict:
-    from loadtest.tiny_model import build_tiny_llama
-    from loadtest.harness.triton import TritonServer
+def run_part(part: str, args, triton, api, out: pathlib.Path) -> dict:
+    if part == "schema":
+        result = run_rounds(f"{api.url}/openapi.json", KEY, out / "schemathesis", args.cases, args.max_time,
+                            not args.no_coverage, args.seed, args.workers)
+        found = result.server_errors
+    else:
+        result = run_bodies(triton.http_url, KEY, args.triton_cases, args.triton_max_time, args.seed,
+                            args.workers)
+        found = result.failures
+    problems = result.problems + still_serving(triton, api)
+    summary = {**result.summary(), "failures": len(found) + len(problems), "problems": problems}
+    if found or problems:
+        (out / f"{part}-failures.txt").write_text("\n\n".join(found + problems) + "\n")
+    return summary
+
+
+def run(args: argparse.Namespace) -> List[dict]:
+    """Start the servers, run each part, return one summary per part."""
     from loadtest.harness.openai import OpenAIServer
+    from loadtest.harness.triton import TritonServer
+    from loadtest.tiny_model import build_tiny_llama
     from pagedbackend.serving.repository import make_model_repository
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report_dir = out / "schemathesis"
-    for old in report_dir.glob("*.ndjson"):
+    for old in out.glob("*-failures.txt"):
         old.unlink()
+    summaries = []
     with tempfile.TemporaryDirectory(prefix="fuzz-") as work:
         model = build_tiny_llama(pathlib.Path(work) / "model")
         repo = make_model_repository(pathlib.Path(work) / "repo", {"model": str(model), **SETTINGS})
-        with TritonServer(repo, ready_timeout_s=300, api_key=KEY,
-                          log_path=out / "tritonserver.log") as triton, \
+        with TritonServer(repo, ready_timeout_s=300, api_key=KEY, log_path=out / "tritonserver.log") as triton, \
                 OpenAIServer(triton.grpc_url, tokenizer=model, env={"PAGEDBACKEND_API_KEY": KEY}) as api:
-            command = [str(pathlib.Path(sys.executable).parent / "st"), "run", f"{api.url}/openapi.json",
-                       "--checks", "not_a_server_error", "--max-examples", str(args.max_examples),
-                       "--max-time", str(int(args.max_time)), "--seed", str(args.seed),
-                       "--workers", str(args.workers), "--request-timeout", "120",
-                       "--header", f"Authorization: Bearer {KEY}", "--continue-on-failure",
-                       "--suppress-health-check", "all", "--report", "ndjson", "--report-dir", str(report_dir),
-                       "--no-color"]
-            started = time.monotonic()
-            result = subprocess.run(command, capture_output=True, text=True)
-            seconds = time.monotonic() - started
-            (out / "schemathesis.txt").write_text(result.stdout + result.stderr)
-            problems = []
-            if result.returncode != 0:
-                tail = "\n".join((result.stdout + result.stderr).splitlines()[-40:])
-                problems.append(f"schemathesis exited {result.returncode}:\n{tail}")
-            if api.process is None or api.process.poll() is not None:
-                problems.append("the OpenAI server is down")
-            if triton.process is None or triton.process.poll() is not None:
-                problems.append("tritonserver is down")
-            if not problems:
-                if not wait_for(lambda: metric(triton, "kv_blocks_used") == 0, 60.0):
-                    problems.append(f"KV blocks still in use: {metric(triton, 'kv_blocks_used'):.0f}")
-                try:
-                    canary(api.url)
-                except OSError as exc:
-                    problems.append(f"the canary completion failed: {exc}")
-    summary = re.findall(r"^.*(?:passed|failed|errors?).*$", result.stdout, re.M)
-    return {"cases": cases_sent(report_dir), "seconds": round(seconds, 1), "problems": problems,
-            "schemathesis_summary": summary[-3:], "max_examples": args.max_examples}
+            for part in args.parts:
+                summary = run_part(part, args, triton, api, out)
+                print(json.dumps(summary), flush=True)
+                summaries.append(summary)
+        (out / "openai_server.log").write_text(api.output)
+    return summaries
 
 
 def main(argv=None) -> int:
-    outcome = run(parse_args(argv))
-    print(json.dumps(outcome), flush=True)
-    return 1 if outcome["problems"] else 0
+    summaries = run(parse_args(argv))
+    return 1 if any(s["failures"] for s in summaries) else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
 """The error a request gets when the engine refuses it."""
 from typing import Optional
 
+# How the refusal of a request that has already run begins: its structured
+# output reached a position that no token continues. Front ends that see only
+# the message (Triton's gRPC stream) answer it as the client's fault too.
+GRAMMAR_DEAD_END = "structured output cannot go on"
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses (bad parameters, a prompt that can never fit);

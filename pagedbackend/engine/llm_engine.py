@@ -232,7 +232,7 @@ class LLMEngine(AdapterMethods):
         self._spec_done(update.finished, update.freed)
         self.last_sample_seconds = time.perf_counter() - sample_start
         outputs += [self.tokens.report(group) for group in touched if group.request_id not in failed]
-        outputs.extend(self._end_with_error(group, message, ran=True) for group, message in failed.values())
+        outputs.extend(self._end_with_error(group, message, True, own) for group, message, own in failed.values())
         self.stats.num_steps += 1
         self.stats.last_step_tokens = sched.num_batched_tokens
         self.last_step_seconds = time.perf_counter() - start
@@ -265,11 +265,12 @@ class LLMEngine(AdapterMethods):
                 self._spec_done([group] if not group.seqs else [], [seq])
         return reports
 
-    def _end_with_error(self, group: SequenceGroup, message: str, ran: bool) -> CoreOutput:
+    def _end_with_error(self, group: SequenceGroup, message: str, ran: bool, own_fault: bool = False) -> CoreOutput:
         """End a request that cannot go on: one whose handling raised (``ran``:
-        it counts as failed and its latencies count) or one refused before it
-        ran (the scheduler's, a grammar that failed to compile). Every block it
-        holds goes back; its final output carries the error."""
+        it counts as failed and its latencies count; ``own_fault``: refused all
+        the same) or one refused before it ran (the scheduler's, a grammar
+        that failed to compile). Every block it holds goes back; its final
+        output carries the error."""
         if ran:
             self.stats.failed_requests += 1
             group.metrics.finished_time = time.time()
@@ -281,7 +282,7 @@ class LLMEngine(AdapterMethods):
         for seq in group.seqs:
             if seq.constraint is not None:
                 seq.constraint.close()
-        return self.tokens.report(group, error=message, refused=not ran)
+        return self.tokens.report(group, error=message, refused=not ran or own_fault)
 
     def _spec_done(self, groups: Seq[SequenceGroup], seqs: Seq[Sequence]) -> None:
         """Speculation learns of finished requests and forgets sequences that are gone."""

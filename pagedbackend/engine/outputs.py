@@ -39,8 +39,8 @@ class RequestOutput:
     finished: bool
     metrics: Optional[RequestMetrics] = None
     error: Optional[str] = None      # set when the engine failed this request
-    # With ``error``: the request was refused before it ran (its own fault, as a
-    # grammar the library cannot parse), not failed while it ran.
+    # With ``error``: the request's own fault (refused before it ran, as a grammar
+    # the library cannot parse, or a grammar no token can continue), not a failure.
     refused: bool = False
     # With SamplingParams.prompt_logprobs: per prompt token (None for the first),
     # ``{token id: Logprob}`` with the prompt token first; in the first output

@@ -16,6 +16,7 @@ import torch
 
 from ..core.scheduler import ScheduledSeq, StepUpdate
 from ..core.sequence import Sequence, SequenceGroup
+from ..errors import InvalidRequestError
 from ..sample import SampleRow, Sampler
 from .token_updates import TokenUpdates
 
@@ -24,7 +25,8 @@ logger = logging.getLogger("pagedbackend")
 
 def isolated(group: SequenceGroup, failed: Dict, what: str, work, update: Optional[StepUpdate] = None) -> bool:
     """Run one request's share of a step. If it raises, the request alone
-    fails: it is recorded in ``failed`` (with the reason, also logged) and
+    fails: it is recorded in ``failed`` (with the reason, also logged, and
+    whether it is the request's own fault: an ``InvalidRequestError``) and
     whatever it added to ``update`` that would hand it blocks is withdrawn."""
     marks = (len(update.forks), len(update.finished)) if update is not None else None
     try:
@@ -34,9 +36,14 @@ def isolated(group: SequenceGroup, failed: Dict, what: str, work, update: Option
         if update is not None:
             del update.forks[marks[0]:]
             del update.finished[marks[1]:]
-        message = f"request {group.request_id} failed while {what}: {type(exc).__name__}: {exc}"
-        logger.error("%s", message, exc_info=True)
-        failed.setdefault(group.request_id, (group, message))
+        own_fault = isinstance(exc, InvalidRequestError)
+        if own_fault:   # the message is the client's to read
+            message = str(exc)
+            logger.info("request %s refused while %s: %s", group.request_id, what, exc)
+        else:
+            message = f"request {group.request_id} failed while {what}: {type(exc).__name__}: {exc}"
+            logger.error("%s", message, exc_info=True)
+        failed.setdefault(group.request_id, (group, message, own_fault))
         return False
 
 

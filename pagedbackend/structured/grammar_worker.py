@@ -22,6 +22,8 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 
+from pagedbackend.errors import GRAMMAR_DEAD_END, InvalidRequestError
+
 WORKERS = 4   # threads; one held by an overrunning call leaves the others serving
 
 
@@ -220,12 +222,12 @@ class GrammarState:
         kind = op[0]
         if kind == "start":
             self.matcher = op[1]()
-            self._fill(self.mask)
+            self._fill_next(self.mask)
         elif kind == "accept":
             if not self.matcher.accept_token(op[1]):
                 raise RuntimeError(f"token {op[1]} was sampled outside the structured-output grammar's mask")
             if not self.matcher.is_terminated() and not self._more_accepts():
-                self._fill(self.mask)
+                self._fill_next(self.mask)
         else:
             self._drafts = self._fill_drafts(op[1])
 
@@ -236,6 +238,15 @@ class GrammarState:
 
     def _fill(self, mask: torch.Tensor, row: int = 0) -> None:
         self.matcher.fill_next_token_bitmask(mask, row)
+
+    def _fill_next(self, mask: torch.Tensor) -> None:
+        """The next position's mask; one that allows no token (the grammar needs
+        text that no token of the vocabulary continues, such as a character
+        the tokenizer cannot write) ends the request as its own fault."""
+        self._fill(mask)
+        if not bool(mask[0].any()):
+            raise InvalidRequestError(f"{GRAMMAR_DEAD_END}: no token of the model's vocabulary continues the "
+                                      "grammar here (it needs text this tokenizer cannot write)")
 
     def _fill_drafts(self, drafts: List[int]):
         """The masks after each draft the grammar accepts, up to the first it

@@ -177,6 +177,21 @@ def test_a_constraint_the_library_refuses_ends_as_refused_naming_it(llm, constra
     assert not llm.engine.check_idle()
 
 
+@pytest.mark.parametrize("choice", [["T\U000b416e"], ["\U000b416e", "T\U000b416e"]], ids=["after-a-token", "at-once"])
+def test_a_grammar_no_token_can_continue_ends_its_request_as_refused_and_nothing_else(llm, choice):
+    # U+B416E starts with the UTF-8 byte F3, which no token of this vocabulary
+    # begins with: the grammar reaches a position whose mask allows nothing.
+    # Before, token 0 was sampled there and the request failed as an internal error.
+    constrained, plain = llm.generate(["Hello", "Hello"], [
+        SamplingParams(structured_outputs={"choice": choice}, max_tokens=8, temperature=0),
+        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])
+
+    assert constrained.error and constrained.refused, constrained.error
+    assert "no token of the model's vocabulary continues the grammar" in constrained.error
+    assert plain.error is None and len(plain.outputs[0].token_ids) == 4
+    assert not llm.engine.check_idle()
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"use_beam_search": True, "best_of": 2, "temperature": 0}, ["beam search", "structured_outputs"]),
     ({"ignore_eos": True}, ["ignore_eos", "structured_outputs"]),

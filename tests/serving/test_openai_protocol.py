@@ -205,6 +205,30 @@ def test_prompts_are_strings_or_token_id_lists_one_or_many():
         parse_request(CompletionRequest, body(prompt=[[1], []])).prompts()
 
 
+@pytest.mark.parametrize("prompt, where, bad", [
+    ([-1], "prompt:", "-1"),
+    ([5, 10 ** 9], "prompt:", "1000000000"),
+    ([10 ** 30], "prompt:", str(10 ** 30)),
+    ([[1, 2], [3, 1000]], "prompt[1]:", "1000"),
+    ([[-5], [1]], "prompt[0]:", "-5"),
+])
+def test_token_id_prompts_outside_the_vocabulary_are_a_400_naming_the_prompt(prompt, where, bad):
+    request = parse_request(CompletionRequest, body(prompt=prompt))
+
+    with pytest.raises(OpenAIError) as refused:
+        request.prompts(vocab_size=1000)
+
+    assert refused.value.status == 400 and refused.value.param == "prompt"
+    assert refused.value.message.startswith(where)
+    assert f"token id {bad} is outside the vocabulary (0..999)" in refused.value.message
+    assert refused.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_token_id_prompts_inside_the_vocabulary_pass():
+    assert parse_request(CompletionRequest, body(prompt=[0, 999])).prompts(vocab_size=1000) == [[0, 999]]
+    assert parse_request(CompletionRequest, body(prompt="-1")).prompts(vocab_size=1000) == ["-1"]
+
+
 def test_an_echoed_prompts_logprobs_start_with_its_first_token_without_one():
     from pagedbackend.serving.openai.protocol import prompt_completion_logprobs
     positions = [None, {"7": {"logprob": -1.5, "rank": 3, "decoded_token": " b"},

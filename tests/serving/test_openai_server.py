@@ -343,6 +343,21 @@ def test_a_bad_tokenize_or_detokenize_request_is_a_400_naming_the_problem(api, p
     assert words in reply.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("fields", [
+    {"prompt": [-1]},
+    {"prompt": [10 ** 9]},
+    {"prompt": [10 ** 30]},
+    {"prompt": [[1, 2], [3, -7]], "echo": True, "logprobs": 1},
+    {"prompt": [5, 10 ** 9], "echo": True, "max_tokens": 0},
+])
+def test_a_token_id_prompt_outside_the_vocabulary_is_a_400_naming_the_prompt(api, fields):
+    reply = httpx.post(f"{api.base_url}/completions", json={"max_tokens": 2, **fields}, timeout=60)
+
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "prompt" and "outside the vocabulary" in error["message"], error
+
+
 @pytest.mark.parametrize("path, body, where", [
     ("/v1/completions", b'{"prompt": "Hi \\ud800"}', "prompt"),
     ("/v1/completions", b'{"prompt": "Hi", "stop": ["\\ud83d"]}', "stop[0]"),

@@ -142,6 +142,8 @@ def test_a_tool_result_in_the_conversation_is_accepted(client):
     ({"extra_body": {"guided_regex": "a(b"}}, ["structured_outputs.regex"]),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, ["nope"]),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, ["do not combine with tools"]),
+    # U+B416E's first UTF-8 byte begins no token of this vocabulary: the grammar cannot go on after "T".
+    ({"extra_body": {"guided_choice": ["T\U000b416e"]}}, ["no token of the model's vocabulary continues"]),
 ])
 def test_a_bad_constraint_is_a_400_naming_it(client, kwargs, words):
     with pytest.raises(openai.BadRequestError) as refused:

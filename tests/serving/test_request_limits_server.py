@@ -142,6 +142,30 @@ def test_tritons_ports_refuse_each_limit_naming_the_field(triton, params, words,
     assert time.perf_counter() - start < 5.0
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ids", [[-1], [5, -(2 ** 40)], [2 ** 40], [2 ** 63 - 1]])
+@pytest.mark.parametrize("route", ["generate", "generate_stream"])
+def test_tritons_http_routes_refuse_token_ids_outside_the_vocabulary_with_a_400(triton, ids, route):
+    body = {"input_ids": ids, "sampling_parameters": json.dumps({"max_tokens": 2})}
+
+    reply = httpx.post(f"{triton.http_url}/v2/models/paged_llm/{route}", json=body, timeout=60)
+
+    # The model's refusal is its first response: both routes answer it with its status.
+    assert reply.status_code == 400, reply.text
+    assert f"prompt token id {ids[-1]} is not an integer in the vocabulary" in reply.text, reply.text
+    assert "could not start the request" not in reply.text
+
+
+@pytest.mark.timeout(120)
+def test_a_deeply_nested_lora_control_is_a_400_not_an_internal_error(triton):
+    body = {"text_input": "Hi", "lora_control": "[" * 20_000 + "]" * 20_000}
+
+    reply = httpx.post(f"{triton.http_url}/v2/models/paged_llm/generate", json=body, timeout=60)
+
+    assert reply.status_code == 400, reply.text
+    assert "lora_control is not valid JSON" in reply.json()["error"], reply.text
+
+
 # ---------------------------------------------------------------- afterwards
 
 @pytest.mark.timeout(120)

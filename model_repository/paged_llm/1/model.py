@@ -128,13 +128,15 @@ class TritonPythonModel:
         mapped = read_request(request, self.limits)   # prompt, sampling parameters, adapter: checked
         lora_request = self.adapters.request_for(mapped.lora_name)
         prompt, params = mapped.prompt, mapped.params
-        text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)   # what echo shows
-        job = Job(uuid.uuid4().hex, text, read_flags(request), sender, triton_id=request.request_id())
+        job = Job(uuid.uuid4().hex, prompt if isinstance(prompt, str) else "", read_flags(request), sender,
+                  triton_id=request.request_id())
         job.n, job.logprobs_requested = params.n, params.logprobs is not None
         # cumulative_logprob is computed only for requests that ask for it.
         job.stream = self.engine.add_request(job.request_id, prompt, params,
                                              cumulative_logprob=bool(job.flags["return_cumulative_logprob"]),
                                              lora_request=lora_request)
+        if not isinstance(prompt, str):   # what echo shows, decoded once the engine has checked the ids
+            job.prompt = self.engine.tokenizer.decode(prompt)
         with self.lock:
             self.jobs[job.request_id] = job
             job.abort_reason = self.closing  # a drain that began meanwhile ends it too

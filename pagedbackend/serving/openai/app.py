@@ -32,6 +32,7 @@ from pagedbackend.serving.openai.protocol import (ChatCompletionRequest, Complet
                                                   OpenAIError, TokenizeChatRequest, TokenizeRequest, map_openai,
                                                   openai_checked, parse_request, sampling_parameters)
 from pagedbackend.serving.openai.reasoning import Reasoning, template_kwargs
+from pagedbackend.serving.openai.token_ids import check_token_ids
 from pagedbackend.serving.openai.schema import add_request_bodies
 from pagedbackend.serving.openai.structured import (Tools, messages_with_tools, structured_outputs,
                                                     template_knows_tools)
@@ -150,7 +151,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     async def completions(request: Request):
         body = await request.body()
         req = await run_sized(len(body), parse_request, CompletionRequest, body)
-        prompts = req.prompts()
+        prompts = req.prompts(len(tokenizer))
         model, adapter = await model_for(req.model, req.logprobs is not None)
         # max_tokens 0 (score the prompt): one token is generated and not returned.
         params = sampling_parameters(req, max(req.max_tokens or 0, 1) if req.max_tokens is not None else None,
@@ -213,10 +214,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         body = await request.body()
         req = await run_sized(len(body), parse_request, DetokenizeRequest, body)
         await model_for(req.model, False)
-        bad = next((t for t in req.tokens if not 0 <= t < len(tokenizer)), None)
-        if bad is not None:
-            raise OpenAIError(400, f"token id {bad} is outside the vocabulary (0..{len(tokenizer) - 1})",
-                              "tokens")
+        openai_checked(check_token_ids, req.tokens, len(tokenizer), "tokens")
         return {"prompt": await run_sized(len(req.tokens), tokenizer.decode, req.tokens)}
 
     lora.add_routes(app, adapters)

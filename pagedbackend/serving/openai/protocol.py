@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from pagedbackend.errors import InvalidRequestError
+from pagedbackend.serving.openai.token_ids import check_token_ids
 from pagedbackend.serving.requests import EngineRequest, RequestLimits, map_request, openai_fields
 from pagedbackend.structured.params import MAX_SCHEMA_DEPTH, text_depth
 
@@ -125,8 +126,8 @@ class CompletionRequest(_GenerationRequest):
         """echo with max_tokens 0: the prompt (and its log-probabilities) alone."""
         return self.max_tokens == 0
 
-    def prompts(self) -> List[Union[str, List[int]]]:
-        """Each prompt: a string, or a list of token ids."""
+    def prompts(self, vocab_size: Optional[int] = None) -> List[Union[str, List[int]]]:
+        """Each prompt: a string, or a list of token ids (each in ``[0, vocab_size)`` when that is given)."""
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
             prompts = [prompt]
@@ -134,6 +135,9 @@ class CompletionRequest(_GenerationRequest):
             prompts = list(prompt)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise OpenAIError(400, "prompt must not be empty", "prompt")
+        for i, ids in enumerate(prompts):
+            if vocab_size is not None and not isinstance(ids, str):
+                openai_checked(check_token_ids, ids, vocab_size, "prompt", f"[{i}]" if len(prompts) > 1 else "")
         return prompts
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
+from pagedbackend.errors import GRAMMAR_DEAD_END
 from pagedbackend.serving.constants import GRPC_ADMIN_HEADER
 from pagedbackend.serving.security import GRPC_API_KEY_HEADER, redact
 from pagedbackend.serving.openai.protocol import OpenAIError, parse_logprobs
@@ -113,7 +114,8 @@ class TritonStream:
     """The responses of one streamed Triton request; ``cancel`` ends it on the server.
 
     An error before the first response is the model refusing the request (400
-    unless the model says it failed); after it, the request failed (500)."""
+    unless the model says it failed); after it, the request failed (500),
+    unless it is a refusal of a request that has run (``GRAMMAR_DEAD_END``)."""
 
     def __init__(self, call, model: str):
         self.call, self.model = call, model
@@ -148,7 +150,7 @@ class TritonStream:
             if "unknown model" in message.lower():
                 raise OpenAIError(404, f"model {self.model} is not ready on Triton: {message}",
                                   "model", "model_not_found")
-            failed = self.started or message.startswith(SERVER_FAILURES)
+            failed = (self.started and not message.startswith(GRAMMAR_DEAD_END)) or message.startswith(SERVER_FAILURES)
             raise OpenAIError(500 if failed else 400, message)
         self.started = True
         final = result.get_response().parameters.get("triton_final_response")

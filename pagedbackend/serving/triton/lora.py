@@ -121,7 +121,7 @@ class TritonAdapters:
         """Carry out one ``lora_control`` request; its JSON answer."""
         try:
             order = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:   # RecursionError: nested too deeply to decode
             raise ControlError(f"lora_control is not valid JSON: {exc}") from None
         if not isinstance(order, dict) or order.get("action") not in ("list", "load", "unload"):
             raise ControlError('lora_control must be a JSON object with "action": "list", "load" or "unload"')
