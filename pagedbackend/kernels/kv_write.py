@@ -1,8 +1,8 @@
 """Scatter new tokens' K and V into their slots of a paged per-layer cache.
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, row]`` for K and V,
-``row`` being ``head_dim`` (the model's dtype, or bfloat16) or ``head_dim + 4``
-(int8 values and their float32 scale: ``kv_cache_dtype.py``). A token's slot
+``row`` being ``head_dim`` (the model's dtype, or bfloat16) or ``head_dim * 9 / 8``
+(int8 values and a float32 scale per 32 of them: ``kv_cache_dtype.py``). A token's slot
 is ``physical_block * block_size + offset``; a negative slot means "do not
 store" (a padding token).
 """
@@ -28,22 +28,28 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 @triton.jit
-def _store_rows(x, cache_ptr, scale_ptr, row, d, mask, head_ok, head_dim, QUANT: tl.constexpr):
+def _store_rows(x, cache_ptr, scale_ptr, row, d, mask, head_ok, head_dim, QUANT: tl.constexpr,
+                DIM: tl.constexpr):
     """Store fp32 rows ``x`` ``[HEADS, DIM]`` at element offsets ``row``
     (each head's row start) of the cache: cast to its dtype, or, with
-    ``QUANT``, as int8 with each row's absmax scale after its values
+    ``QUANT``, as int8 with an absmax scale per 32 channels after the values
     (``scale_ptr``: the same cache viewed as float32, ``head_ok`` the heads
     to store)."""
     if QUANT:
-        absmax = tl.max(tl.abs(x), 1)
+        group = d // 32
+        absmax = tl.zeros(x.shape, dtype=tl.float32)   # each channel's group's absmax
+        for g in tl.static_range(DIM // 32):
+            in_group = (group == g) & mask
+            top = tl.max(tl.where(in_group, tl.abs(x), 0.0), 1)
+            absmax = tl.where(group == g, top[:, None], absmax)
+            tl.store(scale_ptr + (row + head_dim + 4 * g) // 4, top / 127.0, mask=head_ok & (row * 0 + g * 32 < head_dim))
         inv = tl.where(absmax > 0, 127.0 / absmax, 0.0)
         # Adding 1.5 * 2**23 and taking it away rounds an fp32 below 2**22 to
         # the nearest integer, ties to even (torch.round's rule), in IEEE
         # arithmetic on any device and in the interpreter.
-        q = (x * inv[:, None] + 12582912.0) - 12582912.0
+        q = (x * inv + 12582912.0) - 12582912.0
         q = tl.minimum(tl.maximum(q, -127.0), 127.0)
         tl.store(cache_ptr + row[:, None] + d, q.to(tl.int8), mask=mask)
-        tl.store(scale_ptr + (row + head_dim) // 4, absmax / 127.0, mask=head_ok)
     else:
         tl.store(cache_ptr + row[:, None] + d, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -78,9 +84,9 @@ def _write_kv_kernel(
     k_row = block * stride_kcb + offset * stride_kcs + hs * stride_kch
     v_row = block * stride_vcb + offset * stride_vcs + hs * stride_vch
     _store_rows(k.to(tl.float32), k_cache_ptr, k_scale_ptr, k_row, d * stride_kcd, mask, hs < heads,
-                head_dim, QUANT)
+                head_dim, QUANT, DIM)
     _store_rows(v.to(tl.float32), v_cache_ptr, v_scale_ptr, v_row, d * stride_vcd, mask, hs < heads,
-                head_dim, QUANT)
+                head_dim, QUANT, DIM)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

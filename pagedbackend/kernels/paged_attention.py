@@ -15,8 +15,8 @@ cached prefix blocks) and decodes (one query token). For sequence ``s``:
 
 Shapes: ``q`` and ``out`` ``[num_tokens, num_heads, head_dim]``; caches
 ``[num_blocks, block_size, num_kv_heads, row]`` (``row``: ``head_dim``, or
-``head_dim + 4`` for int8 rows with their scale, dequantised as they are
-read: ``kv_cache_dtype.py``); ``block_tables`` int32
+``head_dim * 9 / 8`` for int8 rows with a scale per 32 channels,
+dequantised as they are read: ``kv_cache_dtype.py``); ``block_tables`` int32
 ``[num_seqs, max_blocks_per_seq]``; ``cu_seqlens_q`` int32 ``[num_seqs + 1]``;
 ``seq_lens`` int32 ``[num_seqs]``. ``num_heads`` is a multiple of
 ``num_kv_heads`` (grouped-query attention).
@@ -224,9 +224,10 @@ def _paged_attention_kernel(
         v_row = phys * stride_vb + slot * stride_vs + kv_head * stride_vh
         k = tl.load(k_cache_ptr + k_row[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0).to(tl.float32)
         v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0).to(tl.float32)
-        if QUANT:   # int8 rows: each one's float32 scale follows its values
-            k = k * tl.load(k_scale_ptr + (k_row + head_dim) // 4, mask=pos_ok, other=0.0)[:, None]
-            v = v * tl.load(v_scale_ptr + (v_row + head_dim) // 4, mask=pos_ok, other=0.0)[:, None]
+        if QUANT:   # int8 rows: a float32 scale per 32 channels follows the values
+            group = (head_dim + 4 * (d[None, :] // 32)) // 4
+            k = k * tl.load(k_scale_ptr + k_row[:, None] // 4 + group, mask=kv_mask, other=0.0)
+            v = v * tl.load(v_scale_ptr + v_row[:, None] // 4 + group, mask=kv_mask, other=0.0)
         if LOWP_DOT:
             k = k.to(q_ptr.dtype.element_ty)
             v = v.to(q_ptr.dtype.element_ty)

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from pagedbackend.kernels import native
 from pagedbackend.kernels.attention_sinks import sdpa_with_sinks, softmax_with_sinks
-from pagedbackend.kernels.kv_cache_dtype import decode, encode, native_kind, row_width
+from pagedbackend.kernels.kv_cache_dtype import decode, encode, head_dim_of, native_kind, row_width
 
 # Decodes through csrc/paged_decode.c where it builds (tests turn it off to
 # check the gather path).
@@ -366,7 +366,7 @@ def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
             or lens.shape != (n,)):
         return None
     write, attend = native_write(), native_decode()
-    head_dim = row - row_width(0, dtype)   # an int8 row holds the values and their scale
+    head_dim = head_dim_of(kv_caches[0][0])   # an int8 row holds the values and their scales
     kv_shape = (n, kv_heads, head_dim)
     num_slots, max_blocks = blocks * block_size, tables.shape[1]
     slots_ptr, tables_ptr, lens_ptr = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()

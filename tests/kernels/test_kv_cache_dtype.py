@@ -47,23 +47,28 @@ def every_path(batch, k, v, window=None, sinks=None):
     return outs
 
 
-def test_int8_rows_hold_values_and_their_absmax_scale():
-    x = torch.tensor([[0.5, -2.0, 1.0, 0.25], [0.0, 0.0, 0.0, 0.0]])
+def test_int8_rows_hold_values_and_a_scale_per_32_channels():
+    x = torch.zeros(2, 64)
+    x[0, :4] = torch.tensor([0.5, -2.0, 1.0, 0.25])
+    x[0, 32:34] = torch.tensor([0.1, -0.05])
     rows = quantize_rows(x)
-    assert rows.dtype == torch.int8 and rows.shape == (2, 8)
+    assert rows.dtype == torch.int8 and rows.shape == (2, 72) and row_width(64, torch.int8) == 72
     assert rows[0, :4].tolist() == [32, -127, 64, 16]   # round(x * 127 / 2), ties to even
-    assert scale_view(rows).tolist() == pytest.approx([2.0 / 127, 0.0])
-    assert decode(rows)[1].tolist() == [0.0] * 4 and head_dim_of(rows) == 4
+    assert rows[0, 32:34].tolist() == [127, -64]         # its own group: round(-0.05 * 127 / 0.1) = -64 (-63.5)
+    assert scale_view(rows).tolist() == [pytest.approx([2.0 / 127, 0.1 / 127]), [0.0, 0.0]]
+    assert decode(rows)[1].tolist() == [0.0] * 64 and head_dim_of(rows) == 64
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(50, 3, 64, generator=gen) * torch.rand(50, 3, 1, generator=gen) * 10
-    err = (decode(quantize_rows(x)) - x).abs()
-    half_step = x.abs().amax(-1, keepdim=True) / 127 / 2
+    x = torch.randn(50, 3, 128, generator=gen) * torch.rand(50, 3, 128, generator=gen) * 10
+    err = (decode(quantize_rows(x)) - x).abs().unflatten(-1, (4, 32))
+    half_step = x.unflatten(-1, (4, 32)).abs().amax(-1, keepdim=True) / 127 / 2
     assert bool((err <= half_step * 1.0001).all())
+    with pytest.raises(ValueError, match="a head size that is a multiple of 32"):
+        quantize_rows(torch.zeros(3, 80))
 
 
 @pytest.mark.parametrize("dtype", KINDS, ids=str)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(6, 2, 64, 8), (4, 4, 128, 16),
-                                                                        (8, 2, 80, 4)])
+                                                                        (8, 2, 96, 4)])
 def test_every_attention_path_matches_attention_over_the_dequantised_cache(dtype, num_heads, num_kv_heads,
                                                                            head_dim, block_size):
     batch = make_batch(MIXED, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -168,10 +173,11 @@ def test_pool_holds_twice_the_tokens_per_halving_of_the_row():
     tokens = {dtype: budget // kv_block_bytes(args, 16, 3, dtype) * 16
               for dtype in (torch.float32, torch.bfloat16, torch.int8)}
     assert tokens[torch.bfloat16] / tokens[torch.float32] == pytest.approx(2.0, rel=1e-3)
-    # int8: 64 bytes of values and a 4-byte scale per row against bfloat16's 128 bytes
-    assert tokens[torch.int8] / tokens[torch.bfloat16] == pytest.approx(128 / 68, rel=1e-3)
-    assert KVModel(30, 3, 64, 1, scale_bytes=4).kv_bytes_per_token == 2 * 30 * 3 * 68
-    assert kv_block_bytes(args, 16, 3, torch.int8) == KVModel(30, 3, 64, 1, scale_bytes=4).kv_bytes_per_block(16)
+    # int8: 64 bytes of values and two 4-byte scales per row against bfloat16's 128 bytes
+    assert tokens[torch.int8] / tokens[torch.bfloat16] == pytest.approx(128 / 72, rel=1e-3)
+    assert tokens[torch.int8] / tokens[torch.float32] == pytest.approx(256 / 72, rel=1e-3)
+    assert KVModel(30, 3, 64, 1, scale_bytes=8).kv_bytes_per_token == 2 * 30 * 3 * 72
+    assert kv_block_bytes(args, 16, 3, torch.int8) == KVModel(30, 3, 64, 1, scale_bytes=8).kv_bytes_per_block(16)
 
 
 def test_the_setting_names_its_formats_and_what_it_refuses():

@@ -2,9 +2,10 @@
  * sequence against every key it has, read in place through its block table
  * (no gather into a padded copy). The cache holds float32, bfloat16 or int8
  * rows (kind KV_F32, KV_BF16, KV_I8; kernels/kv_cache_dtype.py): an int8
- * row is dim int8 values and then their float32 scale, dequantised in
- * registers (a key's scale multiplies its dot product, a value's scale its
- * softmax weight), so the cache is read at its own width.
+ * row is dim int8 values and then a float32 scale per GROUP of them,
+ * dequantised in registers (a key group's scale multiplies its part of the
+ * dot product, a value group's scale the softmax weight it is summed with),
+ * so the cache is read at its own width.
  *
  * q [n, heads, dim]; k_cache, v_cache [blocks, block_size, kv_heads, row];
  * tables [n, max_blocks] (int32); lens [n] (keys per sequence, >= 1);
@@ -34,10 +35,11 @@
 /* The cache's element kinds; each function below takes one as a constant
  * (every call is inlined with it), so each kind gets its own loops. */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+#define GROUP 32   /* int8 channels per scale (dim a multiple of it) */
 
 /* Bytes of one cache row (one token, one KV head) of dim values. */
 static inline __attribute__((always_inline)) size_t row_bytes(int dim, int kind) {
-    return kind == KV_I8 ? (size_t)dim + 4 : kind == KV_BF16 ? (size_t)dim * 2 : (size_t)dim * 4;
+    return kind == KV_I8 ? (size_t)dim + (size_t)dim / GROUP * 4 : kind == KV_BF16 ? (size_t)dim * 2 : (size_t)dim * 4;
 }
 
 /* Element d of a cache row, as float32 (before its scale). */
@@ -52,10 +54,11 @@ static inline __attribute__((always_inline)) float scalar_at(const char *row, in
     return (float)((const signed char *)row)[d];
 }
 
-/* The scale of a cache row: the float32 after an int8 row's values, else 1. */
-static inline __attribute__((always_inline)) float row_scale(const char *row, int dim, int kind) {
+/* The scale of channel d's group in a cache row: one of the float32s after
+ * an int8 row's values, else 1. */
+static inline __attribute__((always_inline)) float scale_at(const char *row, int dim, int d, int kind) {
     float s = 1.f;
-    if (kind == KV_I8) memcpy(&s, row + dim, sizeof s);
+    if (kind == KV_I8) memcpy(&s, row + dim + (size_t)(d / GROUP) * 4, sizeof s);
     return s;
 }
 
@@ -150,9 +153,12 @@ static inline __attribute__((always_inline)) void weigh_values(
         size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
         for (int r = 0; r < R; r++) {
             const char *v = v_cache + (slot * kv_heads + h0 + (r0 + r) / group) * rb;
-            vec p = vset1(scores[(size_t)(r0 + r) * len + t - first] * row_scale(v, dim, kind));
-            for (int c = 0; c < chunks; c++)
+            float w = scores[(size_t)(r0 + r) * len + t - first];
+            vec p = vset1(w);
+            for (int c = 0; c < chunks; c++) {
+                if (kind == KV_I8 && c * LANES % GROUP == 0) p = vset1(w * scale_at(v, dim, c * LANES, kind));
                 acc[r * chunks + c] = vfma(p, vector_at(v, c * LANES, kind), acc[r * chunks + c]);
+            }
         }
     }
     for (int r = 0; r < R; r++) {
@@ -195,9 +201,14 @@ static inline __attribute__((always_inline)) void item(const float *q, const cha
                 const char *k = k_cache + (slot * kv_heads + h0 + r / group) * rb;
                 const float *qr = q + (size_t)r * dim;
                 float dot = 0.f;
-#pragma omp simd reduction(+:dot)
-                for (int d = 0; d < dim; d++) dot += qr[d] * scalar_at(k, d, kind);
-                scores[(size_t)r * len + t - first] = dot * scale * row_scale(k, dim, kind);
+                for (int g = 0; g < dim; g += (kind == KV_I8 ? GROUP : dim)) {
+                    float part = 0.f;
+                    int end_g = kind == KV_I8 ? g + GROUP : dim;
+#pragma omp simd reduction(+:part)
+                    for (int d = g; d < end_g; d++) part += qr[d] * scalar_at(k, d, kind);
+                    dot += part * scale_at(k, dim, g, kind);
+                }
+                scores[(size_t)r * len + t - first] = dot * scale;
             }
         }
     }
@@ -216,15 +227,23 @@ static inline __attribute__((always_inline)) void item(const float *q, const cha
                 size_t head = (size_t)(h0 + r / group) * rb;
                 vec part[LANES];
                 for (int j = 0; j < LANES; j++) {
+                    const char *k = keys[j] + head;
                     vec a = vzero();
-                    for (int c = 0; c < chunks; c++)
-                        a = vfma(vload(qr + c * LANES), vector_at(keys[j] + head, c * LANES, kind), a);
+                    if (kind == KV_I8) {   /* each group's partial sum times its scale */
+                        for (int g = 0; g < dim; g += GROUP) {
+                            vec ag = vzero();
+                            for (int c = g / LANES; c < (g + GROUP) / LANES; c++)
+                                ag = vfma(vload(qr + c * LANES), vector_at(k, c * LANES, kind), ag);
+                            a = vfma(ag, vset1(scale_at(k, dim, g, kind)), a);
+                        }
+                    } else {
+                        for (int c = 0; c < chunks; c++) a = vfma(vload(qr + c * LANES), vector_at(k, c * LANES, kind), a);
+                    }
                     part[j] = a;
                 }
                 float sums[LANES];
                 vstore(sums, lane_sums(part));
-                for (int j = 0; j < count; j++)
-                    scores[(size_t)r * len + t0 + j - first] = sums[j] * scale * row_scale(keys[j] + head, dim, kind);
+                for (int j = 0; j < count; j++) scores[(size_t)r * len + t0 + j - first] = sums[j] * scale;
             }
         }
     }
@@ -276,10 +295,14 @@ static inline __attribute__((always_inline)) void item(const float *q, const cha
         size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
         for (int r = 0; r < rows; r++) {
             const char *v = v_cache + (slot * kv_heads + h0 + r / group) * rb;
-            float p = scores[(size_t)r * len + t - first] * row_scale(v, dim, kind);
+            float p = scores[(size_t)r * len + t - first];
             float *o = out + (size_t)r * dim;
+            for (int g = 0; g < dim; g += (kind == KV_I8 ? GROUP : dim)) {
+                float pg = p * scale_at(v, dim, g, kind);
+                int end_g = kind == KV_I8 ? g + GROUP : dim;
 #pragma omp simd
-            for (int d = 0; d < dim; d++) o[d] += p * scalar_at(v, d, kind);
+                for (int d = g; d < end_g; d++) o[d] += pg * scalar_at(v, d, kind);
+            }
         }
     }
 }
@@ -343,6 +366,7 @@ int paged_decode_kv(const float *q, const void *k_cache, const void *v_cache, fl
                     const int *tables, int max_blocks, const int *lens, int n, int heads,
                     int kv_heads, int dim, int block_size, float scale, int window, const float *sinks,
                     int threads, int kind) {
+    if (kind == KV_I8 && dim % GROUP) return -2;
 #define DECODE(K) decode_kind(q, k_cache, v_cache, out, tables, max_blocks, lens, n, heads, kv_heads, dim, \
                               block_size, scale, window, sinks, threads, K)
     switch (kind) {
@@ -373,8 +397,8 @@ int paged_write(const float *key, const float *value, float *k_cache, float *v_c
 }
 
 /* One head's dim floats as a cache row of `kind`: copied, rounded to
- * bfloat16 (to nearest even, as torch), or quantised to int8 with its
- * absmax scale after the values (kernels/kv_cache_dtype.py's rule). */
+ * bfloat16 (to nearest even, as torch), or quantised to int8 with an absmax
+ * scale per GROUP after the values (kernels/kv_cache_dtype.py's rule). */
 static void encode_row(const float *x, char *row, int dim, int kind) {
     if (kind == KV_F32) {
         memcpy(row, x, sizeof(float) * (size_t)dim);
@@ -386,14 +410,16 @@ static void encode_row(const float *x, char *row, int dim, int kind) {
             o[d] = (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
         }
     } else {
-        float absmax = 0.f;
-        for (int d = 0; d < dim; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
-        float inv = absmax > 0.f ? 127.f / absmax : 0.f, s = absmax / 127.f;
-        for (int d = 0; d < dim; d++) {
-            float v = rintf(x[d] * inv);
-            row[d] = (signed char)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+        for (int g = 0; g < dim; g += GROUP) {
+            float absmax = 0.f;
+            for (int d = g; d < g + GROUP; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
+            float inv = absmax > 0.f ? 127.f / absmax : 0.f, s = absmax / 127.f;
+            for (int d = g; d < g + GROUP; d++) {
+                float v = rintf(x[d] * inv);
+                row[d] = (signed char)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+            }
+            memcpy(row + dim + (size_t)(g / GROUP) * 4, &s, sizeof s);
         }
-        memcpy(row + dim, &s, sizeof s);
     }
 }
 
@@ -403,7 +429,7 @@ static void encode_row(const float *x, char *row, int dim, int kind) {
 int paged_write_kv(const float *key, const float *value, void *k_cache, void *v_cache,
                    const long long *slots, int tokens, int kv_heads, int dim, long long num_slots,
                    long long key_stride, long long value_stride, int kind) {
-    if (kind < KV_F32 || kind > KV_I8) return -2;
+    if (kind < KV_F32 || kind > KV_I8 || (kind == KV_I8 && dim % GROUP)) return -2;
     for (int t = 0; t < tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
     size_t rb = row_bytes(dim, kind);

@@ -1,0 +1,120 @@
+"""kv_cache_dtype through the engine: the default model's greedy tokens with
+a bfloat16 or int8 cache against its float32 cache, and the block moves
+(copy-on-write, swap, prefix hits, windowed KV groups) with an int8 cache,
+whose scales travel inside the rows they scale."""
+import pytest
+import torch
+
+from pagedbackend import LLM, SamplingParams
+from pagedbackend.config import EngineConfig
+from pagedbackend.engine.llm import merge_delta
+from pagedbackend.engine.llm_engine import LLMEngine
+from greedy import default_model_greedy
+
+# 32 prompts of the kinds the served model gets: facts, code, lists, chat, stories.
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Water boils at", "A haiku about autumn:",
+    "The three primary colours are", "import numpy as np\n", "Once upon a time,", "The speed of light is",
+    "List three fruits:", "SELECT name FROM users WHERE", "The largest planet in our solar system",
+    "How do I reverse a list in Python?", "Photosynthesis is the process", "Dear hiring manager,",
+    "The French Revolution began in", "class Stack:\n    def __init__(self):", "My favourite season is",
+    "To make a cup of tea, first", "The mitochondria is", "Translate to Spanish: good morning",
+    "Here is a short poem about the sea:", "The main causes of inflation are", "In 1969, astronauts",
+    "for i in range(10):", "The recipe calls for two cups of", "Explain recursion to a child.",
+    "The stock market fell today because", "A good night's sleep helps", "#include <stdio.h>\nint main() {",
+    "The Great Wall of China", "Three tips for learning a language:", "The weather tomorrow will be",
+]
+assert len(PROMPTS) == 32 and len(set(PROMPTS)) == 32
+
+
+@pytest.fixture(scope="module")
+def float32_tokens(default_model_dir):
+    return default_model_greedy(PROMPTS, 32, dtype="float32")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
+def test_default_model_keeps_its_greedy_tokens_with_a_smaller_cache(float32_tokens, kv_cache_dtype):
+    tokens = default_model_greedy(PROMPTS, 32, dtype="float32", kv_cache_dtype=kv_cache_dtype)
+    same = sum(a == b for a, b in zip(tokens, float32_tokens))
+    equal_tokens = sum(a == b for got, ref in zip(tokens, float32_tokens) for a, b in zip(got, ref))
+    # Measured on the 2-core Xeon (docs/kv_cache_dtype.md): bfloat16 30 prompts
+    # of 32 (981 tokens of 1024), int8 29 (999 tokens): a near-tie falls the
+    # other way in a few; one scale per row instead of per 32 channels kept 18.
+    assert same >= {"bfloat16": 30, "int8": 29}[kv_cache_dtype], \
+        [i for i, (a, b) in enumerate(zip(tokens, float32_tokens)) if a != b]
+    assert equal_tokens >= 0.95 * 32 * 32
+
+
+def _tiny_llm(folder, **settings):
+    return LLM(model=str(folder), compile=False, dtype="float32", kv_cache_dtype="int8", **settings)
+
+
+def _tokens(outs):
+    return [[o.token_ids for o in out.outputs] for out in outs]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_int8_cache_gives_the_same_tokens_under_preemption(tiny_model_dir, mode):
+    prompts = [list(range(100 + 7 * i, 100 + 7 * i + 20 + 5 * i)) for i in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    roomy = _tiny_llm(tiny_model_dir, num_kv_blocks=256, block_size=8)
+    expected = _tokens(roomy.generate(prompts, params))
+    tight = _tiny_llm(tiny_model_dir, num_kv_blocks=20, block_size=8, preemption_mode=mode,
+                      swap_space_blocks=64 if mode == "swap" else 0)
+    assert _tokens(tight.generate(prompts, params)) == expected
+    stats = tight.engine.get_stats()
+    assert (stats.num_swap_preemptions if mode == "swap" else stats.num_recompute_preemptions) > 0
+    assert tight.engine.runner.kv_cache.dtype == torch.int8
+
+
+def test_int8_cache_copies_on_write_for_parallel_samples(tiny_model_dir):
+    # Three greedy samples of one prompt fork its blocks and copy the partly
+    # filled one as each writes its next token: each must read back its own
+    # rows (values and scales) and so give what one sample gives alone.
+    prompt = list(range(300, 340))   # 40 tokens: 2 full blocks of 16 and 8 in a third
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, dtype="float32",
+                                    kv_cache_dtype="int8", num_kv_blocks=64, enable_prefix_caching=False))
+    engine.add_request("r", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=20, ignore_eos=True))
+    merged = {}
+    for out in engine.step():
+        merge_delta(merged, out)
+    for out in engine.step():   # each sample writes its second token: the partly filled block is copied
+        merge_delta(merged, out)
+    assert engine.block_manager.num_used_blocks == 2 + 3
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            merge_delta(merged, out)
+    alone = _tiny_llm(tiny_model_dir, num_kv_blocks=64, enable_prefix_caching=False)
+    expected = _tokens(alone.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20,
+                                                               ignore_eos=True)))[0][0]
+    assert [o.token_ids for o in merged["r"].outputs] == [expected] * 3
+
+
+def test_int8_cache_serves_prefix_hits_with_the_same_tokens(tiny_model_dir):
+    prefix = list(range(500, 548))   # three full blocks of 16
+    prompts = [prefix + [600 + i, 700 + i] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    cold = _tokens(_tiny_llm(tiny_model_dir, num_kv_blocks=128, enable_prefix_caching=False).generate(prompts, params))
+    llm = _tiny_llm(tiny_model_dir, num_kv_blocks=128)
+    first = _tokens(llm.generate(prompts[:1], params))
+    rest = _tokens(llm.generate(prompts[1:], params))
+    assert llm.engine.get_stats().prefix_cache_hits > 0
+    assert first + rest == cold
+
+
+def test_int8_cache_with_windowed_kv_groups_under_swap(tmp_path):
+    from runner_reference import random_prompts
+    from tiny_model import build_tiny_llama
+    folder = build_tiny_llama(tmp_path, seed=5, num_hidden_layers=3, model_type="qwen2",
+                              use_sliding_window=True, sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    prompts = random_prompts([9, 30, 52, 70], 49152, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs, llms = {}, {}
+    for blocks, mode in ((160, "recompute"), (36, "swap")):
+        llms[mode] = _tiny_llm(folder, block_size=8, num_kv_blocks=blocks, preemption_mode=mode,
+                               swap_space_blocks=80, max_num_batched_tokens=48, long_prefill_token_threshold=16)
+        outs[mode] = _tokens(llms[mode].generate(prompts, params))
+    assert len(llms["swap"].engine.runner.kv_layout.groups) == 3
+    assert llms["swap"].engine.get_stats().num_swap_preemptions > 0
+    assert outs["swap"] == outs["recompute"]
