@@ -10,21 +10,8 @@ from pagedbackend.config import EngineConfig
 from pagedbackend.engine.llm import merge_delta
 from pagedbackend.engine.llm_engine import LLMEngine
 from greedy import default_model_greedy
+from loadtest.bench.kv_cache_dtype import PROMPTS
 
-# 32 prompts of the kinds the served model gets: facts, code, lists, chat, stories.
-PROMPTS = [
-    "The capital of France is", "def fibonacci(n):", "Water boils at", "A haiku about autumn:",
-    "The three primary colours are", "import numpy as np\n", "Once upon a time,", "The speed of light is",
-    "List three fruits:", "SELECT name FROM users WHERE", "The largest planet in our solar system",
-    "How do I reverse a list in Python?", "Photosynthesis is the process", "Dear hiring manager,",
-    "The French Revolution began in", "class Stack:\n    def __init__(self):", "My favourite season is",
-    "To make a cup of tea, first", "The mitochondria is", "Translate to Spanish: good morning",
-    "Here is a short poem about the sea:", "The main causes of inflation are", "In 1969, astronauts",
-    "for i in range(10):", "The recipe calls for two cups of", "Explain recursion to a child.",
-    "The stock market fell today because", "A good night's sleep helps", "#include <stdio.h>\nint main() {",
-    "The Great Wall of China", "Three tips for learning a language:", "The weather tomorrow will be",
-]
-assert len(PROMPTS) == 32 and len(set(PROMPTS)) == 32
 
 
 @pytest.fixture(scope="module")
