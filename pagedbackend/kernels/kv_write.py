@@ -28,33 +28,6 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 @triton.jit
-def _store_rows(x, cache_ptr, scale_ptr, row, d, mask, head_ok, head_dim, QUANT: tl.constexpr,
-                DIM: tl.constexpr):
-    """Store fp32 rows ``x`` ``[HEADS, DIM]`` at element offsets ``row``
-    (each head's row start) of the cache: cast to its dtype, or, with
-    ``QUANT``, as int8 with an absmax scale per 32 channels after the values
-    (``scale_ptr``: the same cache viewed as float32, ``head_ok`` the heads
-    to store)."""
-    if QUANT:
-        group = d // 32
-        absmax = tl.zeros(x.shape, dtype=tl.float32)   # each channel's group's absmax
-        for g in tl.static_range(DIM // 32):
-            in_group = (group == g) & mask
-            top = tl.max(tl.where(in_group, tl.abs(x), 0.0), 1)
-            absmax = tl.where(group == g, top[:, None], absmax)
-            tl.store(scale_ptr + (row + head_dim + 4 * g) // 4, top / 127.0, mask=head_ok & (row * 0 + g * 32 < head_dim))
-        inv = tl.where(absmax > 0, 127.0 / absmax, 0.0)
-        # Adding 1.5 * 2**23 and taking it away rounds an fp32 below 2**22 to
-        # the nearest integer, ties to even (torch.round's rule), in IEEE
-        # arithmetic on any device and in the interpreter.
-        q = (x * inv + 12582912.0) - 12582912.0
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        tl.store(cache_ptr + row[:, None] + d, q.to(tl.int8), mask=mask)
-    else:
-        tl.store(cache_ptr + row[:, None] + d, x.to(cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
     num_kv_heads, head_dim, block_size,
@@ -81,12 +54,33 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
     # Through fp32, so any source dtype reaches the cache dtype by one rule
     # (and the interpreter never does arithmetic on raw bf16).
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
     k_row = block * stride_kcb + offset * stride_kcs + hs * stride_kch
     v_row = block * stride_vcb + offset * stride_vcs + hs * stride_vch
-    _store_rows(k.to(tl.float32), k_cache_ptr, k_scale_ptr, k_row, d * stride_kcd, mask, hs < heads,
-                head_dim, QUANT, DIM)
-    _store_rows(v.to(tl.float32), v_cache_ptr, v_scale_ptr, v_row, d * stride_vcd, mask, hs < heads,
-                head_dim, QUANT, DIM)
+    if QUANT:
+        # int8 with an absmax scale per 32 channels after the values (the
+        # scale pointers: the same caches viewed as float32).
+        k_max = tl.zeros([HEADS, DIM], dtype=tl.float32)   # each channel's group's absmax
+        v_max = tl.zeros([HEADS, DIM], dtype=tl.float32)
+        for g in tl.static_range(DIM // 32):
+            in_group = (d // 32 == g) & mask
+            k_top = tl.max(tl.where(in_group, tl.abs(k), 0.0), 1)
+            v_top = tl.max(tl.where(in_group, tl.abs(v), 0.0), 1)
+            k_max = tl.where(d // 32 == g, k_top[:, None], k_max)
+            v_max = tl.where(d // 32 == g, v_top[:, None], v_max)
+            stored = (hs < heads) & (hs * 0 + g * 32 < head_dim)
+            tl.store(k_scale_ptr + (k_row + head_dim + 4 * g) // 4, k_top / 127.0, mask=stored)
+            tl.store(v_scale_ptr + (v_row + head_dim + 4 * g) // 4, v_top / 127.0, mask=stored)
+        # Adding 1.5 * 2**23 and taking it away rounds an fp32 below 2**22 to
+        # the nearest integer, ties to even (torch.round's rule), in IEEE
+        # arithmetic on any device and in the interpreter.
+        k = (k * tl.where(k_max > 0, 127.0 / k_max, 0.0) + 12582912.0) - 12582912.0
+        v = (v * tl.where(v_max > 0, 127.0 / v_max, 0.0) + 12582912.0) - 12582912.0
+        k = tl.minimum(tl.maximum(k, -127.0), 127.0)
+        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+    tl.store(k_cache_ptr + k_row[:, None] + d * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + v_row[:, None] + d * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

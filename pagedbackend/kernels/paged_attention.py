@@ -225,9 +225,9 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + k_row[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0).to(tl.float32)
         v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0).to(tl.float32)
         if QUANT:   # int8 rows: a float32 scale per 32 channels follows the values
-            group = (head_dim + 4 * (d[None, :] // 32)) // 4
-            k = k * tl.load(k_scale_ptr + k_row[:, None] // 4 + group, mask=kv_mask, other=0.0)
-            v = v * tl.load(v_scale_ptr + v_row[:, None] // 4 + group, mask=kv_mask, other=0.0)
+            scale_col = (head_dim + 4 * (d[None, :] // 32)) // 4   # in float32s from the row's start
+            k = k * tl.load(k_scale_ptr + k_row[:, None] // 4 + scale_col, mask=kv_mask, other=0.0)
+            v = v * tl.load(v_scale_ptr + v_row[:, None] // 4 + scale_col, mask=kv_mask, other=0.0)
         if LOWP_DOT:
             k = k.to(q_ptr.dtype.element_ty)
             v = v.to(q_ptr.dtype.element_ty)
