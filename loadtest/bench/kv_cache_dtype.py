@@ -7,10 +7,10 @@ the model's float32 one, on SmolLM2-135M (docs/kv_cache_dtype.md).
   round; the same queries, caches encoded from the same float32 values.
 - ``quality``: the default model, dtype float32, greedy: how many of 32
   prompts keep all of their first 32 tokens, and how many of the 1,024
-  tokens are equal; and the perplexity of a text of its own (the float32
-  cache's greedy continuation of a few prompts, 512 tokens) scored as
-  prompt log-probabilities in chunks of 32, so that each chunk reads the
-  earlier ones through the cache.
+  tokens are equal (the prompts, shorter than a chunk, are prefilled
+  whole); and the perplexity of a text of its own (a sampled continuation
+  by the float32 cache, 512 tokens) scored as prompt log-probabilities in
+  chunks of 32, so that each chunk reads the earlier ones through the cache.
 - ``capacity``: the tokens ``kv_cache_bytes`` holds per dtype.
 """
 import argparse
@@ -85,7 +85,7 @@ def bench_quality(prompts: List[str], max_tokens: int, text_tokens: int) -> dict
     text = None
     for name in ("auto", "bfloat16", "int8"):
         with LLM(model="default", compile=False, dtype="float32", kv_cache_dtype=name, num_kv_blocks=128,
-                 long_prefill_token_threshold=32, max_num_batched_tokens=32) as llm:
+                 long_prefill_token_threshold=32) as llm:   # prompts of 32 prompts' size are never split
             tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
             if text is None:   # the float32 cache's own continuation: a text the model finds likely
                 seed = SamplingParams(max_tokens=text_tokens, temperature=0.8, seed=1, ignore_eos=True)
