@@ -110,3 +110,19 @@ def test_int8_cache_with_windowed_kv_groups_under_swap(tmp_path):
     assert len(llms["swap"].engine.runner.kv_layout.groups) == 3
     assert llms["swap"].engine.get_stats().num_swap_preemptions > 0
     assert outs["swap"] == outs["recompute"]
+
+
+def test_int8_cache_under_speculative_verification_gives_plain_decoding_tokens(default_model_dir):
+    # n-gram drafts of a repetitive answer, verified as query chunks that read
+    # the int8 cache, against one token a step read by the C decode kernel.
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps by the warm fire."
+    prompt = f"<|im_start|>user\nRepeat this sentence three times: {text}<|im_end|>\n<|im_start|>assistant\n"
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    outs = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        with LLM(model="default", compile=False, dtype="float32", kv_cache_dtype="int8", num_kv_blocks=64,
+                 speculative_config=spec) as llm:
+            outs[spec is None] = llm.generate([prompt], params)[0].outputs[0].token_ids
+            stats = llm.engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 0
+    assert outs[False] == outs[True]
