@@ -126,3 +126,21 @@ def test_int8_cache_under_speculative_verification_gives_plain_decoding_tokens(d
             stats = llm.engine.get_stats()
     assert stats.spec_num_accepted_tokens > 0
     assert outs[False] == outs[True]
+
+
+def test_the_same_kv_cache_bytes_hold_more_blocks_in_a_smaller_dtype(tiny_model_dir):
+    blocks, caches = {}, {}
+    for kv in ("auto", "bfloat16", "int8"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), compile=False, dtype="float32",
+                                        kv_cache_dtype=kv, kv_cache_bytes=16 * 2 ** 20, swap_space_blocks=4))
+        runner = engine.runner
+        blocks[kv], caches[kv] = runner.num_kv_blocks, runner.kv_cache
+        assert runner.swap_cache.dtype == runner.kv_cache.dtype   # swapped blocks take the same bytes
+        assert runner.kv_cache.nbytes <= 16 * 2 ** 20 < runner.kv_cache.nbytes + runner.kv_bytes_per_block
+        assert engine.block_manager.num_total_blocks == blocks[kv]
+    assert (caches["auto"].dtype, caches["bfloat16"].dtype, caches["int8"].dtype) == (
+        torch.float32, torch.bfloat16, torch.int8)
+    head_dim = caches["auto"].shape[-1]   # 64: an int8 row is 64 values and 2 float32 scales
+    assert caches["int8"].shape[-1] == head_dim + head_dim // 8
+    assert blocks["bfloat16"] / blocks["auto"] == pytest.approx(2, rel=0.01)
+    assert blocks["int8"] / blocks["bfloat16"] == pytest.approx(128 / 72, rel=0.01)
