@@ -83,7 +83,7 @@ def paged_attention(dim: int, group: int, rows: int, dtype: str, sinks: bool,
     when it is not the model's."""
     if block_n is None:
         from pagedbackend.kernels.paged_attention import tiling
-        shape = tiling(dim, dtype != "fp32")
+        shape = tiling(dim, dtype != "fp32", kv == "i8")
         rows = min(rows, max(group, shape.max_rows))
         block_n, options = shape.block_n, {"num_warps": shape.num_warps, "num_stages": shape.num_stages}
     heads = KV_HEADS * group
@@ -169,8 +169,8 @@ def all_launches() -> Iterator[Launch]:
                 for dtype in DTYPES:
                     for sinks in (False, True):
                         yield paged_attention(dim, group, rows, dtype, sinks)
-                    for kv in ("bf16", "i8"):   # kv_cache_dtype
-                        yield paged_attention(dim, group, rows, dtype, False, kv=kv)
+                    for kv in ("bf16", "i8") if dtype != "fp32" else ():   # kv_cache_dtype (refused
+                        yield paged_attention(dim, group, rows, dtype, False, kv=kv)   # beside fp32)
     for dim in HEAD_DIMS:
         for kv_heads in (1, 2, 4, 8):
             for dtype in DTYPES:

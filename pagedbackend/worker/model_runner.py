@@ -138,6 +138,11 @@ class ModelRunner:
         # The cache's own format (kv_cache_dtype): int8 rows carry their scale.
         self.kv_dtype = cache_dtype(self.config.kv_cache_dtype, self.dtype)
         check_head_dim(args.head_dim, self.kv_dtype)
+        if (self.device.type == "cuda" and self.kv_dtype != self.dtype and self.dtype == torch.float32
+                and self.attention_ops.write_kv is get_attention_ops("triton", self.device).write_kv):
+            raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype} with the triton attention backend "
+                             "needs dtype bfloat16 or float16 on a GPU (float32 tiles beside the cache's "
+                             "spill registers: docs/kv_cache_dtype.md); got float32")
         row = row_bytes(args.head_dim, self.kv_dtype)
         block_shape = (self.block_size, self.model.num_kv_heads, row_width(args.head_dim, self.kv_dtype))
         slots = self.kv_layout.slots   # layers per block (every layer, for one KV group)
