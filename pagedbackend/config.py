@@ -95,6 +95,13 @@ class EngineConfig:
     # multiplies bfloat16 natively (GPU; CPU with AVX512-BF16 or AMX), float32
     # otherwise and for float32 checkpoints (pagedbackend.dtype_choice).
     dtype: str = "auto"
+    # The KV cache's element format: "auto" (the model's dtype), "bfloat16" (a
+    # cast on write and on read) or "int8" (symmetric absmax, one float32 scale
+    # per token and KV head kept beside its row: kernels/kv_cache_dtype.py).
+    # The pool is sized in bytes, so kv_cache_bytes holds 2x float32's tokens
+    # in bfloat16 and ~1.9x bfloat16's in int8. Every attention backend reads
+    # it; tensor_parallel_size 1. Speed and quality: docs/kv_cache_dtype.md.
+    kv_cache_dtype: str = "auto"
     # "triton" (Triton-lang kernels), "torch" (reference twins), "sdpa" (one
     # gather per step, then scaled_dot_product_attention: the CPU serving path)
     # or "auto" (triton on CUDA, sdpa on CPU).
@@ -218,6 +225,11 @@ class EngineConfig:
         choice("scheduling_policy", ("fcfs", "priority"))
         choice("kv_reservation", ("paged", "max", "pow2", "oracle"))
         choice("dtype", ("auto", "float32", "float16", "bfloat16"))
+        choice("kv_cache_dtype", ("auto", "bfloat16", "int8"))
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} does not support tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (the ranks' caches are the model's dtype); "
+                             "use kv_cache_dtype=auto or tensor_parallel_size=1")
         choice("attention_backend", ("auto", "triton", "torch", "sdpa"))
         choice("device", ("auto", "cpu", "cuda"))
         choice("quantization", QUANTIZATION_MODES)

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "quant_kernels": "weight-only int8 / int4 and bf16 matmuls vs fp32 on SmolLM2's linear shapes",
     "quant_quality": "quantization none / int8 / int4: perplexity, greedy agreement, offline tokens/s",
     "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
+    "kv_cache_dtype": "KV cache in bfloat16 / int8 vs float32: decode kernel time at 4k and 16k, quality, capacity",
     "fleet": "replicas behind Dynamo's KV router vs round-robin and random on multi-turn chat; the hop's cost",
     "moe": "mixture of experts: decode and prefill tok/s beside HF, a dense model and vLLM; expert bytes read",
     "lora": "multi-LoRA at 32 streams: 0, 1, 4, 16 adapters of rank 8 and 64 against the base model",

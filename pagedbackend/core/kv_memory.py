@@ -24,18 +24,25 @@ SCHEMES = ("max", "pow2", "oracle", "paged")
 class KVModel:
     """The model dimensions that size one token's K and V state;
     ``layer_windows``: each layer's sliding window (None: full attention),
-    empty when no layer has one."""
+    empty when no layer has one; ``scale_bytes``: bytes beside each head's
+    row of one token (an int8 cache's float32 scale, ``kv_cache_dtype``)."""
 
     layers: int
     kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
     layer_windows: Tuple[Optional[int], ...] = ()
+    scale_bytes: int = 0
+
+    @property
+    def row_bytes(self) -> int:
+        """One token's one KV head of K (or V): its values and their scale."""
+        return self.head_dim * self.dtype_bytes + self.scale_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
         # K and V, every layer, every KV head.
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.layers * self.kv_heads * self.row_bytes
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size
@@ -51,7 +58,7 @@ class KVModel:
     def windowed_block_bytes(self, block_size: int) -> int:
         """Bytes of one block when the layers are in KV groups: K and V of one group's layers."""
         layout = kv_layout(self.layer_windows or [None] * self.layers)
-        return 2 * layout.slots * self.kv_heads * self.head_dim * self.dtype_bytes * block_size
+        return 2 * layout.slots * self.kv_heads * self.row_bytes * block_size
 
 
 def check_positive_int(name: str, value) -> None:

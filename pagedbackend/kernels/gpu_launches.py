@@ -64,22 +64,35 @@ def _tensor(dtype: str) -> str:
     return f"*{dtype}"
 
 
+def _cache(dim: int, dtype: str, kv: Optional[str]):
+    """A KV cache's pointer type, its scales' and its row length: the model's
+    ``dtype``, or ``kv`` ("bf16", or "i8": rows of int8 values and float32
+    scales, ``kv_cache_dtype.py``)."""
+    if kv == "i8":
+        return "*i8", "*fp32", dim + dim // 8
+    return _tensor(kv or dtype), _tensor(kv or dtype), dim
+
+
 def paged_attention(dim: int, group: int, rows: int, dtype: str, sinks: bool,
-                    block_n: Optional[int] = None, options: Optional[Dict[str, int]] = None) -> Launch:
+                    block_n: Optional[int] = None, options: Optional[Dict[str, int]] = None,
+                    kv: Optional[str] = None) -> Launch:
     """``paged_attention.paged_attention`` for ``group`` query heads per KV
     head and plan tiles of ``rows`` query rows (16: a decode batch; 64: a
     prefill), with the kernel's own ``tiling`` unless ``block_n`` and
-    ``options`` replace it (``attention_sweep``)."""
+    ``options`` replace it (``attention_sweep``); ``kv``: the cache's dtype
+    when it is not the model's."""
     if block_n is None:
         from pagedbackend.kernels.paged_attention import tiling
-        shape = tiling(dim, dtype != "fp32")
+        shape = tiling(dim, dtype != "fp32", kv == "i8")
         rows = min(rows, max(group, shape.max_rows))
         block_n, options = shape.block_n, {"num_warps": shape.num_warps, "num_stages": shape.num_stages}
     heads = KV_HEADS * group
     q_strides = _contiguous(1024, heads, dim)
-    cache_strides = _contiguous(4096, BLOCK_SIZE, KV_HEADS, dim)
+    cache, scales, row = _cache(dim, dtype, kv)
+    cache_strides = _contiguous(4096, BLOCK_SIZE, KV_HEADS, row)
     t, i32 = _tensor(dtype), "*i32"
-    args = dict(q_ptr=t, k_cache_ptr=t, v_cache_ptr=t, out_ptr=t, block_tables_ptr=i32,
+    args = dict(q_ptr=t, k_cache_ptr=cache, v_cache_ptr=cache, k_scale_ptr=scales, v_scale_ptr=scales,
+                out_ptr=t, block_tables_ptr=i32,
                 cu_seqlens_q_ptr=i32, seq_lens_ptr=i32, tile_seq_ptr=i32, tile_q_start_ptr=i32,
                 sinks_ptr="*fp32" if sinks else i32,
                 sm_scale_log2=0.5, head_dim=dim, block_size=BLOCK_SIZE, group=group, window=_NO_WINDOW)
@@ -89,24 +102,27 @@ def paged_attention(dim: int, group: int, rows: int, dtype: str, sinks: bool,
     args.update(zip(("stride_vb", "stride_vs", "stride_vh", "stride_vd"), cache_strides))
     args["stride_bts"] = 512
     args.update(BLOCK_Q=rows // group, GROUP_PAD=group, BLOCK_N=block_n, DIM=dim,
-                LOWP_DOT=dtype != "fp32", HAS_SINKS=sinks)
-    return Launch(f"{_PACKAGE}.paged_attention", "_paged_attention_kernel", args, dtype,
+                LOWP_DOT=dtype != "fp32", HAS_SINKS=sinks, QUANT=kv == "i8")
+    return Launch(f"{_PACKAGE}.paged_attention", "_paged_attention_kernel", args, dtype + (f"/kv {kv}" if kv else ""),
                   options=dict(options or {}))
 
 
-def write_kv(dim: int, kv_heads: int, dtype: str) -> Launch:
-    """``kv_write.write_kv``: one program per token, every KV head at once."""
+def write_kv(dim: int, kv_heads: int, dtype: str, kv: Optional[str] = None) -> Launch:
+    """``kv_write.write_kv``: one program per token, every KV head at once
+    (``kv``: the cache's dtype when it is not the model's)."""
     t = _tensor(dtype)
+    cache, scales, row = _cache(dim, dtype, kv)
     token_strides = _contiguous(1024, kv_heads, dim)
-    cache_strides = _contiguous(4096, BLOCK_SIZE, kv_heads, dim)
-    args = dict(key_ptr=t, value_ptr=t, k_cache_ptr=t, v_cache_ptr=t, slot_ptr="*i64",
+    cache_strides = _contiguous(4096, BLOCK_SIZE, kv_heads, row)
+    args = dict(key_ptr=t, value_ptr=t, k_cache_ptr=cache, v_cache_ptr=cache, k_scale_ptr=scales,
+                v_scale_ptr=scales, slot_ptr="*i64",
                 num_kv_heads=kv_heads, head_dim=dim, block_size=BLOCK_SIZE)
     args.update(zip(("stride_kt", "stride_kh", "stride_kd"), token_strides))
     args.update(zip(("stride_vt", "stride_vh", "stride_vd"), token_strides))
     args.update(zip(("stride_kcb", "stride_kcs", "stride_kch", "stride_kcd"), cache_strides))
     args.update(zip(("stride_vcb", "stride_vcs", "stride_vch", "stride_vcd"), cache_strides))
-    args.update(HEADS=kv_heads, DIM=dim)
-    return Launch(f"{_PACKAGE}.kv_write", "_write_kv_kernel", args, dtype)
+    args.update(HEADS=kv_heads, DIM=dim, QUANT=kv == "i8")
+    return Launch(f"{_PACKAGE}.kv_write", "_write_kv_kernel", args, dtype + (f"/kv {kv}" if kv else ""))
 
 
 def lora_shrink(rank: int, dtype: str, in_features: int = 4096) -> Launch:
@@ -153,10 +169,13 @@ def all_launches() -> Iterator[Launch]:
                 for dtype in DTYPES:
                     for sinks in (False, True):
                         yield paged_attention(dim, group, rows, dtype, sinks)
+                    for kv in ("bf16", "i8") if dtype != "fp32" else ():   # kv_cache_dtype (refused
+                        yield paged_attention(dim, group, rows, dtype, False, kv=kv)   # beside fp32)
     for dim in HEAD_DIMS:
         for kv_heads in (1, 2, 4, 8):
             for dtype in DTYPES:
                 yield write_kv(dim, kv_heads, dtype)
+                yield write_kv(dim, kv_heads, dtype, kv="i8")
     for rank in LORA_RANKS[1:]:          # ranks 8 and 16 share BLOCK_R 16
         for dtype in DTYPES:
             yield lora_shrink(rank, dtype)
@@ -170,7 +189,9 @@ def all_launches() -> Iterator[Launch]:
 def quick_launches() -> Iterator[Launch]:
     """One launch per kernel (``make test``'s subset): the shapes of Llama-3-8B."""
     yield paged_attention(128, 4, 16, "bf16", False)
+    yield paged_attention(128, 4, 16, "bf16", False, kv="i8")
     yield write_kv(128, 8, "bf16")
+    yield write_kv(128, 8, "bf16", kv="i8")
     yield lora_shrink(16, "bf16")
     yield lora_expand(16, "bf16")
     yield moe_gemm(*MOE_SHAPES[0], False, "bf16")

@@ -1,17 +1,19 @@
 """Scatter new tokens' K and V into their slots of a paged per-layer cache.
 
-Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V.
-A token's slot is ``physical_block * block_size + offset``; a negative slot
-means "do not store" (a padding token).
+Cache layout: ``[num_blocks, block_size, num_kv_heads, row]`` for K and V,
+``row`` being ``head_dim`` (the model's dtype, or bfloat16) or ``head_dim * 9 / 8``
+(int8 values and a float32 scale per 32 of them: ``kv_cache_dtype.py``). A token's slot
+is ``physical_block * block_size + offset``; a negative slot means "do not
+store" (a padding token).
 """
 import torch
 
 from pagedbackend.kernels import interpret_without_gpu
+from pagedbackend.kernels.kv_cache_dtype import encode
 
 interpret_without_gpu()   # before any kernel is defined
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
 
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -21,19 +23,19 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     slots = slot_mapping[keep].long()
     k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    k_flat[slots] = key[keep].to(k_cache.dtype)
-    v_flat[slots] = value[keep].to(v_cache.dtype)
+    k_flat[slots] = encode(key[keep], k_cache.dtype)
+    v_flat[slots] = encode(value[keep], v_cache.dtype)
 
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
     num_kv_heads, head_dim, block_size,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    HEADS: tl.constexpr, DIM: tl.constexpr,
+    HEADS: tl.constexpr, DIM: tl.constexpr, QUANT: tl.constexpr,
 ):
     # One program per token: every KV head of the token moves as one [HEADS, DIM] tile.
     token = tl.program_id(0).to(tl.int64)
@@ -43,7 +45,8 @@ def _write_kv_kernel(
 
     # A negative slot leaves no heads to move, so a skipped token touches no memory.
     heads = tl.where(slot >= 0, num_kv_heads, 0)
-    h = tl.arange(0, HEADS)[:, None]
+    hs = tl.arange(0, HEADS)
+    h = hs[:, None]
     d = tl.arange(0, DIM)[None, :]
     mask = (h < heads) & (d < head_dim)
 
@@ -51,12 +54,33 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
     # Through fp32, so any source dtype reaches the cache dtype by one rule
     # (and the interpreter never does arithmetic on raw bf16).
-    k = k.to(tl.float32).to(k_cache_ptr.dtype.element_ty)
-    v = v.to(tl.float32).to(v_cache_ptr.dtype.element_ty)
-    tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd,
-             k, mask=mask)
-    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd,
-             v, mask=mask)
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
+    k_row = block * stride_kcb + offset * stride_kcs + hs * stride_kch
+    v_row = block * stride_vcb + offset * stride_vcs + hs * stride_vch
+    if QUANT:
+        # int8 with an absmax scale per 32 channels after the values (the
+        # scale pointers: the same caches viewed as float32).
+        k_max = tl.zeros([HEADS, DIM], dtype=tl.float32)   # each channel's group's absmax
+        v_max = tl.zeros([HEADS, DIM], dtype=tl.float32)
+        for g in tl.static_range(DIM // 32):
+            in_group = (d // 32 == g) & mask
+            k_top = tl.max(tl.where(in_group, tl.abs(k), 0.0), 1)
+            v_top = tl.max(tl.where(in_group, tl.abs(v), 0.0), 1)
+            k_max = tl.where(d // 32 == g, k_top[:, None], k_max)
+            v_max = tl.where(d // 32 == g, v_top[:, None], v_max)
+            stored = (hs < heads) & (hs * 0 + g * 32 < head_dim)
+            tl.store(k_scale_ptr + (k_row + head_dim + 4 * g) // 4, k_top / 127.0, mask=stored)
+            tl.store(v_scale_ptr + (v_row + head_dim + 4 * g) // 4, v_top / 127.0, mask=stored)
+        # Adding 1.5 * 2**23 and taking it away rounds an fp32 below 2**22 to
+        # the nearest integer, ties to even (torch.round's rule), in IEEE
+        # arithmetic on any device and in the interpreter.
+        k = (k * tl.where(k_max > 0, 127.0 / k_max, 0.0) + 12582912.0) - 12582912.0
+        v = (v * tl.where(v_max > 0, 127.0 / v_max, 0.0) + 12582912.0) - 12582912.0
+        k = tl.minimum(tl.maximum(k, -127.0), 127.0)
+        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+    tl.store(k_cache_ptr + k_row[:, None] + d * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + v_row[:, None] + d * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -65,9 +89,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    quant = k_cache.dtype == torch.int8
+    scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if quant else (k_cache, v_cache)
     _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, *scales, slot_mapping,
         num_kv_heads, head_dim, k_cache.shape[1],
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        HEADS=triton.next_power_of_2(num_kv_heads), DIM=triton.next_power_of_2(head_dim),
+        HEADS=triton.next_power_of_2(num_kv_heads), DIM=triton.next_power_of_2(head_dim), QUANT=quant,
     )

@@ -14,7 +14,9 @@ cached prefix blocks) and decodes (one query token). For sequence ``s``:
   positions are never read, so a KV group may have freed their blocks.
 
 Shapes: ``q`` and ``out`` ``[num_tokens, num_heads, head_dim]``; caches
-``[num_blocks, block_size, num_kv_heads, head_dim]``; ``block_tables`` int32
+``[num_blocks, block_size, num_kv_heads, row]`` (``row``: ``head_dim``, or
+``head_dim * 9 / 8`` for int8 rows with a scale per 32 channels,
+dequantised as they are read: ``kv_cache_dtype.py``); ``block_tables`` int32
 ``[num_seqs, max_blocks_per_seq]``; ``cu_seqlens_q`` int32 ``[num_seqs + 1]``;
 ``seq_lens`` int32 ``[num_seqs]``. ``num_heads`` is a multiple of
 ``num_kv_heads`` (grouped-query attention).
@@ -27,6 +29,7 @@ import torch
 
 from pagedbackend.kernels import interpret_without_gpu
 from pagedbackend.kernels.attention_sinks import softmax_with_sinks
+from pagedbackend.kernels.kv_cache_dtype import decode
 
 interpret_without_gpu()   # before any kernel is defined
 import triton  # noqa: E402
@@ -95,8 +98,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         first_block, n_blocks = first // block_size, (kv_len + block_size - 1) // block_size
         blocks = block_tables[s, first_block:n_blocks].long()
         skip = first - first_block * block_size
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[skip:kv_len - first_block * block_size].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[skip:kv_len - first_block * block_size].float()
+        k = decode(k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[skip:kv_len - first_block * block_size])
+        v = decode(v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[skip:kv_len - first_block * block_size])
         k = k.repeat_interleave(group, dim=1)  # [kv_len - first, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         qs = q[q_start:q_end].float()
@@ -128,14 +131,14 @@ class Tiling:
     num_stages: int
 
 
-def tiling(dim: int, lowp_dot: bool) -> Tiling:
+def tiling(dim: int, lowp_dot: bool, quant: bool = False) -> Tiling:
     """The tiling for a padded head dim ``dim`` and dot precision, chosen from
     ``python -m pagedbackend.kernels.gpu_report`` (docs/gpu.md) so that no
     launch spills on sm_80, sm_90 or sm_100: fewer query rows per program as
     the head dim grows, and fp32 (IEEE dots on FMA units, far more held per
     thread) fewer still. Which is fastest awaits a GPU run."""
-    if lowp_dot:   # fp16/bf16 tensor-core dots
-        return Tiling(_MAX_ROWS, 32, 4, 3) if dim <= 128 else Tiling(32, 32, 4, 2)
+    if lowp_dot:   # fp16/bf16 tensor-core dots; an int8 cache's scales take registers too
+        return Tiling(_MAX_ROWS, 32, 4, 3) if dim <= 128 else Tiling(32, 16 if quant else 32, 4, 2)
     if dim <= 64:
         return Tiling(_MAX_ROWS, 16, 4, 3)
     return Tiling(32, 16, 4, 3) if dim <= 128 else Tiling(16, 16, 8, 3)
@@ -143,7 +146,7 @@ def tiling(dim: int, lowp_dot: bool) -> Tiling:
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr, sinks_ptr,
     sm_scale_log2, head_dim, block_size, group, window,
     stride_qt, stride_qh, stride_qd,
@@ -152,7 +155,7 @@ def _paged_attention_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bts,
     BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIM: tl.constexpr, LOWP_DOT: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DIM: tl.constexpr, LOWP_DOT: tl.constexpr, HAS_SINKS: tl.constexpr, QUANT: tl.constexpr,
 ):
     # Program = (query tile of one sequence, kv head). Its M rows are BLOCK_Q
     # query tokens x GROUP_PAD query heads sharing the kv head, row m being
@@ -217,13 +220,17 @@ def _paged_attention_kernel(
         phys = tl.load(table + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
         slot = pos % block_size
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + phys[:, None] * stride_kb + slot[:, None] * stride_ks
-                    + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + phys[:, None] * stride_vb + slot[:, None] * stride_vs
-                    + kv_head * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0).to(tl.float32)
+        k_row = phys * stride_kb + slot * stride_ks + kv_head * stride_kh
+        v_row = phys * stride_vb + slot * stride_vs + kv_head * stride_vh
+        k = tl.load(k_cache_ptr + k_row[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0).to(tl.float32)
+        v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0).to(tl.float32)
+        if QUANT:   # int8 rows: a float32 scale per 32 channels follows the values
+            scale_col = (head_dim + 4 * (d[None, :] // 32)) // 4   # in float32s from the row's start
+            k = k * tl.load(k_scale_ptr + k_row[:, None] // 4 + scale_col, mask=kv_mask, other=0.0)
+            v = v * tl.load(v_scale_ptr + v_row[:, None] // 4 + scale_col, mask=kv_mask, other=0.0)
         if LOWP_DOT:
-            k = k.to(k_cache_ptr.dtype.element_ty)
-            v = v.to(v_cache_ptr.dtype.element_ty)
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
             s = tl.dot(q, tl.trans(k))
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -238,7 +245,7 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if LOWP_DOT:
-            acc = tl.dot(p.to(v_cache_ptr.dtype.element_ty), v, acc)
+            acc = tl.dot(p.to(q_ptr.dtype.element_ty), v, acc)
         else:
             acc = tl.dot(p, v, acc, input_precision="ieee")
         m_i = m_new
@@ -326,18 +333,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     dim, group_pad, lowp = max(16, triton.next_power_of_2(head_dim)), triton.next_power_of_2(group), \
         _half_precision_dot(q)
-    shape = tiling(dim, lowp)
+    shape = tiling(dim, lowp, k_cache.dtype == torch.int8)
     block_q = min(plan.block_q, max(1, shape.max_rows // group_pad))
     grid = (len(plan.tile_seq), num_kv_heads, plan.block_q // block_q)
+    quant = k_cache.dtype == torch.int8
+    scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if quant else (k_cache, v_cache)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, *scales, out,
         block_tables, cu_seqlens_q, seq_lens, plan.tile_seq, plan.tile_q_start,
         sinks if sinks is not None else seq_lens,
         scale * _LOG2E, head_dim, block_size, group, window or _NO_WINDOW,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=shape.block_n, DIM=dim, LOWP_DOT=lowp,
-        HAS_SINKS=sinks is not None, num_warps=shape.num_warps, num_stages=shape.num_stages,
+        HAS_SINKS=sinks is not None, QUANT=quant, num_warps=shape.num_warps, num_stages=shape.num_stages,
     )
     return out
 
@@ -347,15 +356,16 @@ def _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, plan: RefPlan, sc
     """All single-token queries at once: gather their blocks into a padded
     ``[seqs, max_len]`` view and mask the padding (one query sees every key,
     or its last ``window``)."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads, row = k_cache.shape[1:]
+    head_dim = q.shape[2]
     group = q.shape[1] // num_kv_heads
     idx, rows = plan.decode_seqs, plan.decode_rows
     n = len(idx)
     lens = seq_lens[idx].long()
     n_blocks = (plan.decode_max_len + block_size - 1) // block_size
     tables = block_tables[idx, :n_blocks].long().clamp_(min=0)
-    k = k_cache[tables].reshape(n, -1, num_kv_heads, head_dim).float()
-    v = v_cache[tables].reshape(n, -1, num_kv_heads, head_dim).float()
+    k = decode(k_cache[tables].reshape(n, -1, num_kv_heads, row))
+    v = decode(v_cache[tables].reshape(n, -1, num_kv_heads, row))
     qs = q[rows].float().view(n, num_kv_heads, group, head_dim)
     scores = torch.einsum("nkgd,nlkd->nkgl", qs, k) * scale
     pad = torch.arange(k.shape[1], device=q.device).unsqueeze(0) >= lens.unsqueeze(1)

@@ -31,8 +31,14 @@ no value) reach the C decode kernel as one more term of its softmax, the
 gather path as a last score column, and chunks through SDPA's CPU flash
 kernel, whose log-sum-exp rescales its output by ``sigmoid(lse - sink)``.
 
-The KV write is one call of the C ``paged_write`` (float32 on CPU), else one
-``index_copy_`` per cache. A step of decodes only gets a function of its own
+The cache may hold another dtype than the model's (``kv_cache_dtype``:
+bfloat16, or int8 rows with their scale, ``kv_cache_dtype.py``): the C
+kernels read and write it at its own width (float32 arithmetic), the gather
+paths dequantise the rows they gather. Fresh prefills attend to the step's
+own K/V as computed, as they do in every dtype.
+
+The KV write is one call of the C ``paged_write_kv`` (a float32 model on
+CPU), else one ``index_copy_`` per cache of the rows ``kv_cache_dtype.encode`` makes. A step of decodes only gets a function of its own
 (``decode_step``) that checks once what its layers share, so each layer makes
 just the two C calls. Shapes and arguments follow ``paged_attention.py``.
 """
@@ -45,6 +51,7 @@ import torch.nn.functional as F
 
 from pagedbackend.kernels import native
 from pagedbackend.kernels.attention_sinks import sdpa_with_sinks, softmax_with_sinks
+from pagedbackend.kernels.kv_cache_dtype import decode, encode, head_dim_of, native_kind, row_width
 
 # Decodes through csrc/paged_decode.c where it builds (tests turn it off to
 # check the gather path).
@@ -183,27 +190,28 @@ def write_kv_sdpa(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   plan: Optional[SdpaPlan] = None) -> None:
     """Store ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` in their
-    slots; negative slots are skipped. float32 on CPU: one call of the C
-    kernel's ``paged_write`` (a slot out of range falls through to
+    slots (in the cache's format); negative slots are skipped. float32 on CPU: one
+    call of the C kernel's ``paged_write_kv`` (a slot out of range falls through to
     ``index_copy_``, which raises an IndexError)."""
     slots = plan.write_slots if plan is not None else None
+    kind = native_kind(k_cache.dtype)
     if (slots is not None and USE_NATIVE_DECODE and key.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and key.device.type == "cpu"
-            and value.dtype == torch.float32 and v_cache.dtype == torch.float32
-            and key.shape == value.shape and key.shape[1:] == k_cache.shape[2:]
+            and kind is not None and key.device.type == "cpu" and value.dtype == torch.float32
+            and v_cache.dtype == k_cache.dtype and key.shape == value.shape
+            and key.shape[1] == k_cache.shape[2] and row_width(key.shape[2], k_cache.dtype) == k_cache.shape[3]
             and k_cache.shape == v_cache.shape and slots.shape == key.shape[:1]
             and slots.is_contiguous() and _rows_contiguous(key) and _rows_contiguous(value)
             and k_cache.is_contiguous() and v_cache.is_contiguous() and native_write() is not None):
-        blocks, block_size, kv_heads, head_dim = k_cache.shape
+        blocks, block_size, kv_heads, _ = k_cache.shape
         if native_write()(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                          slots.data_ptr(), slots.shape[0], kv_heads * head_dim,
-                          blocks * block_size, key.stride(0), value.stride(0)) == 0:
+                          slots.data_ptr(), slots.shape[0], kv_heads, key.shape[2],
+                          blocks * block_size, key.stride(0), value.stride(0), kind) == 0:
             return
     if slots is None:
         keep = slot_mapping >= 0
         slots, key, value = slot_mapping[keep].long(), key[keep], value[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, encode(key, k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, encode(value, v_cache.dtype))
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:
@@ -244,14 +252,15 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.decode_rows is not None:
         out[plan.decode_rows] = _decodes(q[plan.decode_rows], k_cache, v_cache, plan, scale, sinks)
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat = k_cache.view(-1, num_kv_heads, k_cache.shape[3])
+    v_flat = v_cache.view(-1, num_kv_heads, v_cache.shape[3])
     for c in plan.chunks:
         rows = slice(c.q_start, c.q_start + c.q_len)
         if c.fresh and key is not None:
             k, v = key[rows], value[rows]
-        else:
-            k, v = k_flat.index_select(0, c.index), v_flat.index_select(0, c.index)
+        else:   # the gathered rows, dequantised (a cast, for bfloat16) to the queries' dtype
+            k = decode(k_flat.index_select(0, c.index), q.dtype)
+            v = decode(v_flat.index_select(0, c.index), q.dtype)
         if sinks is not None:
             out[rows] = sdpa_with_sinks(q[rows], k, v, c.mask, scale, sinks)
             continue
@@ -287,12 +296,12 @@ def _native(function: str):
 
 def native_decode():
     """The C decode kernel's function, or None where it cannot be built."""
-    return _native("paged_decode")
+    return _native("paged_decode_kv")
 
 
 def native_write():
-    """The C kernel's ``paged_write``, or None where it cannot be built."""
-    return _native("paged_write")
+    """The C kernel's ``paged_write_kv``, or None where it cannot be built."""
+    return _native("paged_write_kv")
 
 
 def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: SdpaPlan,
@@ -302,9 +311,10 @@ def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
     n, num_heads, head_dim = q.shape
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
+    kind = native_kind(k_cache.dtype)
     if (USE_NATIVE_DECODE and plan.decode_tables is not None
             and plan.decode_max_block < k_cache.shape[0] and q.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and kind is not None and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous() and native_decode() is not None):
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -312,18 +322,16 @@ def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
                                  plan.decode_tables.data_ptr(), plan.decode_tables.shape[1],
                                  plan.decode_lens.data_ptr(), n, num_heads, k_cache.shape[2],
                                  head_dim, k_cache.shape[1], scale, plan.window or 0,
-                                 None if sinks is None else sinks.data_ptr(), torch.get_num_threads())
+                                 None if sinks is None else sinks.data_ptr(), torch.get_num_threads(), kind)
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
     dtype = q.dtype
     rows = n * k_cache.shape[2]   # one matrix per (sequence, KV head)
     shape = (rows, plan.decode_len, head_dim)
-    k = k_cache.view(-1, head_dim).index_select(0, plan.decode_index).view(shape)
-    v = v_cache.view(-1, head_dim).index_select(0, plan.decode_index).view(shape)
-    q = q.reshape(rows, num_heads * n // rows, head_dim)
-    if q.dtype != torch.float32:
-        q, k, v = q.float(), k.float(), v.float()
+    k = decode(k_cache.view(-1, k_cache.shape[3]).index_select(0, plan.decode_index)).view(shape)
+    v = decode(v_cache.view(-1, v_cache.shape[3]).index_select(0, plan.decode_index)).view(shape)
+    q = q.reshape(rows, num_heads * n // rows, head_dim).float()
     if plan.decode_bias is None:
         scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
     else:
@@ -335,9 +343,9 @@ def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
 
 
 def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
-    """For a step of decodes only, float32 on CPU with the C kernels: a
-    function ``(q, k, v, layer, scale, window, sinks) -> out`` that stores a layer's K/V and
-    attends with two C calls. What is the same for every layer (the plan,
+    """For a step of decodes only, float32 on CPU with the C kernels (a
+    cache of any dtype they read): a function ``(q, k, v, layer, scale,
+    window, sinks) -> out`` that stores a layer's K/V and attends with two C calls. What is the same for every layer (the plan,
     the caches' dtype, shape and layout) is checked here, once per step, not
     by each layer; a layer whose tensors do not fit gets None back and takes
     the general path (``sdpa_forward``), as does a slot out of range (which
@@ -346,19 +354,21 @@ def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
             and plan.decode_tables is not None and kv_caches and native_write() is not None
             and native_decode() is not None):
         return None
-    shape = kv_caches[0][0].shape
-    if not all(c.dtype == torch.float32 and c.device.type == "cpu" and c.shape == shape
-               and c.is_contiguous() for pair in kv_caches for c in pair):
+    shape, dtype = kv_caches[0][0].shape, kv_caches[0][0].dtype
+    kind = native_kind(dtype)
+    if kind is None or not all(c.dtype == dtype and c.device.type == "cpu" and c.shape == shape
+                               and c.is_contiguous() for pair in kv_caches for c in pair):
         return None
-    blocks, block_size, kv_heads, head_dim = shape
+    blocks, block_size, kv_heads, row = shape
     slots, tables, lens = plan.write_slots, plan.decode_tables, plan.decode_lens
     n = tables.shape[0]
     if (plan.decode_max_block >= blocks or slots.shape != (n,) or not slots.is_contiguous()
             or lens.shape != (n,)):
         return None
-    write, decode = native_write(), native_decode()
+    write, attend = native_write(), native_decode()
+    head_dim = head_dim_of(kv_caches[0][0])   # an int8 row holds the values and their scales
     kv_shape = (n, kv_heads, head_dim)
-    row, num_slots, max_blocks = kv_heads * head_dim, blocks * block_size, tables.shape[1]
+    num_slots, max_blocks = blocks * block_size, tables.shape[1]
     slots_ptr, tables_ptr, lens_ptr = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()
     threads = torch.get_num_threads()
     window = plan.window or 0
@@ -375,13 +385,13 @@ def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
                 and q.is_contiguous() and _rows_contiguous(k) and _rows_contiguous(v)):
             return None
         k_cache, v_cache = kv_caches[layer]
-        if write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots_ptr, n, row,
-                 num_slots, k.stride(0), v.stride(0)) != 0:
+        if write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots_ptr, n, kv_heads,
+                 head_dim, num_slots, k.stride(0), v.stride(0), kind) != 0:
             return None
         out = torch.empty_like(q)
-        if decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables_ptr,
+        if attend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables_ptr,
                   max_blocks, lens_ptr, n, q.shape[1], kv_heads, head_dim, block_size, scale, window,
-                  None if sinks is None else sinks.data_ptr(), threads):
+                  None if sinks is None else sinks.data_ptr(), threads, kind):
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
 

@@ -14,6 +14,7 @@ import torch
 
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_memory import KVModel
+from pagedbackend.kernels.kv_cache_dtype import row_bytes
 from pagedbackend.models import ModelArgs, model_args, model_class
 from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models.gguf_source import gguf_of, load_gguf_weights
@@ -83,10 +84,12 @@ def fit_model_len(requested: Optional[int], model_limit: int) -> int:
 def kv_block_bytes(args: ModelArgs, block_size: int, num_kv_heads: int, dtype: torch.dtype,
                    layers: Optional[int] = None) -> int:
     """Bytes of one KV block on one rank: K and V of ``layers`` layers (one
-    KV group's; default every layer), the rank's KV heads."""
+    KV group's; default every layer), the rank's KV heads, in a cache of
+    ``dtype`` (int8: each row with its scale, ``kv_cache_dtype``)."""
     elem = torch.empty((), dtype=dtype).element_size()
     layers = args.num_layers if layers is None else layers
-    return KVModel(layers, num_kv_heads, args.head_dim, elem).kv_bytes_per_block(block_size)
+    scale = row_bytes(args.head_dim, dtype) - args.head_dim * elem
+    return KVModel(layers, num_kv_heads, args.head_dim, elem, scale_bytes=scale).kv_bytes_per_block(block_size)
 
 
 def read_safetensors(path: pathlib.Path) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -16,6 +16,7 @@ import torch
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.kernels import get_attention_ops
+from pagedbackend.kernels.kv_cache_dtype import cache_dtype, check_head_dim, row_bytes, row_width
 from pagedbackend.models import ModelArgs
 from pagedbackend.models.attention import step_context
 from pagedbackend.models.default_model import resolve_model_path
@@ -134,11 +135,19 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, args: ModelArgs) -> None:
         self.block_size = self.config.block_size
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        block_shape = (self.block_size, self.model.num_kv_heads, args.head_dim)
+        # The cache's own format (kv_cache_dtype): int8 rows carry their scale.
+        self.kv_dtype = cache_dtype(self.config.kv_cache_dtype, self.dtype)
+        check_head_dim(args.head_dim, self.kv_dtype)
+        if (self.device.type == "cuda" and self.kv_dtype != self.dtype and self.dtype == torch.float32
+                and self.attention_ops.write_kv is get_attention_ops("triton", self.device).write_kv):
+            raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype} with the triton attention backend "
+                             "needs dtype bfloat16 or float16 on a GPU (float32 tiles beside the cache's "
+                             "spill registers: docs/kv_cache_dtype.md); got float32")
+        row = row_bytes(args.head_dim, self.kv_dtype)
+        block_shape = (self.block_size, self.model.num_kv_heads, row_width(args.head_dim, self.kv_dtype))
         slots = self.kv_layout.slots   # layers per block (every layer, for one KV group)
         self.kv_bytes_per_block = kv_block_bytes(args, self.block_size, self.model.num_kv_heads,
-                                                 self.dtype, layers=slots)
+                                                 self.kv_dtype, layers=slots)
         self.num_kv_blocks = self.config.num_kv_blocks
         if self.num_kv_blocks is None:
             self.num_kv_blocks = self.config.kv_cache_bytes // self.kv_bytes_per_block
@@ -147,17 +156,17 @@ class ModelRunner:
                     f"kv_cache_bytes={self.config.kv_cache_bytes} is too small for one KV block: "
                     f"a block needs {self.kv_bytes_per_block} bytes (2 x {slots} layers "
                     f"x {self.block_size} positions x {self.model.num_kv_heads} KV heads x "
-                    f"{args.head_dim} x {elem} bytes)")
+                    f"{row} bytes of kv_cache_dtype {self.config.kv_cache_dtype})")
         # One tensor for all of it, so a block copy or swap is one indexed copy.
         # A block holds one KV group's layers, layer l in slot layer_slot[l].
         shape = (2, slots, self.num_kv_blocks, *block_shape)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, s], self.kv_cache[1, s]) for s in self.kv_layout.layer_slot]
         self.num_swap_blocks = self.config.swap_space_blocks
         self.swap_cache = None
         if self.num_swap_blocks > 0:
             self.swap_cache = torch.zeros((2, slots, self.num_swap_blocks, *block_shape),
-                                          dtype=self.dtype, device="cpu",
+                                          dtype=self.kv_dtype, device="cpu",
                                           pin_memory=self.device.type == "cuda")
 
     # ---- one step -------------------------------------------------------

@@ -449,7 +449,7 @@ def test_the_c_kv_write_stores_what_index_copy_does_and_refuses_a_slot_past_the_
     assert not value.is_contiguous() and sa._rows_contiguous(value)
     calls = []
     real_write = sa.native_write()
-    sa._natives["paged_write"] = lambda *args: calls.append(args) or real_write(*args)
+    sa._natives["paged_write_kv"] = lambda *args: calls.append(args) or real_write(*args)
     slots = torch.tensor([39, 0, 5, 17, 4, 22])
     plan = SimpleNamespace(write_slots=slots)
     saved = sa.USE_NATIVE_DECODE
@@ -466,13 +466,13 @@ def test_the_c_kv_write_stores_what_index_copy_does_and_refuses_a_slot_past_the_
         assert len(calls) == 1   # the strided V went through the C kernel, not index_copy_
         assert torch.equal(caches[True][1].view(-1, 2, 8)[slots], value)
         refused = real_write(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                             bad.data_ptr(), 2, 16, 40, 16, 48)
+                             bad.data_ptr(), 2, 2, 8, 40, 16, 48, 0)
         assert refused == -1 and torch.equal(k_cache, before)   # the kernel writes nothing
         with pytest.raises(IndexError):   # and the write falls through to index_copy_'s error
             sa.write_kv_sdpa(key[:2], value[:2], k_cache, v_cache, bad, SimpleNamespace(write_slots=bad))
     finally:
         sa.USE_NATIVE_DECODE = saved
-        sa._natives["paged_write"] = real_write
+        sa._natives["paged_write_kv"] = real_write
 
 
 

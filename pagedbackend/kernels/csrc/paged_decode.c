@@ -1,8 +1,13 @@
-/* Decode attention over the paged KV cache, float32: one query token per
+/* Decode attention over the paged KV cache: one float32 query token per
  * sequence against every key it has, read in place through its block table
- * (no gather into a padded copy).
+ * (no gather into a padded copy). The cache holds float32, bfloat16 or int8
+ * rows (kind KV_F32, KV_BF16, KV_I8; kernels/kv_cache_dtype.py): an int8
+ * row is dim int8 values and then a float32 scale per GROUP of them,
+ * dequantised in registers (a key group's scale multiplies its part of the
+ * dot product, a value group's scale the softmax weight it is summed with),
+ * so the cache is read at its own width.
  *
- * q [n, heads, dim]; k_cache, v_cache [blocks, block_size, kv_heads, dim];
+ * q [n, heads, dim]; k_cache, v_cache [blocks, block_size, kv_heads, row];
  * tables [n, max_blocks] (int32); lens [n] (keys per sequence, >= 1);
  * out [n, heads, dim]. Query head j reads KV head j / (heads / kv_heads).
  * window > 0: a sliding window, the query sees its last `window` keys only
@@ -26,6 +31,36 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+/* The cache's element kinds; each function below takes one as a constant
+ * (every call is inlined with it), so each kind gets its own loops. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+#define GROUP 32   /* int8 channels per scale (dim a multiple of it) */
+
+/* Bytes of one cache row (one token, one KV head) of dim values. */
+static inline __attribute__((always_inline)) size_t row_bytes(int dim, int kind) {
+    return kind == KV_I8 ? (size_t)dim + (size_t)dim / GROUP * 4 : kind == KV_BF16 ? (size_t)dim * 2 : (size_t)dim * 4;
+}
+
+/* Element d of a cache row, as float32 (before its scale). */
+static inline __attribute__((always_inline)) float scalar_at(const char *row, int d, int kind) {
+    if (kind == KV_F32) return ((const float *)row)[d];
+    if (kind == KV_BF16) {
+        unsigned int bits = (unsigned int)((const unsigned short *)row)[d] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return (float)((const signed char *)row)[d];
+}
+
+/* The scale of channel d's group in a cache row: one of the float32s after
+ * an int8 row's values, else 1. */
+static inline __attribute__((always_inline)) float scale_at(const char *row, int dim, int d, int kind) {
+    float s = 1.f;
+    if (kind == KV_I8) memcpy(&s, row + dim + (size_t)(d / GROUP) * 4, sizeof s);
+    return s;
+}
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -57,6 +92,14 @@ static inline __attribute__((always_inline)) vec lane_sums(vec *p) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
+/* LANES elements of a cache row from element d, as float32 (kind: see below). */
+static inline __attribute__((always_inline)) vec vector_at(const char *row, int d, int kind) {
+    if (kind == 0) return _mm512_loadu_ps((const float *)row + d);
+    if (kind == 1)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const unsigned short *)row + d))), 16));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
+}
 #else
 #define LANES 8
 typedef __m256 vec;
@@ -78,6 +121,13 @@ static inline __attribute__((always_inline)) vec lane_sums(vec *p) {
                              _mm256_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     return _mm256_add_ps(_mm256_permute2f128_ps(g[0], g[1], 0x20), _mm256_permute2f128_ps(g[0], g[1], 0x31));
 }
+static inline __attribute__((always_inline)) vec vector_at(const char *row, int d, int kind) {
+    if (kind == 0) return _mm256_loadu_ps((const float *)row + d);
+    if (kind == 1)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const unsigned short *)row + d))), 16));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + d))));
+}
 #endif
 /* Accumulators the value pass keeps in registers: rows x (dim / LANES), half
  * the vector registers (32 with AVX-512, 16 with AVX2). */
@@ -91,19 +141,24 @@ static inline __attribute__((always_inline)) vec lane_sums(vec *p) {
  * o_r = norms[r] * sum_t p_r[t] v_t, every output vector held in a register across all
  * keys and each value row loaded once for the R rows. */
 static inline __attribute__((always_inline)) void weigh_values(
-        const float *v_cache, float *out, const int *table, int first, int end, int group,
+        const char *v_cache, float *out, const int *table, int first, int end, int group,
         int kv_heads, int dim, int block_size, int h0, int r0, int R, const float *scores,
-        const float *norms, int len) {
+        const float *norms, int len, int kind) {
     vec acc[ACCUMULATORS];
     int chunks = dim / LANES;
+    size_t rb = row_bytes(dim, kind);
     if (R * chunks > ACCUMULATORS) __builtin_unreachable();   /* the caller's runs fit */
     for (int i = 0; i < R * chunks; i++) acc[i] = vzero();
     for (int t = first; t < end; t++) {
         size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
         for (int r = 0; r < R; r++) {
-            const float *v = v_cache + (slot * kv_heads + h0 + (r0 + r) / group) * dim;
-            vec p = vset1(scores[(size_t)(r0 + r) * len + t - first]);
-            for (int c = 0; c < chunks; c++) acc[r * chunks + c] = vfma(p, vload(v + c * LANES), acc[r * chunks + c]);
+            const char *v = v_cache + (slot * kv_heads + h0 + (r0 + r) / group) * rb;
+            float w = scores[(size_t)(r0 + r) * len + t - first];
+            vec p = vset1(w);
+            for (int c = 0; c < chunks; c++) {
+                if (kind == KV_I8 && c * LANES % GROUP == 0) p = vset1(w * scale_at(v, dim, c * LANES, kind));
+                acc[r * chunks + c] = vfma(p, vector_at(v, c * LANES, kind), acc[r * chunks + c]);
+            }
         }
     }
     for (int r = 0; r < R; r++) {
@@ -117,16 +172,18 @@ static inline __attribute__((always_inline)) void weigh_values(
 /* Query heads [h0 * group, h1 * group) of one sequence against its keys
  * (KV heads h0..h1-1): every cache row of a position is read once, whole.
  * Inlined into each call site, so a constant head size (see paged_decode)
- * gives loops of known length over whole vectors. With AVX-512 or AVX2, a
- * constant head size (vector_dim) a multiple of the vector's, the scores come LANES keys at a
+ * gives loops of known length over whole vectors, and a constant kind loops
+ * for that cache format. With AVX-512 or AVX2, a constant head size
+ * (vector_dim) a multiple of the vector's, the scores come LANES keys at a
  * time (one row of partial sums per key, added across lanes for all of them
  * at once) and the weighted sum of values is held in registers. */
-static inline __attribute__((always_inline)) void item(const float *q, const float *k_cache, const float *v_cache, float *out,
+static inline __attribute__((always_inline)) void item(const float *q, const char *k_cache, const char *v_cache, float *out,
                  const int *table, int end, int first, int group, int kv_heads, int dim, int block_size,
-                 float scale, int h0, int h1, const float *sinks, float *scores, int vector_dim) {
+                 float scale, int h0, int h1, const float *sinks, float *scores, int vector_dim, int kind) {
     int rows = (h1 - h0) * group;   /* query heads of this item */
     int len = end - first;          /* keys it sees: positions first..end-1 */
     float *norms = scores + (size_t)rows * len;   /* 1 / each row's softmax total */
+    size_t rb = row_bytes(dim, kind);
     table += first / block_size;    /* positions from the block that holds `first` on */
     first %= block_size;
     end = first + len;
@@ -141,11 +198,16 @@ static inline __attribute__((always_inline)) void item(const float *q, const flo
         for (int t = first; t < end; t++) {
             size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
             for (int r = 0; r < rows; r++) {
-                const float *k = k_cache + (slot * kv_heads + h0 + r / group) * dim;
+                const char *k = k_cache + (slot * kv_heads + h0 + r / group) * rb;
                 const float *qr = q + (size_t)r * dim;
                 float dot = 0.f;
-#pragma omp simd reduction(+:dot)
-                for (int d = 0; d < dim; d++) dot += qr[d] * k[d];
+                for (int g = 0; g < dim; g += (kind == KV_I8 ? GROUP : dim)) {
+                    float part = 0.f;
+                    int end_g = kind == KV_I8 ? g + GROUP : dim;
+#pragma omp simd reduction(+:part)
+                    for (int d = g; d < end_g; d++) part += qr[d] * scalar_at(k, d, kind);
+                    dot += part * scale_at(k, dim, g, kind);
+                }
                 scores[(size_t)r * len + t - first] = dot * scale;
             }
         }
@@ -155,18 +217,28 @@ static inline __attribute__((always_inline)) void item(const float *q, const flo
         int chunks = dim / LANES;
         for (int t0 = first; t0 < end; t0 += LANES) {
             int count = end - t0 < LANES ? end - t0 : LANES;
-            const float *keys[LANES];   /* a last, partial tile repeats its first key */
+            const char *keys[LANES];   /* a last, partial tile repeats its first key */
             for (int j = 0; j < LANES; j++) {
                 int t = t0 + (j < count ? j : 0);
-                keys[j] = k_cache + ((size_t)table[t / block_size] * block_size + t % block_size) * kv_heads * dim;
+                keys[j] = k_cache + ((size_t)table[t / block_size] * block_size + t % block_size) * kv_heads * rb;
             }
             for (int r = 0; r < rows; r++) {
                 const float *qr = q + (size_t)r * dim;
-                size_t head = (size_t)(h0 + r / group) * dim;
+                size_t head = (size_t)(h0 + r / group) * rb;
                 vec part[LANES];
                 for (int j = 0; j < LANES; j++) {
+                    const char *k = keys[j] + head;
                     vec a = vzero();
-                    for (int c = 0; c < chunks; c++) a = vfma(vload(qr + c * LANES), vload(keys[j] + head + c * LANES), a);
+                    if (kind == KV_I8) {   /* each group's partial sum times its scale */
+                        for (int g = 0; g < dim; g += GROUP) {
+                            vec ag = vzero();
+                            for (int c = g / LANES; c < (g + GROUP) / LANES; c++)
+                                ag = vfma(vload(qr + c * LANES), vector_at(k, c * LANES, kind), ag);
+                            a = vfma(ag, vset1(scale_at(k, dim, g, kind)), a);
+                        }
+                    } else {
+                        for (int c = 0; c < chunks; c++) a = vfma(vload(qr + c * LANES), vector_at(k, c * LANES, kind), a);
+                    }
                     part[j] = a;
                 }
                 float sums[LANES];
@@ -201,7 +273,8 @@ static inline __attribute__((always_inline)) void item(const float *q, const flo
         per = per > 4 ? 4 : per;
         for (int r0 = 0; r0 < rows;) {
             int run = rows - r0 < per ? rows - r0 : per;
-#define WEIGH(R) weigh_values(v_cache, out, table, first, end, group, kv_heads, dim, block_size, h0, r0, R, scores, norms, len)
+#define WEIGH(R) weigh_values(v_cache, out, table, first, end, group, kv_heads, dim, block_size, h0, r0, R, \
+                              scores, norms, len, kind)
             switch (run) {
             case 4: WEIGH(4); break;
             case 3: WEIGH(3); break;
@@ -221,21 +294,25 @@ static inline __attribute__((always_inline)) void item(const float *q, const flo
     for (int t = first; t < end; t++) {
         size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
         for (int r = 0; r < rows; r++) {
-            const float *v = v_cache + (slot * kv_heads + h0 + r / group) * dim;
+            const char *v = v_cache + (slot * kv_heads + h0 + r / group) * rb;
             float p = scores[(size_t)r * len + t - first];
             float *o = out + (size_t)r * dim;
+            for (int g = 0; g < dim; g += (kind == KV_I8 ? GROUP : dim)) {
+                float pg = p * scale_at(v, dim, g, kind);
+                int end_g = kind == KV_I8 ? g + GROUP : dim;
 #pragma omp simd
-            for (int d = 0; d < dim; d++) o[d] += p * v[d];
+                for (int d = g; d < end_g; d++) o[d] += pg * scalar_at(v, d, kind);
+            }
         }
     }
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated. sinks: one
- * logit per query head (attention sinks), or NULL. */
-int paged_decode(const float *q, const float *k_cache, const float *v_cache, float *out,
-                 const int *tables, int max_blocks, const int *lens, int n, int heads,
-                 int kv_heads, int dim, int block_size, float scale, int window, const float *sinks,
-                 int threads) {
+/* The decode attention of a cache of `kind` (inlined into each entry point
+ * below with its constant kind). */
+static inline __attribute__((always_inline)) int decode_kind(
+        const float *q, const char *k_cache, const char *v_cache, float *out, const int *tables,
+        int max_blocks, const int *lens, int n, int heads, int kv_heads, int dim, int block_size,
+        float scale, int window, const float *sinks, int threads, int kind) {
     int group = heads / kv_heads, longest = 0, failed = 0;
     for (int s = 0; s < n; s++) longest = lens[s] > longest ? lens[s] : longest;
     if (window > 0 && longest > window) longest = window;
@@ -258,7 +335,7 @@ int paged_decode(const float *q, const float *k_cache, const float *v_cache, flo
                 int first = window > 0 && lens[s] > window ? lens[s] - window : 0;
 #define ITEM(d, vector) item(q + row * (d), k_cache, v_cache, out + row * (d), tables + (size_t)s * max_blocks, \
                      lens[s], first, group, kv_heads, d, block_size, scale, h0, h0 + per_item, \
-                     sinks ? sinks + (size_t)h0 * group : NULL, scores, vector)
+                     sinks ? sinks + (size_t)h0 * group : NULL, scores, vector, kind)
                 switch (dim) {   /* the usual head sizes, specialised (and vectorised by hand) */
                 case 32: ITEM(32, 1); break;
                 case 64: ITEM(64, 1); break;
@@ -272,6 +349,33 @@ int paged_decode(const float *q, const float *k_cache, const float *v_cache, flo
         }
     }
     return failed ? -1 : 0;
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated. sinks: one
+ * logit per query head (attention sinks), or NULL. A float32 cache. */
+int paged_decode(const float *q, const float *k_cache, const float *v_cache, float *out,
+                 const int *tables, int max_blocks, const int *lens, int n, int heads,
+                 int kv_heads, int dim, int block_size, float scale, int window, const float *sinks,
+                 int threads) {
+    return decode_kind(q, (const char *)k_cache, (const char *)v_cache, out, tables, max_blocks, lens, n,
+                       heads, kv_heads, dim, block_size, scale, window, sinks, threads, KV_F32);
+}
+
+/* paged_decode for a cache of `kind` (KV_F32, KV_BF16 or KV_I8); -2 for another kind. */
+int paged_decode_kv(const float *q, const void *k_cache, const void *v_cache, float *out,
+                    const int *tables, int max_blocks, const int *lens, int n, int heads,
+                    int kv_heads, int dim, int block_size, float scale, int window, const float *sinks,
+                    int threads, int kind) {
+    if (kind == KV_I8 && dim % GROUP) return -2;
+#define DECODE(K) decode_kind(q, k_cache, v_cache, out, tables, max_blocks, lens, n, heads, kv_heads, dim, \
+                              block_size, scale, window, sinks, threads, K)
+    switch (kind) {
+    case KV_F32: return DECODE(KV_F32);
+    case KV_BF16: return DECODE(KV_BF16);
+    case KV_I8: return DECODE(KV_I8);
+    default: return -2;
+    }
+#undef DECODE
 }
 
 /* Store the step's keys and values, rows of `row` floats, at their cache
@@ -289,5 +393,51 @@ int paged_write(const float *key, const float *value, float *k_cache, float *v_c
         memcpy(k_cache + slots[t] * row, key + t * key_stride, sizeof(float) * (size_t)row);
         memcpy(v_cache + slots[t] * row, value + t * value_stride, sizeof(float) * (size_t)row);
     }
+    return 0;
+}
+
+/* One head's dim floats as a cache row of `kind`: copied, rounded to
+ * bfloat16 (to nearest even, as torch), or quantised to int8 with an absmax
+ * scale per GROUP after the values (kernels/kv_cache_dtype.py's rule). */
+static void encode_row(const float *x, char *row, int dim, int kind) {
+    if (kind == KV_F32) {
+        memcpy(row, x, sizeof(float) * (size_t)dim);
+    } else if (kind == KV_BF16) {
+        unsigned short *o = (unsigned short *)row;
+        for (int d = 0; d < dim; d++) {
+            unsigned int bits;
+            memcpy(&bits, x + d, sizeof bits);
+            o[d] = (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+        }
+    } else {
+        for (int g = 0; g < dim; g += GROUP) {
+            float absmax = 0.f;
+            for (int d = g; d < g + GROUP; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
+            float inv = absmax > 0.f ? 127.f / absmax : 0.f, s = absmax / 127.f;
+            for (int d = g; d < g + GROUP; d++) {
+                float v = rintf(x[d] * inv);
+                row[d] = (signed char)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+            }
+            memcpy(row + dim + (size_t)(g / GROUP) * 4, &s, sizeof s);
+        }
+    }
+}
+
+/* paged_write for a cache of `kind`: kv_heads rows of dim floats per token,
+ * each encoded as one cache row. Returns 0, -1 (a slot out of range; nothing
+ * written) or -2 (another kind). */
+int paged_write_kv(const float *key, const float *value, void *k_cache, void *v_cache,
+                   const long long *slots, int tokens, int kv_heads, int dim, long long num_slots,
+                   long long key_stride, long long value_stride, int kind) {
+    if (kind < KV_F32 || kind > KV_I8 || (kind == KV_I8 && dim % GROUP)) return -2;
+    for (int t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    size_t rb = row_bytes(dim, kind);
+    for (int t = 0; t < tokens; t++)
+        for (int h = 0; h < kv_heads; h++) {
+            size_t at = ((size_t)slots[t] * kv_heads + h) * rb;
+            encode_row(key + t * key_stride + (size_t)h * dim, (char *)k_cache + at, dim, kind);
+            encode_row(value + t * value_stride + (size_t)h * dim, (char *)v_cache + at, dim, kind);
+        }
     return 0;
 }

@@ -1,0 +1,152 @@
+"""kv_cache_dtype: what a bfloat16 or int8 KV cache costs and saves against
+the model's float32 one, on SmolLM2-135M (docs/kv_cache_dtype.md).
+
+- ``kernel``: the C decode kernel alone (``kernels/csrc/paged_decode.c``)
+  over L layers' caches in turn (read from memory, as a step reads them) for
+  N sequences of one context length, per cache dtype, interleaved round by
+  round; the same queries, caches encoded from the same float32 values.
+- ``quality``: the default model, dtype float32, greedy: how many of 32
+  prompts keep all of their first 32 tokens, and how many of the 1,024
+  tokens are equal (the prompts, shorter than a chunk, are prefilled
+  whole); and the perplexity of a text of its own (a sampled continuation
+  by the float32 cache, 512 tokens) scored as prompt log-probabilities in
+  chunks of 32, so that each chunk reads the earlier ones through the cache.
+- ``capacity``: the tokens ``kv_cache_bytes`` holds per dtype.
+"""
+import argparse
+import math
+from typing import List
+
+import torch
+
+from .common import add_common_args, set_threads, write_result
+from .cpu_kernels import interleaved
+
+HEADS, KV_HEADS, DIM, LAYERS_ALL = 9, 3, 64, 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+# 32 prompts of the kinds the served model gets: facts, code, lists, chat, stories.
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Water boils at", "A haiku about autumn:",
+    "The three primary colours are", "import numpy as np\n", "Once upon a time,", "The speed of light is",
+    "List three fruits:", "SELECT name FROM users WHERE", "The largest planet in our solar system",
+    "How do I reverse a list in Python?", "Photosynthesis is the process", "Dear hiring manager,",
+    "The French Revolution began in", "class Stack:\n    def __init__(self):", "My favourite season is",
+    "To make a cup of tea, first", "The mitochondria is", "Translate to Spanish: good morning",
+    "Here is a short poem about the sea:", "The main causes of inflation are", "In 1969, astronauts",
+    "for i in range(10):", "The recipe calls for two cups of", "Explain recursion to a child.",
+    "The stock market fell today because", "A good night's sleep helps", "#include <stdio.h>\nint main() {",
+    "The Great Wall of China", "Three tips for learning a language:", "The weather tomorrow will be",
+]
+assert len(PROMPTS) == 32 and len(set(PROMPTS)) == 32
+
+
+def bench_kernel(contexts: List[int], seqs: int, layers: int, rounds: int, seed: int) -> List[dict]:
+    from pagedbackend.kernels import sdpa_attention as sa
+    from pagedbackend.kernels.kv_cache_dtype import encode
+    block_size, rows = 16, []
+    for context in contexts:
+        gen = torch.Generator().manual_seed(seed + context)
+        lens = torch.full((seqs,), context, dtype=torch.int32)
+        max_blocks = -(-context // block_size)
+        num_blocks = seqs * max_blocks
+        tables = torch.randperm(num_blocks, generator=gen).view(seqs, max_blocks).to(torch.int32)
+        plan = sa.plan_sdpa_attention(torch.arange(seqs + 1, dtype=torch.int32), lens, block_tables=tables,
+                                      slot_mapping=torch.zeros(seqs, dtype=torch.long), block_size=block_size,
+                                      num_heads=HEADS, num_kv_heads=KV_HEADS)
+        q = torch.randn(seqs, HEADS, DIM, generator=gen)
+        caches = {name: [] for name in DTYPES}
+        for _ in range(layers):   # one layer's float32 values, then each encoding of them
+            k, v = (torch.randn(num_blocks, block_size, KV_HEADS, DIM, generator=gen) for _ in range(2))
+            for name, dtype in DTYPES.items():
+                caches[name].append((encode(k, dtype), encode(v, dtype)))
+            del k, v
+
+        def run(name):
+            return [sa._decodes(q, k, v, plan, DIM ** -0.5) for k, v in caches[name]]
+
+        medians = interleaved({name: (lambda n=name: run(n)) for name in DTYPES}, rounds)
+        reference = run("float32")
+        row = {"context": context, "seqs": seqs, "layers": layers}
+        for name in DTYPES:
+            row[f"{name}_ms"] = medians[name] * 1e3
+            row[f"{name}_speedup"] = medians["float32"] / medians[name]
+            row[f"{name}_max_abs_error"] = max((a - b).abs().max().item() for a, b in zip(run(name), reference))
+            row[f"{name}_cache_mb"] = sum(k.nbytes + v.nbytes for k, v in caches[name]) / 2 ** 20
+        rows.append(row)
+        del caches
+    return rows
+
+
+def bench_quality(prompts: List[str], max_tokens: int, text_tokens: int) -> dict:
+    from pagedbackend import LLM, SamplingParams
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    result, tokens = {}, {}
+    text = None
+    for name in ("auto", "bfloat16", "int8"):
+        with LLM(model="default", compile=False, dtype="float32", kv_cache_dtype=name, num_kv_blocks=128,
+                 long_prefill_token_threshold=32) as llm:   # prompts of 32 prompts' size are never split
+            tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+            if text is None:   # the float32 cache's own continuation: a text the model finds likely
+                seed = SamplingParams(max_tokens=text_tokens, temperature=0.8, seed=1, ignore_eos=True)
+                text = llm.generate(["Write a long story about a lighthouse keeper."], seed)[0]
+                text = text.prompt_token_ids + text.outputs[0].token_ids
+            scored = llm.generate([text], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
+            logprobs = [entry[tok].logprob for entry, tok in zip(scored.prompt_logprobs[1:], text[1:])]
+            result[name] = {"perplexity": math.exp(-sum(logprobs) / len(logprobs))}
+    for name in result:
+        pairs = list(zip(tokens[name], tokens["auto"]))
+        result[name].update({"prompts_equal": sum(a == b for a, b in pairs), "prompts": len(pairs),
+                             "tokens_equal": sum(x == y for a, b in pairs for x, y in zip(a, b)),
+                             "tokens": sum(len(b) for _, b in pairs)})
+        result[name]["perplexity_change_pct"] = 100 * (result[name]["perplexity"] / result["auto"]["perplexity"] - 1)
+    result["text_tokens"] = len(text)
+    return result
+
+
+def capacity(kv_cache_bytes: int) -> dict:
+    from types import SimpleNamespace
+    from pagedbackend.worker.loader import kv_block_bytes
+    args = SimpleNamespace(num_layers=LAYERS_ALL, head_dim=DIM)
+    return {name: kv_cache_bytes // kv_block_bytes(args, 16, KV_HEADS, dtype) * 16 for name, dtype in DTYPES.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m loadtest.bench kv_cache_dtype", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="kernel,quality,capacity")
+    ap.add_argument("--contexts", default="4096,16384", help="context lengths of the kernel part")
+    ap.add_argument("--seqs", type=int, default=4, help="sequences of the kernel part")
+    ap.add_argument("--layers", type=int, default=4, help="layers' caches the kernel part walks in turn")
+    ap.add_argument("--rounds", type=int, default=7)
+    add_common_args(ap, threads=2)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.contexts, args.seqs, args.layers, args.rounds = "512", 2, 2, 3
+    set_threads(args.threads)
+    parts = args.parts.split(",")
+    result = {"threads": torch.get_num_threads()}
+    if "kernel" in parts:
+        result["kernel"] = bench_kernel([int(c) for c in args.contexts.split(",")], args.seqs, args.layers,
+                                        args.rounds, args.seed)
+        for row in result["kernel"]:
+            print(f"context {row['context']:>6} x {row['seqs']} seqs x {row['layers']} layers: " + ", ".join(
+                f"{n} {row[f'{n}_ms']:.2f} ms ({row[f'{n}_speedup']:.2f}x)" for n in DTYPES))
+    if "quality" in parts:
+        quick = args.quick
+        result["quality"] = bench_quality(PROMPTS[:4] if quick else PROMPTS, 8 if quick else 32,
+                                          64 if quick else 512)
+        for name, row in result["quality"].items():
+            if isinstance(row, dict):
+                print(f"{name}: {row['prompts_equal']}/{row['prompts']} prompts, {row['tokens_equal']}/"
+                      f"{row['tokens']} tokens equal; perplexity {row['perplexity']:.4f} "
+                      f"({row['perplexity_change_pct']:+.2f} %)")
+    if "capacity" in parts:
+        result["capacity_tokens_256mib"] = capacity(256 * 2 ** 20)
+        print("tokens in 256 MiB:", result["capacity_tokens_256mib"])
+    write_result(args.out, "kv_cache_dtype", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

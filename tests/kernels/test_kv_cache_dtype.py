@@ -1,0 +1,190 @@
+"""KV caches in bfloat16 and int8 (kv_cache_dtype): every write path stores
+the same rows as the torch rule (kernels/kv_cache_dtype.py), and every
+attention path (the C decode kernel, the gather path, SDPA chunks, the
+Triton-lang kernel under the interpreter, the torch twin) over such a cache
+gives what float32 attention gives over the same cache dequantised.
+
+Rows of no sequence are NaN before they are encoded (an int8 row's scale
+becomes NaN), so reading one shows in the output.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedbackend.core.kv_memory import KVModel
+from pagedbackend.kernels import kv_write
+from pagedbackend.kernels import paged_attention as pa
+from pagedbackend.kernels import sdpa_attention as sa
+from pagedbackend.kernels.kv_cache_dtype import (cache_dtype, decode, encode, head_dim_of, quantize_rows,
+                                                 row_width, scale_view)
+from pagedbackend.worker.loader import kv_block_bytes
+from paged_batch import make_batch
+
+KINDS = (torch.bfloat16, torch.int8)
+NATIVE = pytest.mark.skipif(sa.native_decode() is None, reason="no C compiler here for the decode kernel")
+# Decodes, fresh prefills, a chunk on a cached prefix.
+MIXED = [(1, 37), (5, 40), (1, 70), (9, 9), (1, 1), (3, 19)]
+
+
+def encoded(batch, dtype):
+    """The batch's caches in ``dtype`` and, as the reference reads them, dequantised to float32."""
+    k, v = encode(batch.k_cache, dtype), encode(batch.v_cache, dtype)
+    return k, v, decode(k), decode(v)
+
+
+def every_path(batch, k, v, window=None, sinks=None):
+    """Each attention path's output over caches ``k``/``v``: name -> tensor."""
+    args = (batch.q, k, v, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens)
+    outs = {"triton": pa.paged_attention(*args, window=window, sinks=sinks),
+            "torch": pa.paged_attention_ref(*args, window=window, sinks=sinks),
+            "sdpa": sa.sdpa_attention(*args, window=window, sinks=sinks)}
+    saved, sa.USE_NATIVE_DECODE = sa.USE_NATIVE_DECODE, False
+    try:
+        outs["gather"] = sa.sdpa_attention(*args, window=window, sinks=sinks)
+    finally:
+        sa.USE_NATIVE_DECODE = saved
+    return outs
+
+
+def test_int8_rows_hold_values_and_a_scale_per_32_channels():
+    x = torch.zeros(2, 64)
+    x[0, :4] = torch.tensor([0.5, -2.0, 1.0, 0.25])
+    x[0, 32:34] = torch.tensor([0.1, -0.05])
+    rows = quantize_rows(x)
+    assert rows.dtype == torch.int8 and rows.shape == (2, 72) and row_width(64, torch.int8) == 72
+    assert rows[0, :4].tolist() == [32, -127, 64, 16]   # round(x * 127 / 2), ties to even
+    assert rows[0, 32:34].tolist() == [127, -64]         # its own group: round(-0.05 * 127 / 0.1) = -64 (-63.5)
+    assert scale_view(rows).tolist() == [pytest.approx([2.0 / 127, 0.1 / 127]), [0.0, 0.0]]
+    assert decode(rows)[1].tolist() == [0.0] * 64 and head_dim_of(rows) == 64
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 128, generator=gen) * torch.rand(50, 3, 128, generator=gen) * 10
+    err = (decode(quantize_rows(x)) - x).abs().unflatten(-1, (4, 32))
+    half_step = x.unflatten(-1, (4, 32)).abs().amax(-1, keepdim=True) / 127 / 2
+    assert bool((err <= half_step * 1.0001).all())
+    with pytest.raises(ValueError, match="a head size that is a multiple of 32"):
+        quantize_rows(torch.zeros(3, 80))
+
+
+@pytest.mark.parametrize("dtype", KINDS, ids=str)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(6, 2, 64, 8), (4, 4, 128, 16),
+                                                                        (8, 2, 96, 4)])
+def test_every_attention_path_matches_attention_over_the_dequantised_cache(dtype, num_heads, num_kv_heads,
+                                                                           head_dim, block_size):
+    batch = make_batch(MIXED, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, seed=head_dim)
+    k, v, k_ref, v_ref = encoded(batch, dtype)
+    assert k.shape[-1] == row_width(head_dim, dtype)
+    expected = pa.paged_attention_ref(batch.q, k_ref, v_ref, batch.block_tables, batch.cu_seqlens_q,
+                                      batch.seq_lens)
+    assert not expected.isnan().any()
+    for name, out in every_path(batch, k, v).items():
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5, msg=name)
+    # ... and it is attention over values near the float32 ones, not over something else
+    full = pa.paged_attention_ref(*batch.args())
+    assert 0 < (expected - full).abs().max() < (0.05 if dtype == torch.int8 else 0.02)
+
+
+@pytest.mark.parametrize("dtype", KINDS, ids=str)
+def test_sliding_window_and_sinks_over_a_quantised_cache(dtype):
+    lens = [(1, 50), (1, 9), (7, 45), (12, 12)]
+    batch = make_batch(lens, block_size=8, num_heads=4, num_kv_heads=2, head_dim=64, seed=5)
+    k, v, k_ref, v_ref = encoded(batch, dtype)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    for window, sink in ((16, None), (16, sinks), (None, sinks)):
+        expected = pa.paged_attention_ref(batch.q, k_ref, v_ref, batch.block_tables, batch.cu_seqlens_q,
+                                          batch.seq_lens, window=window, sinks=sink)
+        for name, out in every_path(batch, k, v, window=window, sinks=sink).items():
+            torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5, msg=f"{name} {window}")
+
+
+@NATIVE
+@pytest.mark.parametrize("dtype", KINDS, ids=str)
+def test_decode_kernel_over_many_long_sequences(dtype):
+    # Enough sequences that each C work item is a whole sequence; lengths up to 1500.
+    gen = torch.Generator().manual_seed(3)
+    lens = [(1, int(n)) for n in torch.randint(1, 1500, (9,), generator=gen)]
+    batch = make_batch(lens, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, seed=3)
+    k, v, k_ref, v_ref = encoded(batch, dtype)
+    expected = pa.paged_attention_ref(batch.q, k_ref, v_ref, batch.block_tables, batch.cu_seqlens_q,
+                                      batch.seq_lens)
+    torch.testing.assert_close(sa.sdpa_attention(*(batch.q, k, v), *batch.args()[3:]), expected,
+                               atol=2e-5, rtol=2e-5)
+
+
+def _write_case(seed=11, block_size=8, heads=3, dim=64, tokens=11, num_blocks=6):
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(tokens, 2 * heads, dim, generator=gen) * 3   # K and V: strided slices of one tensor
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(torch.int64)
+    return kv[:, :heads], kv[:, heads:], slots, (num_blocks, block_size, heads, dim)
+
+
+@pytest.mark.parametrize("dtype", KINDS, ids=str)
+def test_every_write_path_stores_the_torch_rule_rows(dtype):
+    key, value, slots, (blocks, block_size, heads, dim) = _write_case()
+    shape = (blocks, block_size, heads, row_width(dim, dtype))
+    caches = {name: (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+              for name in ("torch", "triton", "native", "index_copy")}
+    kv_write.write_kv_ref(key, value, *caches["torch"], slots)
+    kv_write.write_kv(key, value, *caches["triton"], slots)
+    plan = sa.plan_sdpa_attention(torch.tensor([0, 1]), torch.tensor([1]), block_tables=torch.zeros(1, 1),
+                                  slot_mapping=slots, block_size=block_size, num_kv_heads=heads)
+    sa.write_kv_sdpa(key, value, *caches["native"], slots, plan)
+    sa.write_kv_sdpa(key, value, *caches["index_copy"], slots)   # no plan: the torch fallback
+    k_ref, v_ref = caches["torch"]
+    assert torch.equal(decode(k_ref).view(-1, heads, dim)[slots], decode(encode(key, dtype)))
+    for name, (k, v) in caches.items():
+        if dtype == torch.int8:   # values exact, scales within an ulp (C computes absmax / 127 its own way)
+            for got, ref in ((k, k_ref), (v, v_ref)):
+                assert torch.equal(got[..., :dim], ref[..., :dim]), name
+                torch.testing.assert_close(scale_view(got), scale_view(ref), rtol=1e-6, atol=0, msg=name)
+        elif name == "triton" and not k.is_cuda:   # the interpreter truncates fp32 -> bf16: an ulp
+            torch.testing.assert_close(k.float(), k_ref.float(), rtol=2 ** -7, atol=0, msg=name)
+            torch.testing.assert_close(v.float(), v_ref.float(), rtol=2 ** -7, atol=0, msg=name)
+        else:
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref), name
+
+
+@NATIVE
+@pytest.mark.parametrize("dtype", KINDS, ids=str)
+def test_decode_step_writes_then_attends_in_the_cache_dtype(dtype):
+    lens = [(1, 20), (1, 33), (1, 5)]
+    batch = make_batch(lens, block_size=8, num_heads=6, num_kv_heads=2, head_dim=64, seed=9)
+    k_cache, v_cache, _, _ = encoded(batch, dtype)
+    slots = torch.tensor([int(batch.block_tables[s, (n - 1) // 8]) * 8 + (n - 1) % 8 for s, (_, n) in enumerate(lens)])
+    new_k, new_v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    plan = sa.plan_sdpa_attention(batch.cu_seqlens_q, batch.seq_lens, block_tables=batch.block_tables,
+                                  slot_mapping=slots, block_size=8, num_kv_heads=2)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    kv_write.write_kv_ref(new_k, new_v, ref_k, ref_v, slots)
+    expected = pa.paged_attention_ref(batch.q, decode(ref_k), decode(ref_v), batch.block_tables,
+                                      batch.cu_seqlens_q, batch.seq_lens, scale=0.125)
+    step = sa.decode_step(plan, [(k_cache, v_cache)])
+    assert step is not None
+    out = step(batch.q, new_k, new_v, 0, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(k_cache[..., :64], ref_k[..., :64], rtol=0, atol=0, equal_nan=True)
+
+
+def test_pool_holds_twice_the_tokens_per_halving_of_the_row():
+    # The default model (SmolLM2-135M): 30 layers, 3 KV heads of 64.
+    args = SimpleNamespace(num_layers=30, head_dim=64)   # what a KV block's size reads of ModelArgs
+    budget = 256 * 1024 * 1024
+    tokens = {dtype: budget // kv_block_bytes(args, 16, 3, dtype) * 16
+              for dtype in (torch.float32, torch.bfloat16, torch.int8)}
+    assert tokens[torch.bfloat16] / tokens[torch.float32] == pytest.approx(2.0, rel=1e-3)
+    # int8: 64 bytes of values and two 4-byte scales per row against bfloat16's 128 bytes
+    assert tokens[torch.int8] / tokens[torch.bfloat16] == pytest.approx(128 / 72, rel=1e-3)
+    assert tokens[torch.int8] / tokens[torch.float32] == pytest.approx(256 / 72, rel=1e-3)
+    assert KVModel(30, 3, 64, 1, scale_bytes=8).kv_bytes_per_token == 2 * 30 * 3 * 72
+    assert kv_block_bytes(args, 16, 3, torch.int8) == KVModel(30, 3, 64, 1, scale_bytes=8).kv_bytes_per_block(16)
+
+
+def test_the_setting_names_its_formats_and_what_it_refuses():
+    from pagedbackend.config import EngineConfig
+    assert cache_dtype("auto", torch.float16) == torch.float16
+    assert cache_dtype("int8", torch.float32) == torch.int8
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, int8"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype=int8 does not support tensor_parallel_size=2"):
+        EngineConfig(kv_cache_dtype="int8", tensor_parallel_size=2)
