@@ -190,6 +190,11 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def runner(self) -> str:
+        """What the model serves: "generate" or "pooling" (``EngineConfig.runner``, resolved)."""
+        return self.engine.config.runner
+
+    @property
     def max_prompt_chars(self) -> int:
         return self.engine.max_prompt_chars
 

@@ -26,6 +26,8 @@ from pagedbackend.config import engine_config
 from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
 from pagedbackend.errors import InvalidRequestError
 from pagedbackend.serving.constants import SHUTTING_DOWN
+from pagedbackend.serving.embeddings import check_runner
+from pagedbackend.serving.triton.embeddings import EmbeddingJob, read_embedding_request
 from pagedbackend.serving.triton.health import EngineFailurePolicy
 from pagedbackend.serving.triton.io import (FINAL, Job, accumulate, build_response, read_flags, read_optional_text,
                                             read_request, send_error, send_json)
@@ -105,6 +107,10 @@ class TritonPythonModel:
                 if control is not None:   # adapters listed, loaded or unloaded, no generation
                     send_json(sender, self.adapters.control(control))
                     continue
+                embedding = read_embedding_request(request, self.limits, self.engine.runner)
+                if embedding is not None:   # one embedding per input, one response (vllm_backend's)
+                    self._start(EmbeddingJob(self.engine, embedding, request, sender).respond())
+                    continue
                 job = self._submit(request, sender)
             except ControlError as exc:
                 send_error(sender, str(exc), pb_utils.TritonError.NOT_FOUND if exc.status == 404
@@ -116,15 +122,19 @@ class TritonPythonModel:
             except Exception as exc:
                 send_error(sender, f"could not start the request: {exc!r}", pb_utils.TritonError.INTERNAL)
             else:
-                respond = self._respond(job)
-                try:
-                    asyncio.run_coroutine_threadsafe(respond, self.loop)
-                except RuntimeError:  # the loop is closed (draining): the drain answers the job
-                    respond.close()
+                self._start(self._respond(job))
+
+    def _start(self, respond):
+        """Run a request's responding coroutine on the response loop."""
+        try:
+            asyncio.run_coroutine_threadsafe(respond, self.loop)
+        except RuntimeError:  # the loop is closed (draining): the drain answers the job
+            respond.close()
 
     def _submit(self, request, sender) -> Job:
         if self.closing:
             raise EngineDeadError(self.closing)
+        check_runner(self.engine.runner, "generate")
         mapped = read_request(request, self.limits)   # prompt, sampling parameters, adapter: checked
         lora_request = self.adapters.request_for(mapped.lora_name)
         prompt, params = mapped.prompt, mapped.params
