@@ -174,3 +174,36 @@ def test_sentence_transformers_mean_without_normalize(tmp_path, default_model_di
         got = llm.embed([[11, 12, 13, 14, 15]])[0].outputs.embedding
     want = hf_embeddings(folder, [[11, 12, 13, 14, 15]], "MEAN", normalize=False)[0]
     assert max(abs(a - b) for a, b in zip(got, want.tolist())) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_preempted_embedding_request_pools_every_position_once(embedder_dir, mode):
+    # 12 blocks: the generation's growth past 64 tokens preempts the newer embedding request.
+    engine = LLMEngine(EngineConfig(model=str(embedder_dir), compile=False, num_kv_blocks=12, block_size=16,
+                                    preemption_mode=mode, swap_space_blocks=16, max_num_batched_tokens=32,
+                                    long_prefill_token_threshold=16, tpot_target_s=0))
+    gen, emb = prompts(1, seed=8, low=60, high=61)[0], prompts(1, seed=9, low=120, high=121)[0]
+    engine.add_request("g", gen, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    group = engine.add_request("e", emb, PoolingParams(pooling_type="MEAN"))
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+
+    assert group.num_preemptions >= 1
+    assert_close([outs["e"].outputs.embedding], hf_embeddings(embedder_dir, [emb], "MEAN"))
+    assert engine.check_idle() == []
+
+
+def test_an_aborted_embedding_request_leaves_nothing_behind(embedder_dir):
+    engine = LLMEngine(EngineConfig(model=str(embedder_dir), **EAGER, max_num_batched_tokens=16,
+                                    long_prefill_token_threshold=16, tpot_target_s=0))
+    engine.add_request("e", prompts(1, seed=10, low=80, high=81)[0], PoolingParams(pooling_type="MEAN"))
+    engine.step()
+    assert engine.pooling.pooled and engine.block_manager.num_used_blocks > 0   # partway through its prompt
+
+    final = engine.abort_request("e")
+
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert engine.check_idle() == []

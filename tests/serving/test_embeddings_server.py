@@ -103,12 +103,13 @@ def test_dimensions_and_base64(api, embedder_dir, tokenizer):
     ({"input": []}, "input", ["empty list"]),
     ({"input": [[1]] * 2049}, "input", ["2049 inputs", "limit is 2048"]),
     ({"input": list(range(3, 400))}, "input", ["397 tokens"]),
+    ({"input": ["fine", "paged " * 400]}, "input", ["tokens", "maximum context length is 256"]),
     ({"input": ["a", 5]}, "input", ["item 1"]),
     ({"input": "hi", "dimensions": 0}, "dimensions", ["at least 1"]),
     ({"input": "hi", "dimensions": 65}, "dimensions", ["larger than the model's embedding size 64"]),
     ({"input": "hi", "encoding_format": "hex"}, "encoding_format", []),
     ({"input": "hi", "model": "generator"}, "model", ["runner=generate"]),
-], ids=["empty", "too-many", "too-long", "mixed", "dimensions-0", "dimensions-65", "format", "generator"])
+], ids=["empty", "too-many", "too-long", "too-long-text", "mixed", "dimensions-0", "dimensions-65", "format", "generator"])
 def test_bad_embedding_requests_get_400_naming_the_field(api, body, param, words):
     reply = httpx.post(f"{api.base_url}/embeddings", json={"model": "paged_llm", **body}, timeout=60)
 
