@@ -69,6 +69,7 @@ class TritonPythonModel:
                                settings.metric_namespaces, self.engine.max_model_len)
         self.metrics.lora(config.enable_lora, settings.metric_namespaces)
         self.jobs, self.lock = {}, threading.Lock()
+        self.embedding_jobs = set()    # EmbeddingJob answers in flight
         self.closing = None            # why new requests are refused, once draining
         self.drain_lock, self.drained = threading.Lock(), False
         self.intake = queue.SimpleQueue()
@@ -109,7 +110,7 @@ class TritonPythonModel:
                     continue
                 embedding = read_embedding_request(request, self.limits, self.engine.runner)
                 if embedding is not None:   # one embedding per input, one response (vllm_backend's)
-                    self._start(EmbeddingJob(self.engine, embedding, request, sender).respond())
+                    self._start(self._embed(EmbeddingJob(self.engine, embedding, request, sender)))
                     continue
                 job = self._submit(request, sender)
             except ControlError as exc:
@@ -199,6 +200,18 @@ class TritonPythonModel:
             if not self.closing:
                 self.metrics.update(self.engine.stats())  # so usage returns to zero promptly
 
+    async def _embed(self, job: EmbeddingJob):
+        """Answer an embedding job, watched for cancellation and drain meanwhile."""
+        with self.lock:
+            self.embedding_jobs.add(job)
+            if self.closing:
+                job.abort(self.closing)
+        try:
+            await job.respond()
+        finally:
+            with self.lock:
+                self.embedding_jobs.discard(job)
+
     def _forget(self, job: Job):
         """Stop watching a job for cancellation: its final response is due."""
         with self.lock:
@@ -212,6 +225,10 @@ class TritonPythonModel:
                 return
             with self.lock:
                 jobs = list(self.jobs.values())
+                embedding_jobs = list(self.embedding_jobs)
+            for job in embedding_jobs:
+                if job.end_reason is None and job.sender.is_cancelled():
+                    job.abort("request cancelled")
             for job in jobs:
                 if not job.cancelled and job.sender.is_cancelled():
                     job.cancelled = True
@@ -234,10 +251,13 @@ class TritonPythonModel:
             with self.lock:
                 self.closing = SHUTTING_DOWN
                 jobs = list(self.jobs.values())
+                embedding_jobs = list(self.embedding_jobs)
                 self.intake.put(None)
             for job in jobs:
                 job.abort_reason = SHUTTING_DOWN
                 self.engine.abort(job.request_id)
+            for job in embedding_jobs:
+                job.abort(SHUTTING_DOWN)
             self._wait_for_jobs(DRAIN_S)
             self.engine.shutdown(timeout=10.0)  # any stream left gets a final output
             self._wait_for_jobs(2.0)
@@ -255,7 +275,7 @@ class TritonPythonModel:
 
     def _wait_for_jobs(self, seconds: float):
         deadline = time.monotonic() + seconds
-        while self.jobs and time.monotonic() < deadline:
+        while (self.jobs or self.embedding_jobs) and time.monotonic() < deadline:
             time.sleep(0.02)
 
     def finalize(self):

@@ -8,7 +8,7 @@ input) when asked for. Imported only inside Triton's Python backend stub.
 """
 import json
 import uuid
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -37,6 +37,7 @@ class EmbeddingJob:
                       for name in ("return_num_input_tokens", "return_num_output_tokens")}
         self.ids: List[str] = []
         self.streams = []
+        self.end_reason: Optional[str] = None   # set when the client or the server ends it early
         try:
             for prompt in mapped.inputs:
                 self.ids.append(uuid.uuid4().hex)
@@ -45,7 +46,10 @@ class EmbeddingJob:
             self.abort()
             raise
 
-    def abort(self) -> None:
+    def abort(self, reason: Optional[str] = None) -> None:
+        """Abort its engine requests; with ``reason`` (cancelled, shutting down)
+        the response is that error (CANCELLED)."""
+        self.end_reason = self.end_reason or reason
         for request_id in self.ids:
             self.engine.abort(request_id)
 
@@ -57,14 +61,21 @@ class EmbeddingJob:
                 out = None
                 async for out in stream:
                     pass
+                if self.end_reason is not None:
+                    break
                 if out is None or out.error:
                     message = out.error if out is not None else "engine stream ended without an embedding"
                     raise InvalidRequestError(message) if out is not None and out.refused else RuntimeError(message)
+                if getattr(out.outputs, "embedding", None) is None:   # aborted by the engine
+                    raise RuntimeError("the request ended before its embedding was computed")
                 outputs.append(out)
         except Exception as exc:
             self.abort()
             send_error(self.sender, str(exc), pb_utils.TritonError.INVALID_ARG
                        if isinstance(exc, InvalidRequestError) else pb_utils.TritonError.INTERNAL)
+            return
+        if self.end_reason is not None:
+            send_error(self.sender, self.end_reason, pb_utils.TritonError.CANCELLED)
             return
         self.sender.send(embedding_response(outputs, self.flags), FINAL)
 
