@@ -9,6 +9,8 @@ import base64
 import json
 import queue
 import struct
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -178,3 +180,21 @@ def test_triton_refuses_bad_embedding_requests(triton):
     assert "runner=generate" in generator.message()
     assert "empty list" in empty.message()
     assert "unknown pooling parameter" in unknown.message()
+
+
+@pytest.mark.timeout(400)
+def test_a_stopping_server_ends_an_embedding_request_in_flight(tmp_path, embedder_dir):
+    repo = make_model_repository(tmp_path / "repo", {"model": embedder_dir, **SETTINGS, "max_num_batched_tokens": 16})
+    many = [[(7 * i + j) % 40000 + 3 for j in range(200)] for i in range(400)]   # minutes of 16-token steps
+    answers: "queue.Queue" = queue.Queue()
+    server = TritonServer(repo, ready_timeout_s=240)
+    with server:
+        worker = threading.Thread(target=lambda: answers.put(triton_embed(server, {"input": many})), daemon=True)
+        worker.start()
+        time.sleep(3.0)   # the request is in the engine
+        code = server.stop()
+        worker.join(timeout=60)
+
+    answer = answers.get(timeout=1)
+    assert code == 0
+    assert not isinstance(answer, dict) and "shutting down" in answer.message()
