@@ -41,12 +41,14 @@ def engine_stats(engine) -> EngineStats:
 
 
 def engine_description(engine) -> Dict[str, object]:
-    """What serves, for a log line at start: model, dtype, quantisation, how
-    the linear layers multiply (and whether through the C++ operators),
-    attention, KV pool, context, speculation, the LoRA kernel."""
+    """What serves, for a log line at start: model, what it serves (with the
+    pooler of embeddings), dtype, quantisation, how the linear layers multiply
+    (and whether through the C++ operators), attention, KV pool, context,
+    speculation, the LoRA kernel."""
     runner, config = engine.runner, engine.config
     spec = config.speculative_config
-    return {"model": config.model, "dtype": config.dtype, "quantization": config.quantization,
+    serves = config.runner if config.runner != "pooling" else f"pooling ({engine.pooling.defaults.pooling_type})"
+    return {"model": config.model, "runner": serves, "dtype": config.dtype, "quantization": config.quantization,
             **runner.describe(),
             "num_kv_blocks": runner.num_kv_blocks, "max_model_len": engine.max_model_len,
             "speculative": spec.method if spec is not None else None}

@@ -29,7 +29,7 @@ class Executor(Protocol):
     lora: Optional["LoRAModel"]
 
     # One step and the block moves before it.
-    # hidden_out: filled with the normed hidden rows of entries with return_hidden
+    # hidden_out: filled with the normed hidden rows (on the device) of entries with return_hidden
     # (pooling; ModelRunner only: runner=pooling serves on one rank).
     def execute_model(self, entries: Sequence, hidden_out: Optional[list] = None) -> "torch.Tensor": ...
     def copy_blocks(self, pairs: Sequence[Tuple[int, int]]) -> None: ...

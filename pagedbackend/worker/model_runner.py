@@ -168,7 +168,7 @@ class ModelRunner:
         """Run one step; float32 logits ``[entries needing logits, vocab]`` of
         each such entry's last token, in entry order. ``hidden_out``: a list
         that receives, per entry with ``return_hidden`` in order, its rows'
-        hidden states after the final norm (float32, on the host; pooling).
+        hidden states after the final norm (float32, on the runner's device; pooling).
         A decode step replays its CUDA graph when there is one
         (``cuda_graphs``) and no adapter."""
         batch = self._flat_batch(entries)
@@ -196,7 +196,7 @@ class ModelRunner:
             hidden = forward(batch.input_ids, batch.positions)
             if hidden_spans:
                 rows = torch.cat([torch.arange(a, b) for a, b in hidden_spans]).to(hidden.device)
-                normed = self.model.norm(hidden[rows]).float().cpu()
+                normed = self.model.norm(hidden[rows]).float()
                 hidden_out.extend(normed.split([b - a for a, b in hidden_spans]))
             if not compute_logits:
                 return None
