@@ -198,3 +198,17 @@ def test_a_stopping_server_ends_an_embedding_request_in_flight(tmp_path, embedde
     answer = answers.get(timeout=1)
     assert code == 0
     assert not isinstance(answer, dict) and "shutting down" in answer.message()
+
+
+def e2e_count(triton) -> float:
+    prefix = 'pagedbackend:e2e_request_latency_seconds_count{model="paged_llm",version="1"} '
+    line = next((line for line in triton.metrics().splitlines() if line.startswith(prefix)), prefix + "0")
+    return float(line[len(prefix):])
+
+
+@pytest.mark.timeout(120)
+def test_each_embedded_input_counts_as_a_finished_request(triton):
+    before = e2e_count(triton)
+    answer = triton_embed(triton, {"input": ["one", "two"]})
+    assert len(answer["text_output"]) == 2
+    assert e2e_count(triton) == before + 2

@@ -110,7 +110,8 @@ class TritonPythonModel:
                     continue
                 embedding = read_embedding_request(request, self.limits, self.engine.runner)
                 if embedding is not None:   # one embedding per input, one response (vllm_backend's)
-                    self._start(self._embed(EmbeddingJob(self.engine, embedding, request, sender)))
+                    self._start(self._embed(EmbeddingJob(self.engine, embedding, request, sender,
+                                                         self._observe_embedding)))
                     continue
                 job = self._submit(request, sender)
             except ControlError as exc:
@@ -211,6 +212,11 @@ class TritonPythonModel:
         finally:
             with self.lock:
                 self.embedding_jobs.discard(job)
+
+    def _observe_embedding(self, out):
+        """An embedding's latencies and prompt length, as a request with no output tokens."""
+        if not self.closing:
+            self.metrics.observe_finished(out.metrics, len(out.prompt_token_ids), 0, 1)
 
     def _forget(self, job: Job):
         """Stop watching a job for cancellation: its final response is due."""

@@ -31,8 +31,9 @@ class EmbeddingJob:
     """The engine requests of one ``embedding_request``, started at once (a
     refused input refuses the whole request: those already queued are aborted)."""
 
-    def __init__(self, engine, mapped: EmbeddingRequest, request, sender):
-        self.engine, self.sender = engine, sender
+    def __init__(self, engine, mapped: EmbeddingRequest, request, sender, observe=None):
+        """``observe(output)``: called with each input's finished output (metrics)."""
+        self.engine, self.sender, self.observe = engine, sender, observe
         self.flags = {name: bool(read_flag(request, name))
                       for name in ("return_num_input_tokens", "return_num_output_tokens")}
         self.ids: List[str] = []
@@ -78,6 +79,8 @@ class EmbeddingJob:
             send_error(self.sender, self.end_reason, pb_utils.TritonError.CANCELLED)
             return
         self.sender.send(embedding_response(outputs, self.flags), FINAL)
+        for out in outputs if self.observe is not None else ():
+            self.observe(out)
 
 
 def embedding_response(outputs, flags: dict):
