@@ -9,10 +9,12 @@ below its own.
 """
 from .config import EngineConfig
 from .lora import LoRARequest
+from .pooling_params import PoolingParams
 from .sampling_params import InvalidRequestError, SamplingParams
 from .structured.params import StructuredOutputsParams
 
-_ENGINE = ("LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "CompletionOutput", "EngineStats")
+_ENGINE = ("LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "CompletionOutput", "EngineStats",
+           "EmbeddingRequestOutput", "EmbeddingOutput")
 
 
 def __getattr__(name):
@@ -23,5 +25,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'pagedbackend' has no attribute {name!r}")
 
 
-__all__ = ["EngineConfig", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "InvalidRequestError",
+__all__ = ["EngineConfig", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "InvalidRequestError",
            *_ENGINE]

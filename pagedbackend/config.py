@@ -206,13 +206,27 @@ class EngineConfig:
     max_lora_rank: int = 16
     # Adapters whose weights stay in host memory, ready to page in (None: max_loras).
     max_cpu_loras: Optional[int] = None
+    # What the model serves, vLLM's names (docs/embeddings.md): "generate"
+    # (text), "pooling" (embeddings: llm.embed, /v1/embeddings, Triton's
+    # embedding_request), "auto": pooling for a sentence-transformers folder
+    # (modules.json with a Pooling module), else generate.
+    runner: str = "auto"
+    # The pooler of embedding requests that name none: LAST, MEAN or CLS
+    # (None: the folder's 1_Pooling/config.json, else LAST).
+    pooling_type: Optional[str] = None
 
     def resolved(self, model_path: pathlib.Path) -> "EngineConfig":
         """This config with ``dtype="auto"`` made the dtype it picks for the
-        checkpoint in ``model_path`` on this machine (``dtype_choice``)."""
+        checkpoint in ``model_path`` on this machine (``dtype_choice``), and
+        ``runner="auto"`` and the pooler what the folder says (``pooling_choice``)."""
         from dataclasses import replace
         from .dtype_choice import resolve_dtype
-        return replace(self, dtype=resolve_dtype(self.dtype, model_path, self.device))
+        from .pooling_choice import read_pooling_defaults
+        pooling = read_pooling_defaults(model_path)
+        runner = self.runner if self.runner != "auto" else ("pooling" if pooling is not None else "generate")
+        pooling_type = self.pooling_type or (pooling.pooling_type if pooling is not None else "LAST")
+        return replace(self, dtype=resolve_dtype(self.dtype, model_path, self.device), runner=runner,
+                       pooling_type=pooling_type)
 
     def __post_init__(self):
         def choice(name, allowed):
@@ -235,6 +249,12 @@ class EngineConfig:
         choice("quantization", QUANTIZATION_MODES)
         choice("linear_backend", ("auto", "torch", "packed"))
         choice("moe_backend", ("auto", "packed", "triton", "torch"))
+        choice("runner", ("auto", "generate", "pooling"))
+        if self.pooling_type is not None:
+            self.pooling_type = str(self.pooling_type).upper()
+            choice("pooling_type", ("LAST", "MEAN", "CLS"))
+        if self.runner == "pooling" and self.tensor_parallel_size > 1:
+            raise ValueError("runner=pooling serves on one rank; use tensor_parallel_size=1")
         if self.linear_backend == "packed" and self.quantization in ("int4", "w8a8"):
             raise ValueError("linear_backend=packed serves float32 and int8 weights; it cannot be "
                              f"combined with quantization={self.quantization}")

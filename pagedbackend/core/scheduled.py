@@ -26,7 +26,8 @@ class SeqEntry:
     ``block_tables``: every KV group's table, ``block_table`` (group 0's)
     first, for a model with several groups (``core.kv_groups``).
     ``lora``: the pages of the adapter its rows run with (``lora.manager.StepLoRA``;
-    None: the base model).
+    None: the base model). ``return_hidden``: every row's hidden state after
+    the final norm comes back too (a pooling request's prefill).
     """
     token_ids: List[int]
     start_pos: int
@@ -36,6 +37,7 @@ class SeqEntry:
     num_draft_tokens: int = 0
     block_tables: Optional[List[List[int]]] = None
     lora: Optional[object] = None
+    return_hidden: bool = False
 
     @property
     def num_logit_rows(self) -> int:

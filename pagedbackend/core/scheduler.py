@@ -187,7 +187,9 @@ class Scheduler:
             item.block_table = self.bm.get_block_table(seq.seq_id)
             if self.bm.num_groups > 1:
                 item.block_tables = self.bm.get_block_tables(seq.seq_id)
-            item.need_logits = item.start_pos + item.num_new_tokens == seq.num_tokens
+            # A pooling request samples nothing: it takes its rows' hidden states.
+            item.return_hidden = item.group.pooling is not None
+            item.need_logits = item.start_pos + item.num_new_tokens == seq.num_tokens and not item.return_hidden
             item.prompt_logits = item.group.needs_prompt_logits and item.start_pos < seq.num_prompt_tokens
         return out
 
@@ -306,8 +308,8 @@ class Scheduler:
                 continue
             token_lists = [s.token_ids for s in group.seqs]
             reserve = self.capacity.reserve_tokens(len(group.prompt_token_ids) + group.max_tokens)
-            # A cached prefix has no logits: prompt_logprobs computes the whole prompt.
-            reuse = not group.needs_prompt_logits
+            # A cached prefix has no logits or hidden states (SequenceGroup.reuses_cached_prefix).
+            reuse = group.reuses_cached_prefix
             status = self.bm.can_allocate(token_lists, reserve, group.cache_salt, reuse)
             if status == AllocStatus.NEVER:  # cannot happen after check_admissible; kept as a guard
                 out.rejected.append((group, f"request {group.request_id} can never fit the KV pool"))

@@ -138,6 +138,11 @@ class SequenceGroup:
         self.cache_salt: bytes = (params.cache_salt or "").encode("utf-8", "surrogatepass")
         self.grammar = None                     # structured outputs: the grammar's compile
         self.lora = None                        # the adapter it runs with (lora.manager.Adapter); None: base
+        # An embedding request: its PoolingParams, resolved against the model
+        # (pooling_type and normalize set). Its prompt is computed and pooled,
+        # nothing is sampled (engine.pooling); None: a generation request.
+        self.pooling = None
+        self.embedding: Optional[List[float]] = None   # its pooled output, once computed
 
     @property
     def lora_name(self) -> Optional[str]:
@@ -153,6 +158,16 @@ class SequenceGroup:
     def needs_prompt_logits(self) -> bool:
         """Prompt log-probabilities are asked for and not all computed yet."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def reuses_cached_prefix(self) -> bool:
+        """Whether a cached prefix may stand in for computing the prompt's
+        first blocks: not when every prompt position's output is needed
+        (prompt log-probabilities; a MEAN or CLS pooler, which reads every
+        position's hidden state, or the first one's)."""
+        if self.needs_prompt_logits:
+            return False
+        return self.pooling is None or self.pooling.pooling_type == "LAST"
 
     @property
     def is_beam_search(self) -> bool:

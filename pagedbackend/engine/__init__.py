@@ -4,8 +4,9 @@ engine owns the tokenizer and turns tokens into text."""
 from .async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from .llm import LLM
 from .llm_engine import LLMEngine
-from .outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from .outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineStats, Logprob, RequestOutput
 
-__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineDeadError", "EngineStats", "LLM", "LLMEngine",
+__all__ = ["AsyncLLMEngine", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineDeadError",
+           "EngineStats", "LLM", "LLMEngine",
            "Logprob",
            "RequestOutput", "RequestStream"]

@@ -24,8 +24,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 from ..config import EngineConfig
 from .core_outputs import SeqFinish
 from .llm_engine import LLMEngine, Prompt
+from .pooling import RequestParams
 from .outputs import CompletionOutput, EngineStats, RequestOutput
-from ..sampling_params import InvalidRequestError, SamplingParams
+from ..sampling_params import InvalidRequestError
 from ..core.sequence import SequenceGroup
 from ..lora import LoRARequest
 
@@ -139,7 +140,7 @@ class AsyncLLMEngine:
         self._output_thread.start()
 
     # ------------------------------------------------------------ API
-    def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
+    def add_request(self, request_id: str, prompt: Prompt, params: Optional[RequestParams] = None,
                     cumulative_logprob: bool = False, priority: Optional[int] = None,
                     lora_request: Optional[LoRARequest] = None) -> RequestStream:
         """Queue a request; its stream yields output deltas. ``cumulative_logprob``:
@@ -188,6 +189,11 @@ class AsyncLLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def runner(self) -> str:
+        """What the model serves: "generate" or "pooling" (``EngineConfig.runner``, resolved)."""
+        return self.engine.config.runner
 
     @property
     def max_prompt_chars(self) -> int:

@@ -49,6 +49,7 @@ class CoreOutput:
     error: Optional[str] = None      # the request ended with an error (its final output)
     refused: bool = False            # with error: refused before it ran
     is_beam_search: bool = False
+    embedding: Optional[List[float]] = None   # a finished embedding request's pooled vector
 
 
 @dataclass

@@ -13,6 +13,7 @@ from ..core.scheduler import Scheduler
 from ..core.sequence import SequenceGroup
 from ..sample import BeamSearchState
 from ..structured.compiler import GrammarCompiler
+from ..pooling_params import PoolingParams
 from ..sampling_params import InvalidRequestError, SamplingParams
 
 Prompt = Union[str, List[int]]
@@ -102,6 +103,22 @@ class InputProcessor:
             group.beam = BeamSearchState(params.beam_width, params.length_penalty, params.early_stopping)
         if params.structured_outputs is not None:   # parsed and compiled on the compile thread
             group.grammar = self.grammars.submit(params.structured_outputs)
+        return group
+
+    def make_pooling_group(self, request_id: str, prompt: Prompt, pooling: PoolingParams,
+                           arrival_time: Optional[float] = None, priority: Optional[int] = None) -> SequenceGroup:
+        """The group of an embedding request (``pooling``: resolved against the
+        model): its prompt is computed and pooled; it samples nothing (one
+        token of room is reserved, as for any prompt, and never used)."""
+        text, token_ids = self._tokenize(prompt)
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(f"input has {len(token_ids)} tokens; the maximum context length "
+                                      f"is {self.max_model_len}")
+        params = SamplingParams(max_tokens=1, **({} if priority is None else {"priority": priority}))
+        group = SequenceGroup(request_id, text, token_ids, params,
+                              time.time() if arrival_time is None else arrival_time, 1)
+        group.pooling = pooling
+        self.scheduler.check_admissible(group)
         return group
 
     def _tokenize(self, prompt: Prompt):

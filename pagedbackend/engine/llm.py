@@ -1,11 +1,13 @@
-"""Offline batch generation: ``LLM(...).generate(prompts, sampling_params)``."""
+"""Offline batch generation, ``LLM(...).generate(prompts, sampling_params)``,
+and embeddings, ``LLM(..., runner="pooling").embed(texts)``."""
 import itertools
 from typing import Dict, List, Optional, Sequence, Union
 
 from ..config import EngineConfig
 from ..lora import LoRARequest
 from .llm_engine import LLMEngine, Prompt
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 
 
@@ -40,6 +42,7 @@ class LLM:
         prompt, as vLLM's (lower first under ``scheduling_policy=priority``).
         ``lora_request``: the adapter of every prompt, or a list with one per
         prompt (None: the base model), as vLLM takes it (``enable_lora=True``)."""
+        self._check_runner("generate", "generate")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -71,6 +74,38 @@ class LLM:
         if bar is not None:
             bar.close()
         return [merged[r] for r in order]
+
+
+    def embed(self, prompts: Union[Prompt, Sequence[Prompt]],
+              pooling_params: Optional[Union[PoolingParams, Sequence[PoolingParams]]] = None,
+              use_tqdm: bool = False) -> List[EmbeddingRequestOutput]:
+        """One embedding per prompt (strings or token id lists), in prompt
+        order: ``outputs[i].outputs.embedding`` is a list of floats, as vLLM's
+        ``LLM.embed``. Needs ``runner="pooling"`` (or a sentence-transformers folder)."""
+        self._check_runner("pooling", "embed")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(pooling_params)} pooling params")
+        order = []
+        for prompt, params in zip(prompts, pooling_params):
+            order.append(f"offline-{next(self._ids)}")
+            self.engine.add_request(order[-1], prompt, params)
+        done: Dict[str, EmbeddingRequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.error is not None:
+                    raise RuntimeError(f"embedding request {out.request_id} failed: {out.error}")
+                done[out.request_id] = out
+        return [done[r] for r in order]
+
+    def _check_runner(self, runner: str, method: str) -> None:
+        served = self.engine.config.runner
+        if served != runner:
+            raise ValueError(f"LLM.{method} needs runner={runner!r}; this model is served with "
+                             f"runner={served!r} (LLM(model=..., runner=...))")
 
 
 def merge_delta(merged: Dict[str, RequestOutput], delta: RequestOutput) -> RequestOutput:

@@ -13,7 +13,6 @@ another (``AsyncLLMEngine``); sequences a stop string ends come back to
 step by one hook. The engine owns the tokenizer; the runner sees token ids.
 """
 import dataclasses
-import logging
 import time
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
@@ -35,12 +34,11 @@ from .core_outputs import CoreOutput, SeqFinish
 from .kv_publisher import KVEventRelay
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
-from .stats import engine_description, engine_stats
+from .pooling import PoolingRequests, RequestParams
+from .stats import engine_description, engine_stats, idle_leaks
 from .step_sampler import StepSampler
 from .token_updates import TokenUpdates
 from .tokenizer import eos_token_ids, TokenizerLoad
-
-logger = logging.getLogger("pagedbackend")
 
 
 class LLMEngine(AdapterMethods):
@@ -87,6 +85,7 @@ class LLMEngine(AdapterMethods):
         self.tokens = TokenUpdates(self.eos_token_ids, self.max_model_len, self.stats)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.step_sampler = StepSampler(self.sampler, self.tokens, self.eos_token_ids, self.speculator)
+        self.pooling = PoolingRequests.for_model(runner.hidden_size, config, model_path)
         # Timings of the latest step (seconds): all of it, the model forward,
         # scheduling, and sampling with the sequence updates.
         self.last_step_seconds = self.last_forward_seconds = 0.0
@@ -102,11 +101,12 @@ class LLMEngine(AdapterMethods):
         return self.scheduler.block_manager
 
     # ------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
+    def add_request(self, request_id: str, prompt: Prompt, params: Optional[RequestParams] = None,
                     arrival_time: Optional[float] = None, cumulative_logprob: bool = False,
                     priority: Optional[int] = None,
                     lora_request: Optional[LoRARequest] = None) -> SequenceGroup:
         """Validate and queue a request; raises InvalidRequestError if it can never be served.
+        ``params``: ``PoolingParams`` make it an embedding request (``engine.pooling``);
         ``cumulative_logprob``: compute it even when the parameters do not need it;
         ``priority``: vLLM's argument (replaces ``params.priority``);
         ``lora_request``: the adapter it runs with (loaded now if it is new)."""
@@ -117,7 +117,7 @@ class LLMEngine(AdapterMethods):
         self.add_group(group)
         return group
 
-    def make_group(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
+    def make_group(self, request_id: str, prompt: Prompt, params: Optional[RequestParams] = None,
                    arrival_time: Optional[float] = None, cumulative_logprob: bool = False,
                    priority: Optional[int] = None,
                    lora_request: Optional[LoRARequest] = None) -> SequenceGroup:
@@ -125,6 +125,8 @@ class LLMEngine(AdapterMethods):
         (``InputProcessor.make_group``), with its adapter, whose key joins the
         group's prefix-cache namespace. Changes no step state (a new adapter
         is read from its folder here), so any thread may call it."""
+        if PoolingRequests.wants(params):
+            return self.pooling.make_group(self.inputs, request_id, prompt, params, arrival_time, priority)
         adapter = resolve_adapter(self.lora, lora_request)   # first: a refused one leaves nothing behind
         return with_adapter(self.inputs.make_group(request_id, prompt, params, arrival_time, cumulative_logprob,
                                                    priority), adapter)
@@ -154,6 +156,7 @@ class LLMEngine(AdapterMethods):
             return None
         self.structured.remove(group)
         self.scheduler.remove(group)
+        self.pooling.forget(request_id)
         self._spec_done([], group.seqs)
         for seq in group.seqs:
             if seq.constraint is not None:   # queued grammar work is dropped
@@ -170,15 +173,8 @@ class LLMEngine(AdapterMethods):
 
     def check_idle(self) -> List[str]:
         """Call when no request is left: every KV block must be free (or free and
-        cached) and nothing tracked. A violation is logged and counted
-        (``EngineStats.idle_leak_checks_failed``); returns the violations."""
-        leaks = self.scheduler.idle_leaks()
-        if self.groups:
-            leaks.append(f"{len(self.groups)} request(s) still tracked")
-        if leaks:
-            self.stats.idle_leak_checks_failed += 1
-            logger.error("engine idle but not clean: %s", "; ".join(leaks))
-        return leaks
+        cached) and nothing tracked (``stats.idle_leaks``); returns the violations."""
+        return idle_leaks(self)
 
     # ------------------------------------------------------------ the step
     def step(self) -> List[RequestOutput]:
@@ -215,7 +211,9 @@ class LLMEngine(AdapterMethods):
             return outputs
         self.structured.before_forward(sched.scheduled)
         forward_start = time.perf_counter()
-        logits = self.runner.execute_model(sched.scheduled)
+        hidden = [] if any(item.return_hidden for item in sched.scheduled) else None   # pooling's rows
+        run = self.runner.execute_model
+        logits = run(sched.scheduled) if hidden is None else run(sched.scheduled, hidden)
         self.last_forward_seconds = time.perf_counter() - forward_start
 
         sample_start = time.perf_counter()
@@ -226,6 +224,8 @@ class LLMEngine(AdapterMethods):
                 logits = self.step_sampler.take_prompt_logprobs(logits, sched.scheduled, failed)
             touched = self.step_sampler.sample_and_apply(
                 logits, [i for i in sched.scheduled if i.need_logits], update, failed)
+            if hidden is not None:
+                touched += self.pooling.take(sched.scheduled, hidden, update, self.tokens, failed)
         for group in update.finished:
             self.groups.pop(group.request_id, None)
         self.scheduler.update_from_output(sched, update)
@@ -278,6 +278,7 @@ class LLMEngine(AdapterMethods):
             self.stats.rejected_requests += 1
         self.groups.pop(group.request_id, None)
         self.scheduler.remove(group)   # wherever it stands; frees what it holds
+        self.pooling.forget(group.request_id)
         self._spec_done([], group.seqs)
         for seq in group.seqs:
             if seq.constraint is not None:

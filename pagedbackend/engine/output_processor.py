@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from .core_outputs import CoreOutput, SeqFinish, SeqStep
 from .detokenizer import decode_new_text, find_stop_string
-from .outputs import CompletionOutput, Logprob, RequestOutput
+from .outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 
 logger = logging.getLogger("pagedbackend")
 
@@ -91,6 +91,9 @@ class OutputProcessor:
         if report.error is not None:
             self._requests.pop(rid, None)
             return self._error_output(report, report.error, report.refused)
+        if report.embedding is not None:   # an embedding request: its one output
+            return EmbeddingRequestOutput(rid, report.prompt, report.prompt_token_ids,
+                                          EmbeddingOutput(report.embedding), True, report.metrics)
         request = self._requests.get(rid)
         if request is None:
             request = self._requests[rid] = _Request()

@@ -49,6 +49,30 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    """One embedding request's pooled vector (vLLM's ``EmbeddingOutput``)."""
+    embedding: List[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What an embedding request returns, as vLLM's: ``outputs.embedding``
+    and the prompt's token ids (their count is the request's usage)."""
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    metrics: Optional[RequestMetrics] = None
+    error: Optional[str] = None
+    refused: bool = False
+
+
+@dataclass
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0

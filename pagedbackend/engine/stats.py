@@ -1,9 +1,12 @@
 """The engine's statistics snapshot: its counters with the block pool's,
 the scheduler's queues and preemptions, speculation, the CPU governor and adapters."""
-from typing import Dict
+import logging
+from typing import Dict, List
 
 from .adapters import lora_stats
 from .outputs import EngineStats
+
+logger = logging.getLogger("pagedbackend")
 
 
 def engine_stats(engine) -> EngineStats:
@@ -38,12 +41,29 @@ def engine_stats(engine) -> EngineStats:
 
 
 def engine_description(engine) -> Dict[str, object]:
-    """What serves, for a log line at start: model, dtype, quantisation, how
-    the linear layers multiply (and whether through the C++ operators),
-    attention, KV pool, context, speculation, the LoRA kernel."""
+    """What serves, for a log line at start: model, what it serves (with the
+    pooler of embeddings), dtype, quantisation, how the linear layers multiply
+    (and whether through the C++ operators), attention, KV pool, context,
+    speculation, the LoRA kernel."""
     runner, config = engine.runner, engine.config
     spec = config.speculative_config
-    return {"model": config.model, "dtype": config.dtype, "quantization": config.quantization,
+    serves = config.runner if config.runner != "pooling" else f"pooling ({engine.pooling.defaults.pooling_type})"
+    return {"model": config.model, "runner": serves, "dtype": config.dtype, "quantization": config.quantization,
             **runner.describe(),
             "num_kv_blocks": runner.num_kv_blocks, "max_model_len": engine.max_model_len,
             "speculative": spec.method if spec is not None else None}
+
+
+def idle_leaks(engine) -> List[str]:
+    """What an idle engine still holds: blocks not free (nor free and cached),
+    requests still tracked, pooled states left. A violation is logged and
+    counted (``EngineStats.idle_leak_checks_failed``)."""
+    leaks = engine.scheduler.idle_leaks()
+    if engine.groups:
+        leaks.append(f"{len(engine.groups)} request(s) still tracked")
+    if engine.pooling.pooled:
+        leaks.append(f"{len(engine.pooling.pooled)} embedding request(s) still pooled")
+    if leaks:
+        engine.stats.idle_leak_checks_failed += 1
+        logger.error("engine idle but not clean: %s", "; ".join(leaks))
+    return leaks

@@ -161,4 +161,4 @@ class TokenUpdates:
             beams = group.beam.best(group.params.n)
         return CoreOutput(group.request_id, group.prompt, group.prompt_token_ids, group.params, group.wants_logprob,
                           steps, finished, dataclasses.replace(group.metrics), prompt_logprobs, beams,
-                          error, refused, group.is_beam_search)
+                          error, refused, group.is_beam_search, group.embedding)

@@ -46,6 +46,7 @@ class RequestLimits:
     max_tools: int = 128                  # OpenAI tools per request (OpenAI's own limit)
     max_tools_bytes: int = 32 * 1024      # OpenAI tools as JSON
     max_cache_salt_chars: int = 1024
+    max_embedding_inputs: int = 2048      # inputs of one embedding request (OpenAI's own limit)
     # The model's context length and prompt characters, where the front end
     # knows them: max_tokens and a prompt beyond them are refused before tokenising.
     max_model_len: Optional[int] = None

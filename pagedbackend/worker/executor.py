@@ -19,6 +19,7 @@ class Executor(Protocol):
     implement every member."""
     # Cache geometry and KV layout.
     vocab_size: int
+    hidden_size: int            # the final norm's width: an embedding's length
     max_model_len: int
     block_size: int
     num_kv_blocks: int
@@ -28,7 +29,9 @@ class Executor(Protocol):
     lora: Optional["LoRAModel"]
 
     # One step and the block moves before it.
-    def execute_model(self, entries: Sequence) -> "torch.Tensor": ...
+    # hidden_out: filled with the normed hidden rows (on the device) of entries with return_hidden
+    # (pooling; ModelRunner only: runner=pooling serves on one rank).
+    def execute_model(self, entries: Sequence, hidden_out: Optional[list] = None) -> "torch.Tensor": ...
     def copy_blocks(self, pairs: Sequence[Tuple[int, int]]) -> None: ...
     def swap_out(self, pairs: Sequence[Tuple[int, int]]) -> None: ...
     def swap_in(self, pairs: Sequence[Tuple[int, int]]) -> None: ...

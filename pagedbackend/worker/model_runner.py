@@ -51,6 +51,7 @@ class ModelRunner:
         self.model_path, self.model, self.max_model_len = loaded.path, loaded.model, loaded.max_model_len
         args = loaded.args
         self.vocab_size = args.vocab_size
+        self.hidden_size = args.hidden_size   # an embedding's length (pooling)
         self.num_heads = self.model.layers[0].self_attn.num_heads
         windows = self.model.layer_windows
         self.kv_layout = kv_layout(windows, free_out_of_window=not config.disable_hybrid_kv_cache_manager)
@@ -171,23 +172,30 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------
 
-    def execute_model(self, entries: Sequence[SeqEntry]) -> torch.Tensor:
+    def execute_model(self, entries: Sequence[SeqEntry], hidden_out: Optional[List[torch.Tensor]] = None
+                      ) -> torch.Tensor:
         """Run one step; float32 logits ``[entries needing logits, vocab]`` of
-        each such entry's last token, in entry order. A decode step replays
-        its CUDA graph when there is one (``cuda_graphs``) and no adapter."""
+        each such entry's last token, in entry order. ``hidden_out``: a list
+        that receives, per entry with ``return_hidden`` in order, its rows'
+        hidden states after the final norm (float32, on the runner's device; pooling).
+        A decode step replays its CUDA graph when there is one
+        (``cuda_graphs``) and no adapter."""
         batch = self._flat_batch(entries)
         if self.lora is not None:
             batch.lora = build_mapping(entries, self.lora.split_rows)
-        if self.graphs is not None and batch.lora is None and self.graphs.fits(batch):
+        hidden_spans = _hidden_spans(entries) if hidden_out is not None else []
+        if not hidden_spans and self.graphs is not None and batch.lora is None and self.graphs.fits(batch):
             return self.graphs.run(batch)
-        return self.execute_batch(batch)   # plans the batch
+        return self.execute_batch(batch, hidden_spans=hidden_spans, hidden_out=hidden_out)   # plans the batch
 
     def execute_batch(self, batch: StepBatch, compute_logits: bool = True, step=None,
-                      kv_caches=None) -> Optional[torch.Tensor]:
+                      kv_caches=None, hidden_spans: Sequence[Tuple[int, int]] = (),
+                      hidden_out: Optional[List[torch.Tensor]] = None) -> Optional[torch.Tensor]:
         """The forward pass of a prepared batch (host or device tensors); with
         ``compute_logits=False`` it only fills the KV cache (a worker rank).
         ``step`` and ``kv_caches`` replace ``step_functions()`` and the runner's
-        cache (a warm-up)."""
+        cache (a warm-up). ``hidden_spans``: row ranges whose normed hidden
+        states are appended to ``hidden_out``."""
         if batch.meta.plan is None:   # a worker rank's batch arrives without one
             self.plan(batch)
         batch = batch.to(self.device)
@@ -195,6 +203,10 @@ class ModelRunner:
         with torch.inference_mode(), step_context(kv_caches or self.kv_caches, batch.metas, self.attention_ops,
                                                   self.layer_group), lora_step(self.lora, batch.lora):
             hidden = forward(batch.input_ids, batch.positions)
+            if hidden_spans:
+                rows = torch.cat([torch.arange(a, b) for a, b in hidden_spans]).to(hidden.device)
+                normed = self.model.norm(hidden[rows]).float()
+                hidden_out.extend(normed.split([b - a for a, b in hidden_spans]))
             if not compute_logits:
                 return None
             if len(batch.logits_rows) == 0:   # a prefill chunk that completes nothing
@@ -258,6 +270,16 @@ class ModelRunner:
         if self.swap_cache is None:
             raise ValueError("no swap space: set swap_space_blocks > 0 to swap blocks to the host")
         return self.num_swap_blocks
+
+
+def _hidden_spans(entries: Sequence[SeqEntry]) -> List[Tuple[int, int]]:
+    """The flat batch's row range of each entry with ``return_hidden``, in order."""
+    spans, row = [], 0
+    for entry in entries:
+        if entry.return_hidden:
+            spans.append((row, row + len(entry.token_ids)))
+        row += len(entry.token_ids)
+    return spans
 
 
 def _pair_index(pairs: Sequence[Tuple[int, int]], src_blocks: int, dst_blocks: int,

@@ -69,6 +69,7 @@ class TensorParallelExecutor:
     num_kv_blocks = property(lambda self: self.runner.num_kv_blocks)
     block_size = property(lambda self: self.runner.block_size)
     vocab_size = property(lambda self: self.runner.vocab_size)
+    hidden_size = property(lambda self: self.runner.hidden_size)
     device = property(lambda self: self.runner.device)
     kv_layout = property(lambda self: self.runner.kv_layout)
     lora = None   # adapters are not split over ranks (EngineConfig refuses enable_lora here)
@@ -89,7 +90,9 @@ class TensorParallelExecutor:
     def master_port(self) -> int:
         return self._ranks.port
 
-    def execute_model(self, entries) -> torch.Tensor:
+    def execute_model(self, entries, hidden_out=None) -> torch.Tensor:
+        if hidden_out is not None:   # LLMEngine refuses embedding requests here
+            raise ValueError("hidden states (pooling) are served with tensor_parallel_size=1")
         batch = self.runner.prepare(entries)   # bad input raises here, before any rank sees it
 
         def step():

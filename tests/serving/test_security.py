@@ -149,7 +149,8 @@ def keyed_app(tiny_model_dir):
 
 ROUTES = [("GET", "/v1/models"), ("GET", "/v1/models/paged_llm"), ("POST", "/v1/completions"),
           ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"),
-          ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("GET", "/openapi.json")]
+          ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("POST", "/v1/embeddings"),
+          ("GET", "/openapi.json")]
 
 
 @pytest.mark.parametrize("method, path", ROUTES)

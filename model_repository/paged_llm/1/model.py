@@ -26,6 +26,8 @@ from pagedbackend.config import engine_config
 from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
 from pagedbackend.errors import InvalidRequestError
 from pagedbackend.serving.constants import SHUTTING_DOWN
+from pagedbackend.serving.embeddings import check_runner
+from pagedbackend.serving.triton.embeddings import EmbeddingJob, read_embedding_request
 from pagedbackend.serving.triton.health import EngineFailurePolicy
 from pagedbackend.serving.triton.io import (FINAL, Job, accumulate, build_response, read_flags, read_optional_text,
                                             read_request, send_error, send_json)
@@ -67,6 +69,7 @@ class TritonPythonModel:
                                settings.metric_namespaces, self.engine.max_model_len)
         self.metrics.lora(config.enable_lora, settings.metric_namespaces)
         self.jobs, self.lock = {}, threading.Lock()
+        self.embedding_jobs = set()    # EmbeddingJob answers in flight
         self.closing = None            # why new requests are refused, once draining
         self.drain_lock, self.drained = threading.Lock(), False
         self.intake = queue.SimpleQueue()
@@ -105,6 +108,11 @@ class TritonPythonModel:
                 if control is not None:   # adapters listed, loaded or unloaded, no generation
                     send_json(sender, self.adapters.control(control))
                     continue
+                embedding = read_embedding_request(request, self.limits, self.engine.runner)
+                if embedding is not None:   # one embedding per input, one response (vllm_backend's)
+                    self._start(self._embed(EmbeddingJob(self.engine, embedding, request, sender,
+                                                         self._observe_embedding)))
+                    continue
                 job = self._submit(request, sender)
             except ControlError as exc:
                 send_error(sender, str(exc), pb_utils.TritonError.NOT_FOUND if exc.status == 404
@@ -116,15 +124,19 @@ class TritonPythonModel:
             except Exception as exc:
                 send_error(sender, f"could not start the request: {exc!r}", pb_utils.TritonError.INTERNAL)
             else:
-                respond = self._respond(job)
-                try:
-                    asyncio.run_coroutine_threadsafe(respond, self.loop)
-                except RuntimeError:  # the loop is closed (draining): the drain answers the job
-                    respond.close()
+                self._start(self._respond(job))
+
+    def _start(self, respond):
+        """Run a request's responding coroutine on the response loop."""
+        try:
+            asyncio.run_coroutine_threadsafe(respond, self.loop)
+        except RuntimeError:  # the loop is closed (draining): the drain answers the job
+            respond.close()
 
     def _submit(self, request, sender) -> Job:
         if self.closing:
             raise EngineDeadError(self.closing)
+        check_runner(self.engine.runner, "generate")
         mapped = read_request(request, self.limits)   # prompt, sampling parameters, adapter: checked
         lora_request = self.adapters.request_for(mapped.lora_name)
         prompt, params = mapped.prompt, mapped.params
@@ -191,6 +203,23 @@ class TritonPythonModel:
             if not self.closing:
                 self.metrics.update(self.engine.stats())  # so usage returns to zero promptly
 
+    async def _embed(self, job: EmbeddingJob):
+        """Answer an embedding job, watched for cancellation and drain meanwhile."""
+        with self.lock:
+            self.embedding_jobs.add(job)
+            if self.closing:
+                job.abort(self.closing)
+        try:
+            await job.respond()
+        finally:
+            with self.lock:
+                self.embedding_jobs.discard(job)
+
+    def _observe_embedding(self, out):
+        """An embedding's latencies and prompt length, as a request with no output tokens."""
+        if not self.closing:
+            self.metrics.observe_finished(out.metrics, len(out.prompt_token_ids), 0, 1)
+
     def _forget(self, job: Job):
         """Stop watching a job for cancellation: its final response is due."""
         with self.lock:
@@ -204,6 +233,10 @@ class TritonPythonModel:
                 return
             with self.lock:
                 jobs = list(self.jobs.values())
+                embedding_jobs = list(self.embedding_jobs)
+            for job in embedding_jobs:
+                if job.end_reason is None and job.sender.is_cancelled():
+                    job.abort("request cancelled")
             for job in jobs:
                 if not job.cancelled and job.sender.is_cancelled():
                     job.cancelled = True
@@ -226,10 +259,13 @@ class TritonPythonModel:
             with self.lock:
                 self.closing = SHUTTING_DOWN
                 jobs = list(self.jobs.values())
+                embedding_jobs = list(self.embedding_jobs)
                 self.intake.put(None)
             for job in jobs:
                 job.abort_reason = SHUTTING_DOWN
                 self.engine.abort(job.request_id)
+            for job in embedding_jobs:
+                job.abort(SHUTTING_DOWN)
             self._wait_for_jobs(DRAIN_S)
             self.engine.shutdown(timeout=10.0)  # any stream left gets a final output
             self._wait_for_jobs(2.0)
@@ -247,7 +283,7 @@ class TritonPythonModel:
 
     def _wait_for_jobs(self, seconds: float):
         deadline = time.monotonic() + seconds
-        while self.jobs and time.monotonic() < deadline:
+        while (self.jobs or self.embedding_jobs) and time.monotonic() < deadline:
             time.sleep(0.02)
 
     def finalize(self):

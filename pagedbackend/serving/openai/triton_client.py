@@ -41,6 +41,7 @@ class Update:
     num_cached_tokens: Optional[int] = None   # prompt tokens found in the prefix cache
     prompt_logprobs: Optional[list] = None    # per prompt token (None first), once computed
     token_ids: Optional[List[List[int]]] = None   # per output index, its new token ids (output_ids)
+    input_token_counts: Optional[List[int]] = None   # every element of num_input_tokens (one per embedding input)
 
 
 _NUMBERS = {"UINT32": "I", "INT32": "i", "UINT64": "Q", "INT64": "q", "FP32": "f"}
@@ -84,7 +85,7 @@ def read_update(response) -> Update:
                   prompt_tokens[0] if prompt_tokens else None,
                   None if logprobs is None else [parse_logprobs(e) for e in logprobs],
                   cached[0] if cached else None,
-                  parse_logprobs(prompt_logprobs[0]) if prompt_logprobs else None, ids)
+                  parse_logprobs(prompt_logprobs[0]) if prompt_logprobs else None, ids, prompt_tokens)
 
 
 def _input(name: str, value) -> "aioclient.InferInput":
@@ -352,6 +353,21 @@ class Triton:
             yield request
         return TritonStream(self.client.stream_infer(one_request(), headers=self.headers), model)
 
+
+    async def embed(self, model: str, request: dict) -> Update:
+        """One ``embedding_request`` (``serving.embeddings``) to ``model``: its
+        response, one JSON embedding per input in ``texts`` and their token
+        counts; the model's refusal is raised as OpenAIError (400)."""
+        inputs = [_input("embedding_request", json.dumps(request)), _input("return_num_input_tokens", True)]
+        call = {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+        async def one_request():
+            yield call
+        stream = TritonStream(self.client.stream_infer(one_request(), headers=self.headers), model)
+        try:
+            return await stream.__anext__()
+        finally:
+            stream.cancel()
 
     async def control(self, model: str, order: dict) -> dict:
         """One ``lora_control`` request to ``model`` (adapters listed, loaded or

@@ -1,0 +1,44 @@
+"""What a model folder says about pooling: a sentence-transformers folder
+(``modules.json`` naming a ``Pooling`` module, whose ``config.json`` picks the
+pooler, and perhaps a ``Normalize`` module) is served as an embedding model
+with that pooler, as vLLM's ``runner="auto"`` decides."""
+import json
+import pathlib
+from dataclasses import dataclass
+from typing import Optional
+
+# sentence-transformers' pooling flags -> our pooler (the first set one wins).
+_MODES = (("pooling_mode_lasttoken", "LAST"), ("pooling_mode_cls_token", "CLS"),
+          ("pooling_mode_mean_tokens", "MEAN"))
+
+
+@dataclass(frozen=True)
+class PoolingDefaults:
+    """A folder's pooler and whether its embeddings are L2-normalised."""
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+
+def read_pooling_defaults(model_path: pathlib.Path) -> Optional[PoolingDefaults]:
+    """The sentence-transformers pooling of ``model_path``; None when it has
+    no ``modules.json`` with a ``Pooling`` module. A pooling mode we do not
+    serve (max, weighted mean) is refused, naming it."""
+    modules_file = pathlib.Path(model_path) / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{modules_file} is not valid JSON: {exc}") from None
+    kinds = {str(m.get("type", "")).rpartition(".")[2]: m for m in modules if isinstance(m, dict)}
+    if "Pooling" not in kinds:
+        return None
+    pooling_file = pathlib.Path(model_path) / str(kinds["Pooling"].get("path", "1_Pooling")) / "config.json"
+    config = json.loads(pooling_file.read_text()) if pooling_file.is_file() else {}
+    chosen = [kind for key, kind in _MODES if config.get(key)]
+    others = sorted(k for k, v in config.items() if k.startswith("pooling_mode_") and v
+                    and k not in dict(_MODES))
+    if others and not chosen:
+        raise ValueError(f"{pooling_file}: pooling mode {', '.join(others)} is not served "
+                         "(LAST, MEAN and CLS are)")
+    return PoolingDefaults(chosen[0] if chosen else "MEAN", "Normalize" in kinds)
