@@ -212,8 +212,7 @@ class LLMEngine(AdapterMethods):
         self.structured.before_forward(sched.scheduled)
         forward_start = time.perf_counter()
         hidden = [] if any(item.return_hidden for item in sched.scheduled) else None   # pooling's rows
-        run = self.runner.execute_model
-        logits = run(sched.scheduled) if hidden is None else run(sched.scheduled, hidden)
+        logits = self.runner.execute_model(sched.scheduled, *(() if hidden is None else (hidden,)))
         self.last_forward_seconds = time.perf_counter() - forward_start
 
         sample_start = time.perf_counter()
