@@ -35,20 +35,28 @@ RequestParams = Union[SamplingParams, PoolingParams]   # what a request asks: te
 class PoolingRequests:
     """The engine's embedding requests between their first chunk and their output."""
 
-    def __init__(self, hidden_size: int, defaults: PoolingDefaults, tensor_parallel_size: int = 1):
+    def __init__(self, hidden_size: int, defaults: PoolingDefaults, tensor_parallel_size: int = 1,
+                 whole_prompt_tokens: Optional[int] = None):
+        """``whole_prompt_tokens``: for an encoder (``worker.encoder_runner``),
+        each input is computed whole in one step, so it may have at most this
+        many tokens (``max_num_batched_tokens``); None: prompts are chunked."""
         self.hidden_size = hidden_size
         self.defaults = defaults
         self.tensor_parallel_size = tensor_parallel_size
+        self.whole_prompt_tokens = whole_prompt_tokens
         self.pooled: Dict[str, PoolAccumulator] = {}   # by request id
 
     @classmethod
-    def for_model(cls, hidden_size: int, config: EngineConfig, model_path: pathlib.Path) -> "PoolingRequests":
-        """With the model's pooler (``config.pooling_type``, resolved) and its
-        normalisation: a sentence-transformers folder's, else L2 (vLLM's embed)."""
+    def for_model(cls, executor, config: EngineConfig, model_path: pathlib.Path) -> "PoolingRequests":
+        """For the model ``executor`` runs, with its pooler (``config.pooling_type``,
+        resolved) and its normalisation: a sentence-transformers folder's, else
+        L2 (vLLM's embed). An executor with ``unchunked_prompts`` computes each
+        input whole (an encoder: ``worker.encoder_runner``)."""
         folder = read_pooling_defaults(model_path)
-        return cls(hidden_size, PoolingDefaults(config.pooling_type or "LAST",
+        unchunked = getattr(executor, "unchunked_prompts", False)
+        return cls(executor.hidden_size, PoolingDefaults(config.pooling_type or "LAST",
                                                 folder.normalize if folder is not None else True),
-                   config.tensor_parallel_size)
+                   config.tensor_parallel_size, config.max_num_batched_tokens if unchunked else None)
 
     @staticmethod
     def wants(params: Optional[RequestParams]) -> bool:
@@ -60,7 +68,15 @@ class PoolingRequests:
         """An embedding request's group (``InputProcessor.make_pooling_group``)."""
         if self.tensor_parallel_size > 1:
             raise InvalidRequestError("embedding requests are served with tensor_parallel_size=1")
-        return inputs.make_pooling_group(request_id, prompt, self.resolve(params), arrival_time, priority)
+        group = inputs.make_pooling_group(request_id, prompt, self.resolve(params), arrival_time, priority)
+        if self.whole_prompt_tokens is not None:
+            n = len(group.prompt_token_ids)
+            if n > self.whole_prompt_tokens:
+                raise InvalidRequestError(
+                    f"input has {n} tokens; an encoder computes each input whole in one step, and "
+                    f"max_num_batched_tokens is {self.whole_prompt_tokens}")
+            group.whole_prompt = True
+        return group
 
     def resolve(self, params: Optional[PoolingParams]) -> PoolingParams:
         """``params`` with the model's pooler and normalisation where it names
