@@ -191,6 +191,7 @@ class Scheduler:
                 item.block_tables = self.bm.get_block_tables(seq.seq_id)
             # A pooling request samples nothing: it takes its rows' hidden states.
             item.return_hidden = item.group.pooling is not None
+            item.token_type_start = item.group.token_type_start
             item.need_logits = item.start_pos + item.num_new_tokens == seq.num_tokens and not item.return_hidden
             item.prompt_logits = item.group.needs_prompt_logits and item.start_pos < seq.num_prompt_tokens
         return out

@@ -145,6 +145,8 @@ class SequenceGroup:
         # Computed whole in one step, never chunked, no prefix-cache hit: an
         # encoder's input (worker.encoder_runner), whose every token attends to all.
         self.whole_prompt = False
+        # A cross-encoder's pair: the position where the second segment (the document) starts.
+        self.token_type_start = None
         self.embedding: Optional[List[float]] = None   # its pooled output, once computed
 
     @property

@@ -68,6 +68,8 @@ def parse_encoder_config(cfg: dict) -> EncoderArgs:
         raise UnsupportedModelError(f"architectures {architectures}: sequence classification is served "
                                     "for BERT (BertForSequenceClassification)")
     num_labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 1))
+    if classifier and num_labels != 1:
+        raise UnsupportedModelError(f"num_labels {num_labels}: a cross-encoder with one label (a score) is served")
     return EncoderArgs(model_type, cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"],
                        cfg["num_attention_heads"], cfg["intermediate_size"], act, cfg["max_position_embeddings"],
                        cfg.get("type_vocab_size", 2), cfg.get("layer_norm_eps", 1e-12),

@@ -77,15 +77,18 @@ class EncoderRunner:
         longest = max(lengths)
         ids = torch.zeros((len(entries), longest), dtype=torch.long)
         mask = torch.zeros((len(entries), longest), dtype=torch.bool)
+        types = torch.zeros((len(entries), longest), dtype=torch.long)   # segments: a pair's document is 1
         for i, e in enumerate(entries):
             bad = [t for t in e.token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
             ids[i, :lengths[i]] = torch.tensor(e.token_ids)
             mask[i, :lengths[i]] = True
-        ids, mask = ids.to(self.device), mask.to(self.device)
+            if e.token_type_start is not None:
+                types[i, e.token_type_start:lengths[i]] = 1
+        ids, mask, types = ids.to(self.device), mask.to(self.device), types.to(self.device)
         with torch.inference_mode():
-            hidden = self.model(ids, mask)
+            hidden = self.model(ids, mask, types)
             if self.num_labels:
                 hidden_out.extend(self.model.classify(hidden).float().unsqueeze(1).unbind(0))
             else:

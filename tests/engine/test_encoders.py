@@ -2,13 +2,15 @@
 own embeddings of tiny random checkpoints: CLS and MEAN from the folder's
 sentence-transformers files, normalisation, dimensions, text inputs, and the
 scheduling rule of an encoder (never chunked: a step with room for the
-whole input, an input over the step's budget refused by name)."""
+whole input, an input over the step's budget refused by name); a BERT
+cross-encoder's scores against transformers' logits."""
 import random
 
 import pytest
+import torch
 
 from loadtest.tiny_embedder import cosine_distance, hf_embeddings
-from loadtest.tiny_encoder import build_tiny_encoder
+from loadtest.tiny_encoder import build_tiny_encoder, hf_scores
 from pagedbackend import LLM, InvalidRequestError, PoolingParams
 
 TOLERANCE = 1e-4   # cosine distance
@@ -120,3 +122,41 @@ def test_over_long_input_is_refused(mean_llm):
     assert limit == 128   # BERT: max_position_embeddings; XLM-RoBERTa: 130 less pad_token_id + 1
     with pytest.raises(InvalidRequestError, match=f"129 tokens; the maximum context length is {limit}"):
         mean_llm.embed([[7] * 129])
+
+
+@pytest.fixture(scope="module")
+def reranker_dir(tmp_path_factory):
+    return build_tiny_encoder(tmp_path_factory.mktemp("reranker"), "bert", None, cross_encoder=True, seed=3)
+
+
+def test_cross_encoder_scores_equal_transformers(reranker_dir):
+    """Pairs of different lengths in one batch: [CLS] query [SEP] document
+    [SEP], segment ids 0 then 1, the classifier's logit through a sigmoid."""
+    query = "what is paged attention"
+    documents = ["paged attention is a kernel", "the cache", "a block of memory is small and fast",
+                 "decoder", "query token rank score"]
+    with LLM(model=str(reranker_dir), **SETTINGS) as llm:
+        tokenizer = llm.get_tokenizer()
+        outs = llm.score(query, documents)
+        assert len(outs) == len(documents)
+        pairs = [(tokenizer.encode(query, add_special_tokens=False), tokenizer.encode(d, add_special_tokens=False))
+                 for d in documents]
+        want = [torch.sigmoid(torch.tensor(x)).item() for x in hf_scores(reranker_dir, pairs)]
+        got = [o.outputs.score for o in outs]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+        assert len(set(round(g, 4) for g in got)) == len(got)   # the documents are told apart
+        assert outs[0].prompt_token_ids == [3, *pairs[0][0], 4, *pairs[0][1], 4]
+        # Segment ids matter: the same ids as one segment score otherwise.
+        (flat,) = llm.embed([outs[0].prompt_token_ids])
+        assert abs(flat.outputs.embedding[0] - got[0]) > 1e-4
+        pairwise = llm.score(["the cache", query], ["decoder", documents[1]])   # pair by pair
+        assert abs(pairwise[1].outputs.score - got[1]) < 1e-5
+        with pytest.raises(InvalidRequestError, match="takes no dimensions"):
+            llm.embed([[5, 6]], PoolingParams(dimensions=4))
+
+
+def test_score_needs_a_cross_encoder(mean_llm):
+    with pytest.raises(ValueError, match="LLM.score needs a cross-encoder"):
+        mean_llm.score("a", ["b"])
+    with pytest.raises(InvalidRequestError, match="a text pair is scored by a cross-encoder"):
+        mean_llm.embed([{"text": "a", "text_pair": "b"}])
