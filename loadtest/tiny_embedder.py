@@ -22,17 +22,23 @@ def build_tiny_embedder(path, pooling_type: str = "LAST", normalize: bool = True
     it normalises (a ``Normalize`` module)."""
     path = build_tiny_family(path, "qwen3", use_sliding_window=False, sliding_window=None)
     if sentence_transformers:
-        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-        if normalize:
-            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                            "type": "sentence_transformers.models.Normalize"})
-        (path / "modules.json").write_text(json.dumps(modules, indent=2))
-        (path / "1_Pooling").mkdir(exist_ok=True)
-        hidden = json.loads((path / "config.json").read_text())["hidden_size"]
-        pooling = {"word_embedding_dimension": hidden, **{flag: kind == pooling_type for kind, flag in ST_MODES.items()}}
-        (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+        write_sentence_transformers_files(path, pooling_type, normalize)
     return path
+
+
+def write_sentence_transformers_files(path: pathlib.Path, pooling_type: str, normalize: bool) -> None:
+    """``modules.json`` (Transformer, Pooling, and Normalize when asked) and
+    ``1_Pooling/config.json`` naming ``pooling_type``, as sentence-transformers saves them."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    hidden = json.loads((path / "config.json").read_text())["hidden_size"]
+    pooling = {"word_embedding_dimension": hidden, **{flag: kind == pooling_type for kind, flag in ST_MODES.items()}}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
 
 
 def hf_embeddings(path, prompts: Sequence[Sequence[int]], pooling_type: str = "LAST", normalize: bool = True,

@@ -14,7 +14,7 @@ from .sampling_params import InvalidRequestError, SamplingParams
 from .structured.params import StructuredOutputsParams
 
 _ENGINE = ("LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "CompletionOutput", "EngineStats",
-           "EmbeddingRequestOutput", "EmbeddingOutput")
+           "EmbeddingRequestOutput", "EmbeddingOutput", "ScoringRequestOutput", "ScoringOutput")
 
 
 def __getattr__(name):

@@ -209,10 +209,11 @@ class EngineConfig:
     # What the model serves, vLLM's names (docs/embeddings.md): "generate"
     # (text), "pooling" (embeddings: llm.embed, /v1/embeddings, Triton's
     # embedding_request), "auto": pooling for a sentence-transformers folder
-    # (modules.json with a Pooling module), else generate.
+    # (modules.json with a Pooling module) or an encoder (BERT, XLM-RoBERTa),
+    # else generate.
     runner: str = "auto"
     # The pooler of embedding requests that name none: LAST, MEAN or CLS
-    # (None: the folder's 1_Pooling/config.json, else LAST).
+    # (None: the folder's 1_Pooling/config.json, else CLS for an encoder, LAST for a decoder).
     pooling_type: Optional[str] = None
 
     def resolved(self, model_path: pathlib.Path) -> "EngineConfig":
@@ -222,9 +223,15 @@ class EngineConfig:
         from dataclasses import replace
         from .dtype_choice import resolve_dtype
         from .pooling_choice import read_pooling_defaults
-        pooling = read_pooling_defaults(model_path)
-        runner = self.runner if self.runner != "auto" else ("pooling" if pooling is not None else "generate")
-        pooling_type = self.pooling_type or (pooling.pooling_type if pooling is not None else "LAST")
+        from .pooling_choice import is_encoder_folder
+        pooling, encoder = read_pooling_defaults(model_path), is_encoder_folder(model_path)
+        if encoder and self.runner == "generate":
+            raise ValueError(f"runner=generate: {model_path} is an encoder (BERT, XLM-RoBERTa), "
+                             "which serves embeddings and scores (runner=pooling)")
+        runner = self.runner if self.runner != "auto" else (
+            "pooling" if pooling is not None or encoder else "generate")
+        pooling_type = self.pooling_type or (pooling.pooling_type if pooling is not None
+                                             else "CLS" if encoder else "LAST")
         return replace(self, dtype=resolve_dtype(self.dtype, model_path, self.device), runner=runner,
                        pooling_type=pooling_type)
 

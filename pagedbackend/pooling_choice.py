@@ -7,6 +7,10 @@ import pathlib
 from dataclasses import dataclass
 from typing import Optional
 
+# Encoders (models.bert): they serve embeddings and scores only, pooled from
+# the first token (CLS) unless their folder says otherwise.
+ENCODER_MODEL_TYPES = frozenset(("bert", "xlm-roberta"))
+
 # sentence-transformers' pooling flags -> our pooler (the first set one wins).
 _MODES = (("pooling_mode_lasttoken", "LAST"), ("pooling_mode_cls_token", "CLS"),
           ("pooling_mode_mean_tokens", "MEAN"))
@@ -17,6 +21,15 @@ class PoolingDefaults:
     """A folder's pooler and whether its embeddings are L2-normalised."""
     pooling_type: str = "LAST"
     normalize: bool = True
+
+
+def is_encoder_folder(model_path: pathlib.Path) -> bool:
+    """Whether ``model_path``'s config.json names an encoder's model_type."""
+    config_file = pathlib.Path(model_path) / "config.json"
+    try:
+        return json.loads(config_file.read_text()).get("model_type") in ENCODER_MODEL_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False   # the model check names what is wrong with the folder
 
 
 def read_pooling_defaults(model_path: pathlib.Path) -> Optional[PoolingDefaults]:

@@ -38,6 +38,7 @@ class SeqEntry:
     block_tables: Optional[List[List[int]]] = None
     lora: Optional[object] = None
     return_hidden: bool = False
+    token_type_start: Optional[int] = None   # an encoder's pair: where segment 1 starts
 
     @property
     def num_logit_rows(self) -> int:

@@ -20,6 +20,8 @@ Fairness, so that one request cannot hold up every newcomer:
 
 - a prompt is computed at most ``long_prefill_token_threshold`` tokens per
   step, which bounds every step and leaves budget for newcomers;
+- an encoder's input (``SequenceGroup.whole_prompt``) is never chunked: it
+  waits for the first step with room for all of it;
 - while other requests are present, one request's parallel samples decode at
   most half of ``max_num_seqs`` per step (the least advanced first; beams,
   which advance together, are exempt); it is admitted on those slots too;
@@ -189,6 +191,7 @@ class Scheduler:
                 item.block_tables = self.bm.get_block_tables(seq.seq_id)
             # A pooling request samples nothing: it takes its rows' hidden states.
             item.return_hidden = item.group.pooling is not None
+            item.token_type_start = item.group.token_type_start
             item.need_logits = item.start_pos + item.num_new_tokens == seq.num_tokens and not item.return_hidden
             item.prompt_logits = item.group.needs_prompt_logits and item.start_pos < seq.num_prompt_tokens
         return out
@@ -236,6 +239,10 @@ class Scheduler:
         tokens, plan = room.tokens, []
         for seq in seqs:
             chunk = min(seq.num_uncomputed_tokens, tokens, cap if caps is None else caps.get(seq.seq_id, MIN_CHUNK))
+            if group.whole_prompt and chunk < seq.num_uncomputed_tokens:
+                if seq.num_uncomputed_tokens > tokens:
+                    return   # not chunked: it waits for a step with room for all of it
+                chunk = seq.num_uncomputed_tokens
             if chunk > 0:
                 plan.append([seq, chunk, 0])
                 tokens -= chunk

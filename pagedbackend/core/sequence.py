@@ -142,6 +142,11 @@ class SequenceGroup:
         # (pooling_type and normalize set). Its prompt is computed and pooled,
         # nothing is sampled (engine.pooling); None: a generation request.
         self.pooling = None
+        # Computed whole in one step, never chunked, no prefix-cache hit: an
+        # encoder's input (worker.encoder_runner), whose every token attends to all.
+        self.whole_prompt = False
+        # A cross-encoder's pair: the position where the second segment (the document) starts.
+        self.token_type_start = None
         self.embedding: Optional[List[float]] = None   # its pooled output, once computed
 
     @property
@@ -165,7 +170,7 @@ class SequenceGroup:
         first blocks: not when every prompt position's output is needed
         (prompt log-probabilities; a MEAN or CLS pooler, which reads every
         position's hidden state, or the first one's)."""
-        if self.needs_prompt_logits:
+        if self.needs_prompt_logits or self.whole_prompt:
             return False
         return self.pooling is None or self.pooling.pooling_type == "LAST"
 

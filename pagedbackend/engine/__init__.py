@@ -4,9 +4,10 @@ engine owns the tokenizer and turns tokens into text."""
 from .async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from .llm import LLM
 from .llm_engine import LLMEngine
-from .outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineStats, Logprob, RequestOutput
+from .outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineStats, Logprob, RequestOutput,
+                      ScoringOutput, ScoringRequestOutput)
 
 __all__ = ["AsyncLLMEngine", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineDeadError",
            "EngineStats", "LLM", "LLMEngine",
            "Logprob",
-           "RequestOutput", "RequestStream"]
+           "RequestOutput", "RequestStream", "ScoringOutput", "ScoringRequestOutput"]

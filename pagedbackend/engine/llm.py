@@ -6,7 +6,8 @@ from typing import Dict, List, Optional, Sequence, Union
 from ..config import EngineConfig
 from ..lora import LoRARequest
 from .llm_engine import LLMEngine, Prompt
-from .outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from .outputs import (CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                      ScoringRequestOutput)
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 
@@ -83,7 +84,7 @@ class LLM:
         order: ``outputs[i].outputs.embedding`` is a list of floats, as vLLM's
         ``LLM.embed``. Needs ``runner="pooling"`` (or a sentence-transformers folder)."""
         self._check_runner("pooling", "embed")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
@@ -100,6 +101,24 @@ class LLM:
                     raise RuntimeError(f"embedding request {out.request_id} failed: {out.error}")
                 done[out.request_id] = out
         return [done[r] for r in order]
+
+    def score(self, query: Union[str, Sequence[str]], documents: Union[str, Sequence[str]],
+              use_tqdm: bool = False) -> List[ScoringRequestOutput]:
+        """A cross-encoder's score of ``query`` with each document (or of each
+        query with the document of the same index), in document order:
+        ``outputs[i].outputs.score``, as vLLM's ``LLM.score``."""
+        self._check_runner("pooling", "score")
+        if not self.engine.pooling.num_labels:
+            raise ValueError("LLM.score needs a cross-encoder (BertForSequenceClassification); "
+                             "this model serves embeddings (LLM.embed)")
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        queries = [query] * len(documents) if isinstance(query, str) else list(query)
+        if len(queries) != len(documents):
+            raise ValueError(f"{len(queries)} queries but {len(documents)} documents")
+        pairs = [{"text": q, "text_pair": d} for q, d in zip(queries, documents)]
+        outs = self.embed(pairs, use_tqdm=use_tqdm)
+        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.outputs.embedding[0]))
+                for o in outs]
 
     def _check_runner(self, runner: str, method: str) -> None:
         served = self.engine.config.runner

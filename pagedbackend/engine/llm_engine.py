@@ -85,7 +85,7 @@ class LLMEngine(AdapterMethods):
         self.tokens = TokenUpdates(self.eos_token_ids, self.max_model_len, self.stats)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.step_sampler = StepSampler(self.sampler, self.tokens, self.eos_token_ids, self.speculator)
-        self.pooling = PoolingRequests.for_model(runner.hidden_size, config, model_path)
+        self.pooling = PoolingRequests.for_model(runner, config, model_path)
         # Timings of the latest step (seconds): all of it, the model forward,
         # scheduling, and sampling with the sequence updates.
         self.last_step_seconds = self.last_forward_seconds = 0.0

@@ -73,6 +73,22 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ScoringOutput:
+    """One pair's score (vLLM's ``ScoringOutput``)."""
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What a score request returns, as vLLM's: ``outputs.score`` and the
+    pair's token ids (``LLM.score``)."""
+    request_id: str
+    prompt_token_ids: List[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0

@@ -9,6 +9,7 @@ window, which its attention honours at any context length.
 """
 import importlib
 
+from pagedbackend.pooling_choice import ENCODER_MODEL_TYPES
 from pagedbackend.models.model_args import ModelArgs, UnsupportedModelError
 
 # model_type -> "module:class" under pagedbackend.models.
@@ -29,9 +30,10 @@ FAMILIES = {
     "mixtral": "mixtral:MixtralForCausalLM",
     "gpt_oss": "gpt_oss:GptOssForCausalLM",
 }
-SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
+# Encoders (models.bert): served by their own executor, for embeddings and scores only.
+SUPPORTED_MODEL_TYPES = frozenset(FAMILIES) | ENCODER_MODEL_TYPES
 
-__all__ = ["FAMILIES", "ModelArgs", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "model_args",
+__all__ = ["ENCODER_MODEL_TYPES", "FAMILIES", "ModelArgs", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "model_args",
            "model_class"]
 
 

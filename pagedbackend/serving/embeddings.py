@@ -4,7 +4,9 @@ what the OpenAI server sends to the Triton model) to the engine's prompts and
 ``PoolingParams``, checked against ``RequestLimits`` before any work is queued.
 
 ``input`` is a string, a list of token ids, a list of strings or a list of
-token-id lists (OpenAI's four shapes); ``pooling_params`` takes
+token-id lists (OpenAI's four shapes), or a list of text pairs
+``{"text": query, "text_pair": document}`` (a cross-encoder's scores:
+``/rerank``, ``/score``); ``pooling_params`` takes
 ``dimensions`` (a number, or vllm_backend's one-element list), ``normalize``
 and ``pooling_type``. Pure data: no network, no Triton, no tokenizer.
 """
@@ -33,6 +35,11 @@ def _is_ids(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
+def _is_pair(value) -> bool:
+    return (isinstance(value, dict) and set(value) == {"text", "text_pair"}
+            and all(isinstance(v, str) for v in value.values()))
+
+
 def embedding_inputs(value) -> List[Prompt]:
     """OpenAI's ``input`` as a list of prompts; a shape it does not take is
     refused, naming ``input``."""
@@ -47,12 +54,12 @@ def embedding_inputs(value) -> List[Prompt]:
             refuse("an empty list; give at least one string or token id list")
         inputs = value
         for i, item in enumerate(inputs):
-            if not (isinstance(item, str) or _is_ids(item)):
-                refuse(f"item {i} is neither a string nor a list of token ids")
+            if not (isinstance(item, str) or _is_ids(item) or _is_pair(item)):
+                refuse(f"item {i} is neither a string, a list of token ids nor a text pair")
     else:
         refuse("must be a string, a list of strings, a list of token ids or a list of token id lists")
     for i, item in enumerate(inputs):
-        if not item:
+        if not item or (isinstance(item, dict) and not all(item.values())):
             refuse(f"item {i} is empty" if len(inputs) > 1 else "it is empty")
     return inputs
 
@@ -89,7 +96,8 @@ def map_embedding_request(body: Mapping[str, Any], limits: RequestLimits) -> Emb
                                   "(request limit max_embedding_inputs)", param="input")
     for i, item in enumerate(inputs):
         try:
-            limits.check_prompt(item)
+            for text in (item.values() if isinstance(item, dict) else (item,)):
+                limits.check_prompt(text)
         except InvalidRequestError as exc:
             where = f"item {i}: " if len(inputs) > 1 else ""
             raise InvalidRequestError(f"input: {where}{str(exc).replace('prompt', 'input', 1)}",

@@ -1,6 +1,7 @@
 """The executor contract (what the engine needs from whatever runs the
 model) and the choice of executor: in this process (``ModelRunner``), or
-split over tensor-parallel workers (``TensorParallelExecutor``)."""
+split over tensor-parallel workers (``TensorParallelExecutor``), or an
+encoder's (``EncoderRunner``: no KV cache)."""
 from typing import TYPE_CHECKING, Dict, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 from pagedbackend.config import EngineConfig
@@ -52,6 +53,15 @@ class Executor(Protocol):
 def make_executor(config: EngineConfig, compile_in_background: bool = False) -> Executor:
     """A model runner for the engine (the same interface whatever the parallelism);
     ``compile_in_background``: see ``ModelRunner`` (a tensor-parallel step runs eager)."""
+    import json
+    from pagedbackend.models import ENCODER_MODEL_TYPES
+    from pagedbackend.models.default_model import resolve_model_path
+    hf_config = json.loads((resolve_model_path(config.model) / "config.json").read_text())
+    if hf_config.get("model_type") in ENCODER_MODEL_TYPES:
+        if config.tensor_parallel_size > 1:
+            raise ValueError(f"an encoder ({hf_config['model_type']}) is served with tensor_parallel_size=1")
+        from pagedbackend.worker.encoder_runner import EncoderRunner
+        return EncoderRunner(config)
     if config.tensor_parallel_size > 1:
         from pagedbackend.worker.tp_executor import TensorParallelExecutor
         return TensorParallelExecutor(config)

@@ -8,7 +8,7 @@ import pytest
 
 from loadtest.tiny_families import CASES, WINDOW
 from pagedbackend import LLM
-from pagedbackend.models import FAMILIES, SUPPORTED_MODEL_TYPES, model_args, model_class
+from pagedbackend.models import ENCODER_MODEL_TYPES, FAMILIES, SUPPORTED_MODEL_TYPES, model_args, model_class
 from pagedbackend.models.decoder import CausalLM
 from pagedbackend.models.model_args import UnsupportedModelError
 
@@ -22,10 +22,11 @@ def config(case, **changes):
 
 
 def test_every_registered_model_type_has_a_decoder_class():
-    assert SUPPORTED_MODEL_TYPES == set(FAMILIES) >= {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3",
+    assert SUPPORTED_MODEL_TYPES - ENCODER_MODEL_TYPES == set(FAMILIES) >= {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3",
                                                       "gemma2", "phi3", "mistral3", "ministral3", "smollm3", "granite"}
     for model_type in FAMILIES:
         assert issubclass(model_class(model_type), CausalLM)
+    assert ENCODER_MODEL_TYPES == {"bert", "xlm-roberta"}   # served by worker.encoder_runner
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -3,7 +3,7 @@ FastAPI app and its routes, and uvicorn to serve it.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent events
 with ``stream``, else one JSON answer), ``POST /v1/embeddings``
-(``embeddings``), ``GET /v1/models`` (Triton's ready text
+(``embeddings``), ``POST /rerank`` and ``/score`` (``scores``), ``GET /v1/models`` (Triton's ready text
 models and the served model's LoRA adapters), ``GET /health``, ``POST
 /tokenize``, ``POST /detokenize``, and the adapters' routes (``adapters``). Chat
 messages become a prompt through the chat template of the served model's
@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedbackend.serving.constants import SERVED_MODEL
 from pagedbackend.serving.openai import adapters as lora
-from pagedbackend.serving.openai import embeddings
+from pagedbackend.serving.openai import embeddings, scores
 from pagedbackend.serving.openai.answers import ChatAnswer, CompletionAnswer
 from pagedbackend.serving.openai.asgi import (ApiKeyAuth, BodySizeLimit, CatchAll, ConcurrencyPerKey,
                                              h11_protocol_with_error_objects)
@@ -221,8 +221,11 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
 
     lora.add_routes(app, adapters)
     embeddings.add_routes(app, triton, settings.model_name, limits)
+    scores.add_routes(app, triton, settings.model_name, limits)
     add_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                             "/v1/embeddings": embeddings.EmbeddingsRequest,
+                             "/v1/embeddings": embeddings.EmbeddingsRequest, "/rerank": scores.RerankRequest,
+                             "/v1/rerank": scores.RerankRequest, "/score": scores.ScoreRequest,
+                             "/v1/score": scores.ScoreRequest,
                              "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     app.state.triton = triton
     app.state.open_generations = open_generations

@@ -59,27 +59,31 @@ def answer_body(texts: List[bytes], counts: List[int], model: str, encoding_form
                       allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
+async def call_model(triton: Triton, model: str, request: EmbeddingRequest) -> Tuple[List[bytes], List[int]]:
+    """Send ``request`` to ``model`` as one ``embedding_request``: one JSON
+    vector per input and each input's token count; the model's refusal as a
+    400 naming ``model``, ``dimensions`` or ``input``."""
+    config = await triton.config(model)
+    if "embedding_request" not in {i["name"] for i in config.get("input", [])}:
+        raise OpenAIError(400, f"model {model} takes no embedding requests (no embedding_request input)",
+                          "model")
+    try:
+        update = await triton.embed(model, request.wire())
+    except OpenAIError as exc:
+        if exc.status == 400 and exc.param is None:   # the model's refusal: its runner, dimensions, an input
+            exc.param = ("model" if "runner=" in exc.message or "cross-encoder" in exc.message else
+                         "dimensions" if exc.message.startswith("dimensions") else "input")
+        raise
+    texts = [t.encode("utf-8") for t in update.texts]
+    counts = update.input_token_counts or [0] * len(texts)
+    if len(texts) != len(request.inputs):
+        raise OpenAIError(500, f"model {model} answered {len(texts)} embeddings for "
+                               f"{len(request.inputs)} inputs")
+    return texts, counts
+
+
 def add_routes(app: FastAPI, triton: Triton, default_model: str, limits: RequestLimits) -> None:
     """``/v1/embeddings`` on ``app`` (behind its API key, as every /v1 route)."""
-
-    async def embed(model: str, request: EmbeddingRequest) -> Tuple[List[bytes], List[int]]:
-        config = await triton.config(model)
-        if "embedding_request" not in {i["name"] for i in config.get("input", [])}:
-            raise OpenAIError(400, f"model {model} takes no embedding requests (no embedding_request input)",
-                              "model")
-        try:
-            update = await triton.embed(model, request.wire())
-        except OpenAIError as exc:
-            if exc.status == 400 and exc.param is None:   # the model's refusal: its runner, dimensions, an input
-                exc.param = ("model" if "runner=" in exc.message else
-                             "dimensions" if exc.message.startswith("dimensions") else "input")
-            raise
-        texts = [t.encode("utf-8") for t in update.texts]
-        counts = update.input_token_counts or [0] * len(texts)
-        if len(texts) != len(request.inputs):
-            raise OpenAIError(500, f"model {model} answered {len(texts)} embeddings for "
-                                   f"{len(request.inputs)} inputs")
-        return texts, counts
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
@@ -87,7 +91,7 @@ def add_routes(app: FastAPI, triton: Triton, default_model: str, limits: Request
         req = await run_sized(len(body), parse_request, EmbeddingsRequest, body)
         model = req.model or default_model
         engine_request = await run_sized(len(body), mapped, req, limits)
-        texts, counts = await embed(model, engine_request)
+        texts, counts = await call_model(triton, model, engine_request)
         size = sum(len(t) for t in texts)
         return Response(await run_sized(size, answer_body, texts, counts, model, req.encoding_format),
                         media_type="application/json")

@@ -1,0 +1,223 @@
+"""BERT and XLM-RoBERTa encoders (bge, gte-base, bge-m3 style embedders; BERT
+cross-encoders): token, position and segment embeddings, then post-norm
+layers of bidirectional self-attention and a GELU MLP.
+
+The module tree uses Hugging Face's parameter names (``embeddings.*``,
+``encoder.layer.N.attention.self.query``, ...) so a checkpoint loads by
+name once its ``bert.`` / ``roberta.`` prefix is taken off. The forward runs
+on a padded batch of whole inputs with a key mask: an encoder has no KV
+cache (``worker.encoder_runner`` says why). XLM-RoBERTa differs only in its
+position ids, which count from ``pad_token_id + 1`` over the non-padding
+tokens, as RoBERTa's do.
+"""
+from dataclasses import dataclass
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedbackend.models.model_args import UnsupportedModelError
+
+ENCODER_TYPES = ("bert", "xlm-roberta")   # model_type values served by this module
+_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+@dataclass(frozen=True)
+class EncoderArgs:
+    """The architecture of an encoder's config.json."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    hidden_act: str
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    pad_token_id: int
+    num_labels: int          # outputs of a sequence-classification head (cross-encoders)
+    classifier: bool         # the checkpoint is a *ForSequenceClassification
+
+    @property
+    def served_positions(self) -> int:
+        """Positions an input may use: RoBERTa's start past the padding index."""
+        if self.model_type == "xlm-roberta":
+            return self.max_position_embeddings - self.pad_token_id - 1
+        return self.max_position_embeddings
+
+
+def parse_encoder_config(cfg: dict) -> EncoderArgs:
+    """An encoder's config.json; what is not served is refused by field name."""
+    model_type = cfg.get("model_type")
+    if model_type not in ENCODER_TYPES:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not an encoder ({', '.join(ENCODER_TYPES)})")
+    act = cfg.get("hidden_act", "gelu")
+    if act not in _ACTIVATIONS:
+        raise UnsupportedModelError(f"hidden_act {act!r} is not served (served: {', '.join(_ACTIVATIONS)})")
+    kind = cfg.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise UnsupportedModelError(f"position_embedding_type {kind!r} is not served (absolute is)")
+    if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+        raise UnsupportedModelError("is_decoder / add_cross_attention: only encoders are served")
+    architectures = cfg.get("architectures") or []
+    classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
+    if classifier and model_type != "bert":
+        raise UnsupportedModelError(f"architectures {architectures}: sequence classification is served "
+                                    "for BERT (BertForSequenceClassification)")
+    num_labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 1))
+    if classifier and num_labels != 1:
+        raise UnsupportedModelError(f"num_labels {num_labels}: a cross-encoder with one label (a score) is served")
+    return EncoderArgs(model_type, cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"],
+                       cfg["num_attention_heads"], cfg["intermediate_size"], act, cfg["max_position_embeddings"],
+                       cfg.get("type_vocab_size", 2), cfg.get("layer_norm_eps", 1e-12),
+                       cfg.get("pad_token_id", 0) or 0, num_labels, classifier)
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, a: EncoderArgs):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.position_embeddings = nn.Embedding(a.max_position_embeddings, a.hidden_size)
+        self.token_type_embeddings = nn.Embedding(a.type_vocab_size, a.hidden_size)
+        self.LayerNorm = nn.LayerNorm(a.hidden_size, eps=a.layer_norm_eps)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
+        h = self.word_embeddings(ids) + self.position_embeddings(positions) + self.token_type_embeddings(token_types)
+        return self.LayerNorm(h)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, a: EncoderArgs):
+        super().__init__()
+        self.query = nn.Linear(a.hidden_size, a.hidden_size)
+        self.key = nn.Linear(a.hidden_size, a.hidden_size)
+        self.value = nn.Linear(a.hidden_size, a.hidden_size)
+        self.num_heads = a.num_heads
+
+
+class _DenseNorm(nn.Module):
+    """A projection, its residual and a LayerNorm (BERT's ``*Output`` blocks)."""
+
+    def __init__(self, d_in: int, d_out: int, eps: float):
+        super().__init__()
+        self.dense = nn.Linear(d_in, d_out)
+        self.LayerNorm = nn.LayerNorm(d_out, eps=eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class _Attention(nn.Module):
+    def __init__(self, a: EncoderArgs):
+        super().__init__()
+        setattr(self, "self", _SelfAttention(a))
+        self.output = _DenseNorm(a.hidden_size, a.hidden_size, a.layer_norm_eps)
+
+    def forward(self, h: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        sa = getattr(self, "self")
+        b, t, d = h.shape
+        heads = sa.num_heads
+
+        def split(x):
+            return x.view(b, t, heads, d // heads).transpose(1, 2)
+        q, k, v = split(sa.query(h)), split(sa.key(h)), split(sa.value(h))
+        # Bidirectional: every token sees every real token of its input, none of the padding.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :])
+        return self.output(out.transpose(1, 2).reshape(b, t, d), h)
+
+
+class _Intermediate(nn.Module):
+    def __init__(self, a: EncoderArgs):
+        super().__init__()
+        self.dense = nn.Linear(a.hidden_size, a.intermediate_size)
+        self.act = _ACTIVATIONS[a.hidden_act]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(h))
+
+
+class _Layer(nn.Module):
+    def __init__(self, a: EncoderArgs):
+        super().__init__()
+        self.attention = _Attention(a)
+        self.intermediate = _Intermediate(a)
+        self.output = _DenseNorm(a.intermediate_size, a.hidden_size, a.layer_norm_eps)
+
+    def forward(self, h: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        h = self.attention(h, key_mask)
+        return self.output(self.intermediate(h), h)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, a: EncoderArgs):
+        super().__init__()
+        self.layer = nn.ModuleList(_Layer(a) for _ in range(a.num_layers))
+
+
+class _Pooler(nn.Module):
+    """BERT's pooler: the first token through a dense layer and tanh (a classifier's input)."""
+
+    def __init__(self, a: EncoderArgs):
+        super().__init__()
+        self.dense = nn.Linear(a.hidden_size, a.hidden_size)
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(first))
+
+
+class Encoder(nn.Module):
+    """An encoder and, for a cross-encoder, its pooler and classifier."""
+
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.args = args
+        self.embeddings = _Embeddings(args)
+        self.encoder = _Encoder(args)
+        self.pooler = _Pooler(args) if args.classifier else None
+        self.classifier = nn.Linear(args.hidden_size, args.num_labels) if args.classifier else None
+        self.requires_grad_(False)
+
+    def positions(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Position ids of a padded batch: 0.. (BERT), or RoBERTa's past the padding index."""
+        if self.args.model_type == "xlm-roberta":
+            pad = self.args.pad_token_id
+            real = (ids != pad) & mask
+            return torch.cumsum(real.long(), dim=1) * real.long() + pad
+        return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor,
+                token_types: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Last hidden states ``[batch, tokens, hidden]`` of right-padded inputs
+        (``mask``: true on real tokens); ``token_types``: the segment of each
+        token (a cross-encoder's query 0, document 1; default 0)."""
+        if token_types is None:
+            token_types = torch.zeros_like(ids)
+        h = self.embeddings(ids, self.positions(ids, mask), token_types)
+        for layer in self.encoder.layer:
+            h = layer(h, mask)
+        return h
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's logits ``[batch, num_labels]`` from the last hidden states."""
+        return self.classifier(self.pooler(hidden[:, 0]))
+
+    def load_weights(self, tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face tensors (``BertModel``, ``XLMRobertaModel`` or
+        ``BertForSequenceClassification`` names); a missing one is refused by name."""
+        own: Dict[str, torch.Tensor] = dict(self.state_dict())
+        seen = set()
+        for name, tensor in tensors:
+            for prefix in ("bert.", "roberta.", "model."):
+                name = name.removeprefix(prefix)
+            if name in own:
+                if own[name].shape != tensor.shape:
+                    raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(own[name].shape)}")
+                own[name].copy_(tensor)
+                seen.add(name)
+        missing = sorted(n for n in own if n not in seen and not n.endswith("position_ids"))
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
