@@ -222,16 +222,8 @@ class EngineConfig:
         ``runner="auto"`` and the pooler what the folder says (``pooling_choice``)."""
         from dataclasses import replace
         from .dtype_choice import resolve_dtype
-        from .pooling_choice import read_pooling_defaults
-        from .pooling_choice import is_encoder_folder
-        pooling, encoder = read_pooling_defaults(model_path), is_encoder_folder(model_path)
-        if encoder and self.runner == "generate":
-            raise ValueError(f"runner=generate: {model_path} is an encoder (BERT, XLM-RoBERTa), "
-                             "which serves embeddings and scores (runner=pooling)")
-        runner = self.runner if self.runner != "auto" else (
-            "pooling" if pooling is not None or encoder else "generate")
-        pooling_type = self.pooling_type or (pooling.pooling_type if pooling is not None
-                                             else "CLS" if encoder else "LAST")
+        from .pooling_choice import resolve_runner
+        runner, pooling_type = resolve_runner(self.runner, self.pooling_type, model_path)
         return replace(self, dtype=resolve_dtype(self.dtype, model_path, self.device), runner=runner,
                        pooling_type=pooling_type)
 

@@ -5,7 +5,7 @@ with that pooler, as vLLM's ``runner="auto"`` decides."""
 import json
 import pathlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 # Encoders (models.bert): they serve embeddings and scores only, pooled from
 # the first token (CLS) unless their folder says otherwise.
@@ -30,6 +30,20 @@ def is_encoder_folder(model_path: pathlib.Path) -> bool:
         return json.loads(config_file.read_text()).get("model_type") in ENCODER_MODEL_TYPES
     except (OSError, ValueError, AttributeError):
         return False   # the model check names what is wrong with the folder
+
+
+def resolve_runner(runner: str, pooling_type: Optional[str], model_path: pathlib.Path) -> Tuple[str, str]:
+    """``EngineConfig``'s ``runner`` and ``pooling_type`` made what the folder
+    says where they are left to it ("auto", None): pooling for a
+    sentence-transformers folder or an encoder, with its pooler (CLS for an
+    encoder, LAST for a decoder, unless its files name one)."""
+    pooling, encoder = read_pooling_defaults(model_path), is_encoder_folder(model_path)
+    if encoder and runner == "generate":
+        raise ValueError(f"runner=generate: {model_path} is an encoder (BERT, XLM-RoBERTa), "
+                         "which serves embeddings and scores (runner=pooling)")
+    if runner == "auto":
+        runner = "pooling" if pooling is not None or encoder else "generate"
+    return runner, pooling_type or (pooling.pooling_type if pooling is not None else "CLS" if encoder else "LAST")
 
 
 def read_pooling_defaults(model_path: pathlib.Path) -> Optional[PoolingDefaults]:
