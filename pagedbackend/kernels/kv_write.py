@@ -2,14 +2,15 @@
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, row]`` for K and V,
 ``row`` being ``head_dim`` (the model's dtype, or bfloat16) or ``head_dim * 9 / 8``
-(int8 values and a float32 scale per 32 of them: ``kv_cache_dtype.py``). A token's slot
+(int8 values and a float32 scale per 32 of them: ``kv_cache_dtype.py``), or
+``head_dim`` fp8 bytes (clamped to the format's range). A token's slot
 is ``physical_block * block_size + offset``; a negative slot means "do not
 store" (a padding token).
 """
 import torch
 
 from pagedbackend.kernels import interpret_without_gpu
-from pagedbackend.kernels.kv_cache_dtype import encode
+from pagedbackend.kernels.kv_cache_dtype import FP8_MAX, encode
 
 interpret_without_gpu()   # before any kernel is defined
 import triton  # noqa: E402
@@ -28,6 +29,19 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 @triton.jit
+def _fp8_grid(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``x`` rounded to nearest even onto the steps of an fp8 format with
+    ``MANTISSA`` bits and smallest normal exponent ``MIN_EXP`` (subnormals
+    included), in fp32 arithmetic that is exact: the step is a power of two
+    made from ``x``'s exponent bits."""
+    exponent = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exponent = tl.maximum(exponent, MIN_EXP + 127) - MANTISSA
+    step = (exponent << 23).to(tl.float32, bitcast=True)
+    # x / step is below 2**(MANTISSA + 1): the 1.5 * 2**23 trick rounds it to an integer, ties to even
+    return ((x / step + 12582912.0) - 12582912.0) * step
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
     num_kv_heads, head_dim, block_size,
@@ -35,7 +49,8 @@ def _write_kv_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    HEADS: tl.constexpr, DIM: tl.constexpr, QUANT: tl.constexpr,
+    HEADS: tl.constexpr, DIM: tl.constexpr, QUANT: tl.constexpr, CLAMP: tl.constexpr,
+    MANTISSA: tl.constexpr = 3, MIN_EXP: tl.constexpr = -6,
 ):
     # One program per token: every KV head of the token moves as one [HEADS, DIM] tile.
     token = tl.program_id(0).to(tl.int64)
@@ -79,6 +94,12 @@ def _write_kv_kernel(
         v = (v * tl.where(v_max > 0, 127.0 / v_max, 0.0) + 12582912.0) - 12582912.0
         k = tl.minimum(tl.maximum(k, -127.0), 127.0)
         v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+    if CLAMP > 0:
+        # fp8: saturate at the format's largest finite value, then round to the
+        # format's grid (to nearest even) in fp32, so that the conversion below
+        # is exact on every device (the interpreter's own fp32 -> fp8 is not).
+        k = _fp8_grid(tl.minimum(tl.maximum(k, -CLAMP), CLAMP), MANTISSA, MIN_EXP)
+        v = _fp8_grid(tl.minimum(tl.maximum(v, -CLAMP), CLAMP), MANTISSA, MIN_EXP)
     tl.store(k_cache_ptr + k_row[:, None] + d * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + v_row[:, None] + d * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -96,4 +117,5 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         num_kv_heads, head_dim, k_cache.shape[1],
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         HEADS=triton.next_power_of_2(num_kv_heads), DIM=triton.next_power_of_2(head_dim), QUANT=quant,
+        CLAMP=FP8_MAX.get(k_cache.dtype, 0.0), **({"MANTISSA": 2, "MIN_EXP": -14} if k_cache.dtype == torch.float8_e5m2 else {}),
     )
