@@ -93,12 +93,18 @@ def test_a_quantised_cache_serves_prefix_hits_with_the_same_tokens(tiny_model_di
     prompts = [prefix + [600 + i, 700 + i] for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     cold = _tokens(_tiny_llm(tiny_model_dir, kv, num_kv_blocks=128, enable_prefix_caching=False).generate(
-        prompts, params))
+        prompts[:1], params))
+    # A prefix hit reads the prefix's K/V through the cache (rounded), as a
+    # prompt does whose second chunk follows its 48-token first one; a whole
+    # prefill attends to them as computed (the tiny model's near-flat logits
+    # turn on that difference in fp8).
+    chunked = _tokens(_tiny_llm(tiny_model_dir, kv, num_kv_blocks=128, enable_prefix_caching=False,
+                                long_prefill_token_threshold=48).generate(prompts[1:], params))
     llm = _tiny_llm(tiny_model_dir, kv, num_kv_blocks=128)
     first = _tokens(llm.generate(prompts[:1], params))
     rest = _tokens(llm.generate(prompts[1:], params))
     assert llm.engine.get_stats().prefix_cache_hits > 0
-    assert first + rest == cold
+    assert first == cold and rest == chunked
 
 
 def test_int8_cache_with_windowed_kv_groups_under_swap(tmp_path):
