@@ -144,9 +144,15 @@ static inline __attribute__((always_inline)) vec vector_at(const char *row, int 
     if (kind == 1)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const unsigned short *)row + d))), 16));
-    if (IS_FP8(kind))   /* each byte through its format's table */
-        return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + d))),
-                                   fp8_values[kind - KV_E4M3], 4);
+    if (IS_FP8(kind)) {   /* through float16 (exact): e5m2 is a float16's top byte; e4m3's seven
+                             bits sit three lower and its bias is 8 less (times 2^8). NaN (e4m3's
+                             0x7F/0xFF) reads 480 here, NaN through scalar_at's table. */
+        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + d)));
+        if (kind == KV_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+        return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+    }
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
 }
 #else
