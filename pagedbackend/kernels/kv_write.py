@@ -29,19 +29,6 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 @triton.jit
-def _fp8_grid(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
-    """``x`` rounded to nearest even onto the steps of an fp8 format with
-    ``MANTISSA`` bits and smallest normal exponent ``MIN_EXP`` (subnormals
-    included), in fp32 arithmetic that is exact: the step is a power of two
-    made from ``x``'s exponent bits."""
-    exponent = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    exponent = tl.maximum(exponent, MIN_EXP + 127) - MANTISSA
-    step = (exponent << 23).to(tl.float32, bitcast=True)
-    # x / step is below 2**(MANTISSA + 1): the 1.5 * 2**23 trick rounds it to an integer, ties to even
-    return ((x / step + 12582912.0) - 12582912.0) * step
-
-
-@triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
     num_kv_heads, head_dim, block_size,
@@ -98,8 +85,17 @@ def _write_kv_kernel(
         # fp8: saturate at the format's largest finite value, then round to the
         # format's grid (to nearest even) in fp32, so that the conversion below
         # is exact on every device (the interpreter's own fp32 -> fp8 is not).
-        k = _fp8_grid(tl.minimum(tl.maximum(k, -CLAMP), CLAMP), MANTISSA, MIN_EXP)
-        v = _fp8_grid(tl.minimum(tl.maximum(v, -CLAMP), CLAMP), MANTISSA, MIN_EXP)
+        # The step is a power of two made from the value's exponent bits (at
+        # least the smallest normal's, for subnormals); x / step is below
+        # 2**(MANTISSA + 1), so the 1.5 * 2**23 trick rounds it, ties to even.
+        k = tl.minimum(tl.maximum(k, -CLAMP), CLAMP)
+        v = tl.minimum(tl.maximum(v, -CLAMP), CLAMP)
+        k_exp = tl.maximum((k.to(tl.int32, bitcast=True) >> 23) & 0xFF, MIN_EXP + 127) - MANTISSA
+        v_exp = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, MIN_EXP + 127) - MANTISSA
+        k_step = (k_exp << 23).to(tl.float32, bitcast=True)
+        v_step = (v_exp << 23).to(tl.float32, bitcast=True)
+        k = ((k / k_step + 12582912.0) - 12582912.0) * k_step
+        v = ((v / v_step + 12582912.0) - 12582912.0) * v_step
     tl.store(k_cache_ptr + k_row[:, None] + d * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + v_row[:, None] + d * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

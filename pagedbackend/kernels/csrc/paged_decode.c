@@ -2,7 +2,7 @@
  * sequence against every key it has, read in place through its block table
  * (no gather into a padded copy). The cache holds float32, bfloat16, int8 or
  * fp8 rows (kind KV_F32, KV_BF16, KV_I8, KV_E4M3, KV_E5M2; kernels/kv_cache_dtype.py;
- * an fp8 byte is widened through a 256-entry table): an int8
+ * an fp8 byte is widened exactly, through float16 or a table): an int8
  * row is dim int8 values and then a float32 scale per GROUP of them,
  * dequantised in registers (a key group's scale multiplies its part of the
  * dot product, a value group's scale the softmax weight it is summed with),
