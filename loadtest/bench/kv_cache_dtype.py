@@ -1,4 +1,4 @@
-"""kv_cache_dtype: what a bfloat16 or int8 KV cache costs and saves against
+"""kv_cache_dtype: what a bfloat16, int8 or fp8 (e4m3, e5m2) KV cache costs and saves against
 the model's float32 one, on SmolLM2-135M (docs/kv_cache_dtype.md).
 
 - ``kernel``: the C decode kernel alone (``kernels/csrc/paged_decode.c``)
@@ -23,7 +23,9 @@ from .common import add_common_args, set_threads, write_result
 from .cpu_kernels import interleaved
 
 HEADS, KV_HEADS, DIM, LAYERS_ALL = 9, 3, 64, 30
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8,
+          "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+QUALITY = ("auto", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 
 # 32 prompts of the kinds the served model gets: facts, code, lists, chat, stories.
 PROMPTS = [
@@ -78,12 +80,12 @@ def bench_kernel(contexts: List[int], seqs: int, layers: int, rounds: int, seed:
     return rows
 
 
-def bench_quality(prompts: List[str], max_tokens: int, text_tokens: int) -> dict:
+def bench_quality(prompts: List[str], max_tokens: int, text_tokens: int, names=QUALITY) -> dict:
     from pagedbackend import LLM, SamplingParams
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     result, tokens = {}, {}
     text = None
-    for name in ("auto", "bfloat16", "int8"):
+    for name in ("auto",) + tuple(n for n in names if n != "auto"):
         with LLM(model="default", compile=False, dtype="float32", kv_cache_dtype=name, num_kv_blocks=128,
                  long_prefill_token_threshold=32) as llm:   # prompts of 32 prompts' size are never split
             tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
@@ -119,6 +121,7 @@ def main(argv=None):
     ap.add_argument("--seqs", type=int, default=4, help="sequences of the kernel part")
     ap.add_argument("--layers", type=int, default=4, help="layers' caches the kernel part walks in turn")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--quality-dtypes", default=",".join(QUALITY), help="kv_cache_dtypes of the quality part")
     add_common_args(ap, threads=2)
     args = ap.parse_args(argv)
     if args.quick:
@@ -135,7 +138,7 @@ def main(argv=None):
     if "quality" in parts:
         quick = args.quick
         result["quality"] = bench_quality(PROMPTS[:4] if quick else PROMPTS, 8 if quick else 32,
-                                          64 if quick else 512)
+                                          64 if quick else 512, tuple(args.quality_dtypes.split(",")))
         for name, row in result["quality"].items():
             if isinstance(row, dict):
                 print(f"{name}: {row['prompts_equal']}/{row['prompts']} prompts, {row['tokens_equal']}/"

@@ -121,7 +121,7 @@ def write_kv(dim: int, kv_heads: int, dtype: str, kv: Optional[str] = None) -> L
     args.update(zip(("stride_vt", "stride_vh", "stride_vd"), token_strides))
     args.update(zip(("stride_kcb", "stride_kcs", "stride_kch", "stride_kcd"), cache_strides))
     args.update(zip(("stride_vcb", "stride_vcs", "stride_vch", "stride_vcd"), cache_strides))
-    args.update(HEADS=kv_heads, DIM=dim, QUANT=kv == "i8")
+    args.update(HEADS=kv_heads, DIM=dim, QUANT=kv == "i8", CLAMP=0.0, MANTISSA=3, MIN_EXP=-6)   # fp8 launches: not described yet
     return Launch(f"{_PACKAGE}.kv_write", "_write_kv_kernel", args, dtype + (f"/kv {kv}" if kv else ""))
 
 

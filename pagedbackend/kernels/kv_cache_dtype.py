@@ -23,12 +23,23 @@ follows these rules, and the tests compare each against them.
   of the same cache (``scale_view``) reads them where a kernel wants them.
   ``value = int8 * scale`` with ``scale = absmax / 127`` and
   ``int8 = round(x * (127 / absmax))`` per group (a group of zeros: scale 0).
+- ``fp8_e4m3`` (alias ``fp8``) and ``fp8_e5m2``: one byte a value, torch's
+  ``float8_e4m3fn`` / ``float8_e5m2``, no scale in the row (2x bfloat16's
+  tokens). A value is clamped to the format's largest finite magnitude (448,
+  57344) and rounded to nearest even, as torch converts; a row is read by
+  widening each byte (exact). The per-layer ``k_scale`` / ``v_scale`` of
+  vLLM's fp8 checkpoints are applied outside the cache (``fp8_scales.py``):
+  the layer stores ``k / k_scale`` and folds ``k_scale`` into the softmax
+  scale and ``v_scale`` into the output, so the kernels see scale 1.
 """
 from typing import Optional
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The largest finite magnitude of each fp8 format: values beyond it are clamped.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # Channels per int8 scale; the scales (float32) follow a row's values.
 GROUP = 32
 
@@ -37,7 +48,8 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element dtype of a cache of ``kv_cache_dtype`` for a model in ``model_dtype``."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
-    return {"auto": model_dtype, "bfloat16": torch.bfloat16, "int8": torch.int8}[kv_cache_dtype]
+    return {"auto": model_dtype, "bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn,
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
 
 
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
@@ -73,6 +85,8 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 
 def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``x`` ``[..., head_dim]`` in the cache's format ``dtype``."""
+    if dtype in FP8_DTYPES:
+        return x.float().clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
     return quantize_rows(x) if dtype == torch.int8 else x.to(dtype)
 
 
@@ -94,5 +108,6 @@ def decode(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
 
 def native_kind(dtype: torch.dtype) -> Optional[int]:
     """The C kernels' number for a cache of ``dtype`` (``csrc/paged_decode.c``:
-    0 float32, 1 bfloat16, 2 int8), None for a dtype they do not read."""
-    return {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}.get(dtype)
+    0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3, 4 fp8 e5m2), None for a dtype they do not read."""
+    return {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3,
+            torch.float8_e5m2: 4}.get(dtype)

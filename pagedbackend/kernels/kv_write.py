@@ -2,14 +2,15 @@
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, row]`` for K and V,
 ``row`` being ``head_dim`` (the model's dtype, or bfloat16) or ``head_dim * 9 / 8``
-(int8 values and a float32 scale per 32 of them: ``kv_cache_dtype.py``). A token's slot
+(int8 values and a float32 scale per 32 of them: ``kv_cache_dtype.py``), or
+``head_dim`` fp8 bytes (clamped to the format's range). A token's slot
 is ``physical_block * block_size + offset``; a negative slot means "do not
 store" (a padding token).
 """
 import torch
 
 from pagedbackend.kernels import interpret_without_gpu
-from pagedbackend.kernels.kv_cache_dtype import encode
+from pagedbackend.kernels.kv_cache_dtype import FP8_MAX, encode
 
 interpret_without_gpu()   # before any kernel is defined
 import triton  # noqa: E402
@@ -35,7 +36,8 @@ def _write_kv_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    HEADS: tl.constexpr, DIM: tl.constexpr, QUANT: tl.constexpr,
+    HEADS: tl.constexpr, DIM: tl.constexpr, QUANT: tl.constexpr, CLAMP: tl.constexpr,
+    MANTISSA: tl.constexpr = 3, MIN_EXP: tl.constexpr = -6,
 ):
     # One program per token: every KV head of the token moves as one [HEADS, DIM] tile.
     token = tl.program_id(0).to(tl.int64)
@@ -79,6 +81,21 @@ def _write_kv_kernel(
         v = (v * tl.where(v_max > 0, 127.0 / v_max, 0.0) + 12582912.0) - 12582912.0
         k = tl.minimum(tl.maximum(k, -127.0), 127.0)
         v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+    if CLAMP > 0:
+        # fp8: saturate at the format's largest finite value, then round to the
+        # format's grid (to nearest even) in fp32, so that the conversion below
+        # is exact on every device (the interpreter's own fp32 -> fp8 is not).
+        # The step is a power of two made from the value's exponent bits (at
+        # least the smallest normal's, for subnormals); x / step is below
+        # 2**(MANTISSA + 1), so the 1.5 * 2**23 trick rounds it, ties to even.
+        k = tl.minimum(tl.maximum(k, -CLAMP), CLAMP)
+        v = tl.minimum(tl.maximum(v, -CLAMP), CLAMP)
+        k_exp = tl.maximum((k.to(tl.int32, bitcast=True) >> 23) & 0xFF, MIN_EXP + 127) - MANTISSA
+        v_exp = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, MIN_EXP + 127) - MANTISSA
+        k_step = (k_exp << 23).to(tl.float32, bitcast=True)
+        v_step = (v_exp << 23).to(tl.float32, bitcast=True)
+        k = ((k / k_step + 12582912.0) - 12582912.0) * k_step
+        v = ((v / v_step + 12582912.0) - 12582912.0) * v_step
     tl.store(k_cache_ptr + k_row[:, None] + d * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + v_row[:, None] + d * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -96,4 +113,5 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         num_kv_heads, head_dim, k_cache.shape[1],
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         HEADS=triton.next_power_of_2(num_kv_heads), DIM=triton.next_power_of_2(head_dim), QUANT=quant,
+        CLAMP=FP8_MAX.get(k_cache.dtype, 0.0), **({"MANTISSA": 2, "MIN_EXP": -14} if k_cache.dtype == torch.float8_e5m2 else {}),
     )

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from pagedbackend.kernels import native
 from pagedbackend.kernels.attention_sinks import sdpa_with_sinks, softmax_with_sinks
-from pagedbackend.kernels.kv_cache_dtype import decode, encode, head_dim_of, native_kind, row_width
+from pagedbackend.kernels.kv_cache_dtype import FP8_DTYPES, decode, encode, head_dim_of, native_kind, row_width
 
 # Decodes through csrc/paged_decode.c where it builds (tests turn it off to
 # check the gather path).
@@ -210,8 +210,10 @@ def write_kv_sdpa(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if slots is None:
         keep = slot_mapping >= 0
         slots, key, value = slot_mapping[keep].long(), key[keep], value[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, encode(key, k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, encode(value, v_cache.dtype))
+    for cache, rows in ((k_cache, encode(key, k_cache.dtype)), (v_cache, encode(value, v_cache.dtype))):
+        if cache.dtype in FP8_DTYPES:   # torch's index_copy_ has no fp8 kernel: the same bytes as uint8
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

@@ -187,6 +187,9 @@ class CausalLM(nn.Module):
             module, kind = name.rsplit(".", 1)
             self.get_submodule(module).load(kind, tensor)
             return name
+        if name not in params and name.endswith((".k_scale", ".v_scale", ".kv_scale")):
+            raise ValueError(f"checkpoint tensor {hf_name}: per-layer KV cache scales (an fp8 KV "
+                             "checkpoint's) are not read; kv_cache_dtype fp8_e4m3/fp8_e5m2 store with scale 1")
         if name not in params:
             raise ValueError(f"unexpected checkpoint tensor {hf_name}")
         if params[name].shape != tensor.shape:

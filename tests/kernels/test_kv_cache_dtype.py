@@ -1,4 +1,4 @@
-"""KV caches in bfloat16 and int8 (kv_cache_dtype): every write path stores
+"""KV caches in bfloat16, int8 and fp8 (kv_cache_dtype): every write path stores
 the same rows as the torch rule (kernels/kv_cache_dtype.py), and every
 attention path (the C decode kernel, the gather path, SDPA chunks, the
 Triton-lang kernel under the interpreter, the torch twin) over such a cache
@@ -16,12 +16,15 @@ from pagedbackend.core.kv_memory import KVModel
 from pagedbackend.kernels import kv_write
 from pagedbackend.kernels import paged_attention as pa
 from pagedbackend.kernels import sdpa_attention as sa
-from pagedbackend.kernels.kv_cache_dtype import (cache_dtype, decode, encode, head_dim_of, quantize_rows,
+from pagedbackend.kernels.kv_cache_dtype import (FP8_MAX, cache_dtype, decode, encode, head_dim_of, quantize_rows,
                                                  row_width, scale_view)
 from pagedbackend.worker.loader import kv_block_bytes
 from paged_batch import make_batch
 
-KINDS = (torch.bfloat16, torch.int8)
+KINDS = (torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# How far attention over each cache may drift from float32 attention (and must, a little).
+DRIFT = {torch.bfloat16: 0.02, torch.int8: 0.05, torch.float8_e4m3fn: 0.2, torch.float8_e5m2: 0.4}
 NATIVE = pytest.mark.skipif(sa.native_decode() is None, reason="no C compiler here for the decode kernel")
 # Decodes, fresh prefills, a chunk on a cached prefix.
 MIXED = [(1, 37), (5, 40), (1, 70), (9, 9), (1, 1), (3, 19)]
@@ -82,7 +85,7 @@ def test_every_attention_path_matches_attention_over_the_dequantised_cache(dtype
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5, msg=name)
     # ... and it is attention over values near the float32 ones, not over something else
     full = pa.paged_attention_ref(*batch.args())
-    assert 0 < (expected - full).abs().max() < (0.05 if dtype == torch.int8 else 0.02)
+    assert 0 < (expected - full).abs().max() < DRIFT[dtype]
 
 
 @pytest.mark.parametrize("dtype", KINDS, ids=str)
@@ -138,9 +141,18 @@ def test_every_write_path_stores_the_torch_rule_rows(dtype):
             for got, ref in ((k, k_ref), (v, v_ref)):
                 assert torch.equal(got[..., :dim], ref[..., :dim]), name
                 torch.testing.assert_close(scale_view(got), scale_view(ref), rtol=1e-6, atol=0, msg=name)
-        elif name == "triton" and not k.is_cuda:   # the interpreter truncates fp32 -> bf16: an ulp
+        elif name == "triton" and not k.is_cuda and dtype == torch.bfloat16:   # the interpreter truncates fp32 -> bf16: an ulp
             torch.testing.assert_close(k.float(), k_ref.float(), rtol=2 ** -7, atol=0, msg=name)
             torch.testing.assert_close(v.float(), v_ref.float(), rtol=2 ** -7, atol=0, msg=name)
+        elif dtype in FP8 and name == "triton" and not k.is_cuda:
+            # the interpreter stores an fp8 subnormal as 0 (a GPU keeps it): else bit for bit
+            tiny = 2.0 ** -6 if dtype == torch.float8_e4m3fn else 2.0 ** -14
+            for got, ref in ((k, k_ref), (v, v_ref)):
+                same = got.view(torch.uint8) == ref.view(torch.uint8)
+                assert bool((same | ((ref.float().abs() < tiny) & (got.float() == 0))).all()), name
+        elif dtype in FP8:   # bit for bit (torch.equal has no fp8 kernel: the bytes)
+            assert torch.equal(k.view(torch.uint8), k_ref.view(torch.uint8)), name
+            assert torch.equal(v.view(torch.uint8), v_ref.view(torch.uint8)), name
         else:
             assert torch.equal(k, k_ref) and torch.equal(v, v_ref), name
 
@@ -184,7 +196,45 @@ def test_the_setting_names_its_formats_and_what_it_refuses():
     from pagedbackend.config import EngineConfig
     assert cache_dtype("auto", torch.float16) == torch.float16
     assert cache_dtype("int8", torch.float32) == torch.int8
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, int8"):
-        EngineConfig(kv_cache_dtype="fp8")
+    assert cache_dtype("fp8", torch.float32) == cache_dtype("fp8_e4m3", torch.bfloat16) == torch.float8_e4m3fn
+    assert cache_dtype("fp8_e5m2", torch.float32) == torch.float8_e5m2
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, int8, fp8"):
+        EngineConfig(kv_cache_dtype="fp8_e4m3fnuz")
+    with pytest.raises(ValueError, match="kv_cache_dtype=fp8_e5m2 does not support tensor_parallel_size=2"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_cache_dtype=int8 does not support tensor_parallel_size=2"):
         EngineConfig(kv_cache_dtype="int8", tensor_parallel_size=2)
+
+
+@NATIVE
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_the_c_writer_rounds_every_float_as_torch_does(dtype):
+    # A spread of every float32 bit pattern (normals, subnormals of both
+    # formats, values past the largest fp8, infinities, NaNs) and chosen edges.
+    edges = [0.0, -0.0, 448.0, 449.0, 464.0, 465.0, -500.0, 57344.0, 61440.0, 1e30, float("inf"),
+             -float("inf"), float("nan"), 2.0 ** -10, 2.0 ** -17, 3 * 2.0 ** -18, 2.0 ** -9 * 1.5, 2.0 ** -16 * 2.5]
+    bits = torch.arange(0, 2 ** 32, 65537, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([bits, torch.tensor(edges)])
+    x = torch.cat([x, torch.zeros(-x.numel() % 64)]).view(-1, 1, 64)
+    n = x.shape[0]
+    k, v = torch.zeros(n, 1, 1, 64, dtype=dtype), torch.zeros(n, 1, 1, 64, dtype=dtype)
+    slots = torch.arange(n, dtype=torch.int64)
+    assert sa.native_write()(x.data_ptr(), x.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), n, 1, 64,
+                             n, 64, 64, sa.native_kind(dtype)) == 0
+    expected = x.clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype).view(torch.uint8)
+    assert torch.equal(k.view(n, 1, 64).view(torch.uint8), expected)
+    assert torch.equal(v.view(n, 1, 64).view(torch.uint8), expected)
+    # and every byte reads back as torch widens it (the decode kernel's table)
+    every = torch.arange(256, dtype=torch.uint8).view(dtype)
+    finite = torch.isfinite(every.float())
+    assert torch.equal(decode(encode(every.float()[finite], dtype)), every.float()[finite])
+
+
+def test_fp8_pool_holds_twice_bfloat16s_tokens():
+    args = SimpleNamespace(num_layers=30, head_dim=64)
+    budget = 256 * 1024 * 1024
+    bf16 = budget // kv_block_bytes(args, 16, 3, torch.bfloat16) * 16
+    for dtype in FP8:
+        assert row_width(64, dtype) == 64 and head_dim_of(torch.zeros(1, 64, dtype=dtype)) == 64
+        assert budget // kv_block_bytes(args, 16, 3, dtype) * 16 / bf16 == pytest.approx(2.0, rel=1e-3)

@@ -1,7 +1,8 @@
 /* Decode attention over the paged KV cache: one float32 query token per
  * sequence against every key it has, read in place through its block table
- * (no gather into a padded copy). The cache holds float32, bfloat16 or int8
- * rows (kind KV_F32, KV_BF16, KV_I8; kernels/kv_cache_dtype.py): an int8
+ * (no gather into a padded copy). The cache holds float32, bfloat16, int8 or
+ * fp8 rows (kind KV_F32, KV_BF16, KV_I8, KV_E4M3, KV_E5M2; kernels/kv_cache_dtype.py;
+ * an fp8 byte is widened exactly, through float16 or a table): an int8
  * row is dim int8 values and then a float32 scale per GROUP of them,
  * dequantised in registers (a key group's scale multiplies its part of the
  * dot product, a value group's scale the softmax weight it is summed with),
@@ -34,12 +35,56 @@
 
 /* The cache's element kinds; each function below takes one as a constant
  * (every call is inlined with it), so each kind gets its own loops. */
-enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
 #define GROUP 32   /* int8 channels per scale (dim a multiple of it) */
+#define IS_FP8(kind) ((kind) == KV_E4M3 || (kind) == KV_E5M2)
 
 /* Bytes of one cache row (one token, one KV head) of dim values. */
 static inline __attribute__((always_inline)) size_t row_bytes(int dim, int kind) {
-    return kind == KV_I8 ? (size_t)dim + (size_t)dim / GROUP * 4 : kind == KV_BF16 ? (size_t)dim * 2 : (size_t)dim * 4;
+    return kind == KV_I8 ? (size_t)dim + (size_t)dim / GROUP * 4 : kind == KV_BF16 ? (size_t)dim * 2
+           : IS_FP8(kind) ? (size_t)dim : (size_t)dim * 4;
+}
+
+/* Every byte of each fp8 format as float32 (exact): e4m3fn (bias 7, three
+ * mantissa bits, 0x7F/0xFF NaN, no infinities) and e5m2 (bias 15, two
+ * mantissa bits, IEEE infinities and NaNs); filled when the library loads. */
+static float fp8_values[2][256];
+
+static float fp8_widen(unsigned int code, int mantissa, int bias, int ieee) {
+    unsigned int e = (code & 0x7F) >> mantissa, m = code & ((1u << mantissa) - 1);
+    unsigned int top = 0x7Fu >> mantissa;
+    float v;
+    if (e == 0) v = ldexpf((float)m, 1 - bias - mantissa);
+    else if (ieee && e == top) v = m ? NAN : INFINITY;
+    else if (!ieee && e == top && m == (1u << mantissa) - 1) v = NAN;
+    else v = ldexpf((float)((1u << mantissa) | m), (int)e - bias - mantissa);
+    return code & 0x80 ? -v : v;
+}
+
+__attribute__((constructor)) static void fp8_tables(void) {
+    for (unsigned int c = 0; c < 256; c++) {
+        fp8_values[0][c] = fp8_widen(c, 3, 7, 0);
+        fp8_values[1][c] = fp8_widen(c, 2, 15, 1);
+    }
+}
+
+/* x as an fp8 byte: clamped to the format's largest finite magnitude, then
+ * rounded to nearest even (torch's conversion after that clamp). */
+static inline unsigned char fp8_narrow(float x, int kind) {
+    int mantissa = kind == KV_E4M3 ? 3 : 2, bias = kind == KV_E4M3 ? 7 : 15;
+    float top = kind == KV_E4M3 ? 448.f : 57344.f;
+    unsigned int bits;
+    memcpy(&bits, &x, sizeof bits);
+    unsigned char sign = (unsigned char)((bits >> 24) & 0x80);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned char)(sign | 0x7F);   /* NaN: both formats, as torch writes it */
+    float a = fabsf(x);
+    if (a > top) a = top;
+    if (a < ldexpf(1.f, 1 - bias))   /* subnormal range: whole steps of 2^(1-bias-mantissa) */
+        return (unsigned char)(sign | (unsigned int)rintf(ldexpf(a, bias - 1 + mantissa)));
+    memcpy(&bits, &a, sizeof bits);
+    int drop = 23 - mantissa;
+    bits = (bits + (1u << (drop - 1)) - 1u + ((bits >> drop) & 1u)) >> drop;
+    return (unsigned char)(sign | (bits - ((unsigned int)(127 - bias) << mantissa)));
 }
 
 /* Element d of a cache row, as float32 (before its scale). */
@@ -51,6 +96,7 @@ static inline __attribute__((always_inline)) float scalar_at(const char *row, in
         memcpy(&f, &bits, sizeof f);
         return f;
     }
+    if (IS_FP8(kind)) return fp8_values[kind - KV_E4M3][((const unsigned char *)row)[d]];
     return (float)((const signed char *)row)[d];
 }
 
@@ -98,6 +144,15 @@ static inline __attribute__((always_inline)) vec vector_at(const char *row, int 
     if (kind == 1)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const unsigned short *)row + d))), 16));
+    if (IS_FP8(kind)) {   /* through float16 (exact): e5m2 is a float16's top byte; e4m3's seven
+                             bits sit three lower and its bias is 8 less (times 2^8). NaN (e4m3's
+                             0x7F/0xFF) reads 480 here, NaN through scalar_at's table. */
+        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + d)));
+        if (kind == KV_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+        return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+    }
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
 }
 #else
@@ -126,6 +181,9 @@ static inline __attribute__((always_inline)) vec vector_at(const char *row, int 
     if (kind == 1)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const unsigned short *)row + d))), 16));
+    if (IS_FP8(kind))
+        return _mm256_i32gather_ps(fp8_values[kind - KV_E4M3],
+                                   _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + d))), 4);
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + d))));
 }
 #endif
@@ -361,7 +419,7 @@ int paged_decode(const float *q, const float *k_cache, const float *v_cache, flo
                        heads, kv_heads, dim, block_size, scale, window, sinks, threads, KV_F32);
 }
 
-/* paged_decode for a cache of `kind` (KV_F32, KV_BF16 or KV_I8); -2 for another kind. */
+/* paged_decode for a cache of `kind` (KV_F32, KV_BF16, KV_I8, KV_E4M3 or KV_E5M2); -2 for another kind. */
 int paged_decode_kv(const float *q, const void *k_cache, const void *v_cache, float *out,
                     const int *tables, int max_blocks, const int *lens, int n, int heads,
                     int kv_heads, int dim, int block_size, float scale, int window, const float *sinks,
@@ -373,6 +431,8 @@ int paged_decode_kv(const float *q, const void *k_cache, const void *v_cache, fl
     case KV_F32: return DECODE(KV_F32);
     case KV_BF16: return DECODE(KV_BF16);
     case KV_I8: return DECODE(KV_I8);
+    case KV_E4M3: return DECODE(KV_E4M3);
+    case KV_E5M2: return DECODE(KV_E5M2);
     default: return -2;
     }
 #undef DECODE
@@ -409,6 +469,8 @@ static void encode_row(const float *x, char *row, int dim, int kind) {
             memcpy(&bits, x + d, sizeof bits);
             o[d] = (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
         }
+    } else if (IS_FP8(kind)) {
+        for (int d = 0; d < dim; d++) ((unsigned char *)row)[d] = fp8_narrow(x[d], kind);
     } else {
         for (int g = 0; g < dim; g += GROUP) {
             float absmax = 0.f;
@@ -429,7 +491,7 @@ static void encode_row(const float *x, char *row, int dim, int kind) {
 int paged_write_kv(const float *key, const float *value, void *k_cache, void *v_cache,
                    const long long *slots, int tokens, int kv_heads, int dim, long long num_slots,
                    long long key_stride, long long value_stride, int kind) {
-    if (kind < KV_F32 || kind > KV_I8 || (kind == KV_I8 && dim % GROUP)) return -2;
+    if (kind < KV_F32 || kind > KV_E5M2 || (kind == KV_I8 && dim % GROUP)) return -2;
     for (int t = 0; t < tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
     size_t rb = row_bytes(dim, kind);
