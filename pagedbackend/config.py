@@ -96,14 +96,12 @@ class EngineConfig:
     # otherwise and for float32 checkpoints (pagedbackend.dtype_choice).
     dtype: str = "auto"
     # The KV cache's element format: "auto" (the model's dtype), "bfloat16" (a
-    # cast on write and on read), "int8" (symmetric absmax, a float32 scale per
-    # 32 channels kept beside its row: kernels/kv_cache_dtype.py), "fp8_e4m3"
-    # (alias "fp8") or "fp8_e5m2" (one byte a value, saturating, scale 1; a
-    # checkpoint with k_scale/v_scale tensors is refused by name).
-    # The pool is sized in bytes, so kv_cache_bytes holds 2x float32's tokens
-    # in bfloat16, ~1.8x bfloat16's in int8 and 2x in fp8. Every attention
-    # backend reads it; tensor_parallel_size 1. Speed and quality:
-    # docs/kv_cache_dtype.md.
+    # cast), "int8" (symmetric absmax, a float32 scale per 32 channels in the
+    # row: kernels/kv_cache_dtype.py), "fp8_e4m3" (alias "fp8") or "fp8_e5m2"
+    # (one byte a value, saturating, scale 1; checkpoint k_scale/v_scale refused).
+    # kv_cache_bytes holds 2x float32's tokens in bfloat16, ~1.8x bfloat16's in
+    # int8, 2x in fp8; every attention backend reads it; tensor_parallel_size 1.
+    # Speed and quality: docs/kv_cache_dtype.md.
     kv_cache_dtype: str = "auto"
     # "triton" (Triton-lang kernels), "torch" (reference twins), "sdpa" (one
     # gather per step, then scaled_dot_product_attention: the CPU serving path)
