@@ -60,7 +60,7 @@ $(STEP_STAMP): $(STAMP)
 # Exit code 5 is "no test selected".
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations 30 $(PYTEST_ARGS)
 	$(PY) -m pytest -q -p no:xdist -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # Every Triton-lang kernel compiled ahead of time, on this machine (no GPU needed), for

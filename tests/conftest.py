@@ -19,7 +19,9 @@ SLOW_FILES_FIRST = (
     "worker/test_model_runner.py", "serving/test_openai_server.py", "engine/test_structured_outputs.py",
     "worker/test_step_package.py", "serving/test_lora_server.py", "serving/test_stop_routes.py",
     "kernels/test_packed_linear.py", "models/test_moe_models.py", "serving/test_openai_structured_server.py",
-    "worker/test_tensor_parallel.py", "tools/test_loadtest.py", "serving/test_fleet.py", "models/test_quant.py")
+    "worker/test_tensor_parallel.py", "tools/test_loadtest.py", "serving/test_fleet.py", "models/test_quant.py",
+    "serving/test_embeddings_server.py", "engine/test_kv_cache_dtype_engine.py", "models/test_gguf.py",
+    "serving/test_scores_server.py", "serving/test_fuzz_smoke.py")
 _TESTS = pathlib.Path(__file__).resolve().parent
 
 
