@@ -13,10 +13,11 @@ from ..core.scheduler import Scheduler
 from ..core.sequence import SequenceGroup
 from ..sample import BeamSearchState
 from ..structured.compiler import GrammarCompiler
+from ..multimodal.prompt import split_prompt
 from ..pooling_params import PoolingParams
 from ..sampling_params import InvalidRequestError, SamplingParams
 
-Prompt = Union[str, List[int]]
+Prompt = Union[str, List[int], dict]   # dict: vLLM's, with multi_modal_data (multimodal.prompt)
 PROMPT_CHARS_PER_TOKEN = 16   # default max_prompt_chars per token of max_model_len
 logger = logging.getLogger("pagedbackend")
 
@@ -123,6 +124,10 @@ class InputProcessor:
 
     def _tokenize(self, prompt: Prompt):
         """``(text, token ids)`` of a prompt; text is None for a prompt of ids."""
+        if isinstance(prompt, dict):
+            prompt, images = split_prompt(prompt)
+            if images:
+                raise InvalidRequestError("this model takes no image input (multi_modal_data): it serves text only")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")

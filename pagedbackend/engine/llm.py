@@ -44,7 +44,7 @@ class LLM:
         ``lora_request``: the adapter of every prompt, or a list with one per
         prompt (None: the base model), as vLLM takes it (``enable_lora=True``)."""
         self._check_runner("generate", "generate")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)

@@ -19,7 +19,7 @@ PAIR_KEYS = ("text", "text_pair")
 
 def is_pair(prompt) -> bool:
     """Whether ``prompt`` is a (query, document) pair."""
-    return isinstance(prompt, dict)
+    return isinstance(prompt, dict) and "text_pair" in prompt
 
 
 def tokenize_pair(tokenizer, prompt: dict, max_chars: int) -> Tuple[List[int], Optional[int]]:

@@ -1,0 +1,93 @@
+"""Tiny random vision-language checkpoints, saved by transformers itself
+with a processor built from SmolLM2's tokenizer plus the family's special
+tokens, for the vision tests and ``loadtest.bench vision``.
+
+Each family gets a small config of its own kind (one or two vision layers,
+a two-layer text decoder) and a processor whose image size keeps the number
+of placeholder tokens per image small. Weights are seeded and drawn wider
+than Hugging Face's init so that greedy decoding does not sit on near-ties.
+``random_image`` makes the seeded pixels the tests send.
+"""
+import pathlib
+
+import numpy as np
+import torch
+
+from loadtest.tiny_families import TEXT
+
+# A chat template that renders image content parts as the family's
+# placeholder, as the families' own templates do.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% else %}{{ IMAGE }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+TEXT_SMALL = dict(TEXT, max_position_embeddings=1024)
+
+
+def _llava(path, tokenizer, seed):
+    from transformers import AutoConfig, CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    config = AutoConfig.for_model(
+        "llava", text_config=dict(TEXT_SMALL, model_type="llama", vocab_size=len(tokenizer),
+                                  tie_word_embeddings=False),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14,
+                           projection_dim=32, hidden_act="quick_gelu"),
+        image_token_index=image_token, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        projector_hidden_act="gelu", tie_word_embeddings=False)
+    model = _seeded(LlavaForConditionalGeneration, config, seed)
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default", image_token="<image>",
+        num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE.replace("{{ IMAGE }}", "<image>"))
+    return model, processor
+
+
+# name -> builder(path, tokenizer, seed) -> (model, processor)
+CASES = {"llava": _llava}
+
+
+def _seeded(cls, config, seed: int, std: float = 0.15):
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif "norm" in name and name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std)
+    return model
+
+
+def build_tiny_vision(path, case: str, seed: int = 0) -> pathlib.Path:
+    """Write the checkpoint, processor and tokenizer of ``case`` (a key of ``CASES``) into ``path``."""
+    from transformers import AutoTokenizer
+
+    from pagedbackend.models.default_model import resolve_model_path
+
+    path = pathlib.Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))
+    model, processor = CASES[case](path, tokenizer, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    processor.save_pretrained(path)
+    return path
+
+
+def load_hf(path):
+    """The saved checkpoint in transformers, fp32, for reference outputs."""
+    from transformers import AutoModelForImageTextToText
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def random_image(seed: int, width: int = 64, height: int = 48):
+    """Seeded random RGB pixels as a PIL image."""
+    from PIL import Image
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
