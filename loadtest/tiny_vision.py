@@ -48,8 +48,57 @@ def _llava(path, tokenizer, seed):
     return model, processor
 
 
+# Idefics3's tile tags: <row_i_col_j> for a split image's tiles, <global-img> for its whole view.
+IDEFICS3_TAGS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"] + [
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+
+
+def _idefics3(path, tokenizer, seed):
+    """SmolVLM-shaped: tiles of 56 pixels (4 x 4 patches of 14, pixel-shuffled
+    by 2 into 4 tokens a tile), an image's longest edge resized to 112, so one
+    image gives up to 2 x 2 tiles and its global view."""
+    from transformers import AutoConfig, Idefics3ForConditionalGeneration, Idefics3ImageProcessor, Idefics3Processor
+    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TAGS})
+    config = AutoConfig.for_model(
+        "idefics3", text_config=dict(TEXT_SMALL, model_type="llama", vocab_size=len(tokenizer),
+                                     tie_word_embeddings=False),
+        vision_config=dict(model_type="idefics3_vision", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), scale_factor=2, tie_word_embeddings=False)
+    model = _seeded(Idefics3ForConditionalGeneration, config, seed)
+    images = Idefics3ImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56},
+                                    do_image_splitting=True)
+    processor = Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4,
+                                  chat_template=CHAT_TEMPLATE.replace("{{ IMAGE }}", "<image>"))
+    return model, processor
+
+
+def _gemma3_vision(path, tokenizer, seed):
+    """Gemma 3 with a SigLIP tower on 56-pixel images (4 x 4 patches of 14),
+    pooled to 4 soft tokens an image; sliding layers of 16 positions beside
+    full ones, so an image's span sits inside or across a window."""
+    from transformers import (AutoConfig, AutoTokenizer, Gemma3ForConditionalGeneration, Gemma3ImageProcessor,
+                              Gemma3Processor)
+    tokenizer.save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    config = AutoConfig.for_model(
+        "gemma3", text_config=dict(TEXT_SMALL, model_type="gemma3_text", vocab_size=len(tokenizer), head_dim=16,
+                                   query_pre_attn_scalar=16, sliding_window=16,
+                                   layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=tokenizer.image_token_id,
+        boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id)
+    model = _seeded(Gemma3ForConditionalGeneration, config, seed)
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 56, "width": 56}),
+                                tokenizer=tokenizer, image_seq_length=4,
+                                chat_template=CHAT_TEMPLATE.replace("{{ IMAGE }}", "<start_of_image>"))
+    return model, processor
+
+
 # name -> builder(path, tokenizer, seed) -> (model, processor)
-CASES = {"llava": _llava}
+CASES = {"llava": _llava, "idefics3": _idefics3, "gemma3_vision": _gemma3_vision}
 
 
 def _seeded(cls, config, seed: int, std: float = 0.15):
