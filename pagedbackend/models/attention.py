@@ -15,14 +15,21 @@ passes N to the op, a constant of the graph; the kernels then read only
 its last N positions per query. Layers are grouped by attention kind (KV
 groups, ``core.kv_groups``): each group has its own block tables, slots and
 plan in the step context, and the op reads its layer's group's.
+
+Bidirectional blocks (Gemma 3's images: ``ImageBlock``, listed in the step
+context) are rows of one sequence that see each other: after the backend's
+causal attention, their rows are attended again over every key up to the
+block's last position (``kernels.block_attention``).
 """
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+
+from pagedbackend.kernels.block_attention import block_attention
 
 KVCache = Tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, kv_heads, head_dim]
 
@@ -45,6 +52,18 @@ class AttentionMetadata:
     plan: Optional[Any] = None
 
 
+class ImageBlock(NamedTuple):
+    """Query rows ``rows_start:rows_end`` of the step's sequence ``seq``
+    (its index in the block tables), at positions ``first_pos`` on, inside a
+    bidirectional block whose last position is ``last_pos`` (computed in
+    this step or before)."""
+    seq: int
+    rows_start: int
+    rows_end: int
+    first_pos: int
+    last_pos: int
+
+
 @dataclass
 class StepContext:
     """What the attention op of every layer reads during one forward: the
@@ -59,6 +78,7 @@ class StepContext:
     layer_group: Optional[Sequence[int]] = None
     metas: Sequence[AttentionMetadata] = ()
     fasts: Sequence[Optional[Callable]] = ()
+    image_blocks: Sequence[ImageBlock] = ()
 
 
 _local = threading.local()
@@ -66,10 +86,12 @@ _local = threading.local()
 
 @contextlib.contextmanager
 def step_context(kv_caches: List[KVCache], meta: Union[AttentionMetadata, Sequence[AttentionMetadata]],
-                 ops, layer_group: Optional[Sequence[int]] = None) -> Iterator[StepContext]:
+                 ops, layer_group: Optional[Sequence[int]] = None,
+                 image_blocks: Sequence[ImageBlock] = ()) -> Iterator[StepContext]:
     """Make the caches, metadata and kernels of one step visible to the
     attention op. ``meta``: the step's metadata, or one per KV group with
-    ``layer_group`` giving each layer's group."""
+    ``layer_group`` giving each layer's group; ``image_blocks``: the step's
+    bidirectional blocks (none: every row is causal)."""
     previous = getattr(_local, "step", None)
     metas = [meta] if isinstance(meta, AttentionMetadata) else list(meta)
     make_fast = getattr(ops, "step", None)
@@ -77,7 +99,8 @@ def step_context(kv_caches: List[KVCache], meta: Union[AttentionMetadata, Sequen
              for m in metas]
     if layer_group is not None and len(metas) == 1:
         layer_group = None   # every layer reads group 0's
-    _local.step = step = StepContext(kv_caches, metas[0], ops, fasts[0], layer_group, metas, fasts)
+    _local.step = step = StepContext(kv_caches, metas[0], ops, fasts[0], layer_group, metas, fasts,
+                                     tuple(image_blocks))
     try:
         yield step
     finally:
@@ -115,13 +138,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     else:
         group = step.layer_group[layer]
         meta, fast = step.metas[group], step.fasts[group]
-    if fast is not None:
-        out = fast(q, k, v, layer, scale, window, sinks)
-        if out is not None:
-            return out
+    out = fast(q, k, v, layer, scale, window, sinks) if fast is not None else None
     k_cache, v_cache = step.kv_caches[layer]
-    out = step.ops.forward(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                           meta.cu_seqlens_q, meta.seq_lens, scale, meta.plan, window or None, sinks)
+    if out is None:
+        out = step.ops.forward(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                               meta.cu_seqlens_q, meta.seq_lens, scale, meta.plan, window or None, sinks)
+    if step.image_blocks:
+        if sinks is not None:
+            raise ValueError("bidirectional image blocks do not combine with attention sinks")
+        out = out.clone()
+        for b in step.image_blocks:
+            out[b.rows_start:b.rows_end] = block_attention(q[b.rows_start:b.rows_end], k_cache, v_cache,
+                                                           meta.block_tables[b.seq], b.first_pos, b.last_pos,
+                                                           scale, window or None)
     return out.contiguous()
 
 
