@@ -1,0 +1,23 @@
+"""Prefill chunks that never end inside a span that must be computed whole
+(Gemma 3's images: a soft token attends to the image's later ones, so the
+whole span runs in one forward; ``models.attention`` image blocks).
+
+A chunk that would end inside such a span stops before it; a chunk that
+starts inside one (a prefix-cache hit can end mid-span: those positions were
+computed whole before) or at its start runs to its end when the step has
+room for that, else it waits for a step that has."""
+from typing import Sequence, Tuple
+
+
+def chunk_outside_spans(start: int, chunk: int, spans: Sequence[Tuple[int, int]], room: int) -> int:
+    """The chunk of a sequence whose next token is at ``start``, ``chunk``
+    tokens wanted and ``room`` tokens free in the step, cut or stretched so
+    that it ends at no position strictly inside a span (``[first, end)``
+    positions, sorted); 0: it waits."""
+    end = start + chunk
+    for first, last in spans:
+        if first < end < last:
+            if first > start:
+                return first - start
+            return last - start if last - start <= room else 0
+    return chunk
