@@ -6,7 +6,7 @@ A chunk that would end inside such a span stops before it; a chunk that
 starts inside one (a prefix-cache hit can end mid-span: those positions were
 computed whole before) or at its start runs to its end when the step has
 room for that, else it waits for a step that has."""
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 
 def chunk_outside_spans(start: int, chunk: int, spans: Sequence[Tuple[int, int]], room: int) -> int:
@@ -21,3 +21,23 @@ def chunk_outside_spans(start: int, chunk: int, spans: Sequence[Tuple[int, int]]
                 return first - start
             return last - start if last - start <= room else 0
     return chunk
+
+
+def image_runs(items) -> List[Tuple[int, int]]:
+    """``[first, end)`` of each run of embedding positions of the images
+    (``multimodal.inputs.MultiModalItem``: a span, or the runs its
+    ``embed_mask`` marks), in prompt order: the blocks whose positions see
+    each other in a model with bidirectional images."""
+    runs = []
+    for item in sorted(items, key=lambda i: i.offset):
+        if item.embed_mask is None:
+            runs.append((item.offset, item.offset + item.length))
+            continue
+        start = None
+        for i, embeds in enumerate(tuple(item.embed_mask) + (False,)):
+            if embeds and start is None:
+                start = i
+            elif not embeds and start is not None:
+                runs.append((item.offset + start, item.offset + i))
+                start = None
+    return runs

@@ -1,5 +1,5 @@
 """A prefill chunk never ends inside a span computed whole (Gemma 3's images)."""
-from pagedbackend.core.whole_spans import chunk_outside_spans
+from pagedbackend.core.whole_spans import chunk_outside_spans, image_runs
 
 SPANS = [(10, 20), (30, 34)]
 
@@ -21,3 +21,10 @@ def test_chunks_ending_outside_spans_are_left_alone():
     assert chunk_outside_spans(10, 10, SPANS, room=10) == 10    # the whole span
     assert chunk_outside_spans(0, 40, SPANS, room=40) == 40
     assert chunk_outside_spans(0, 5, [], room=5) == 5
+
+
+def test_image_runs_are_the_spans_or_the_runs_of_their_embed_masks():
+    from pagedbackend.multimodal.inputs import MultiModalItem
+    plain = MultiModalItem("image", "a", 30, 4, None, {})
+    crops = MultiModalItem("image", "b", 5, 9, (True, True, False, False, True, True, True, False, True), {})
+    assert image_runs([plain, crops]) == [(5, 7), (9, 12), (13, 14), (30, 34)]

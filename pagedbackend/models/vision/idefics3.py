@@ -22,6 +22,10 @@ from torch import nn
 from pagedbackend.models.vision.base import VisionEncoder
 from pagedbackend.models.vision.siglip import SiglipArgs, SiglipVisionTransformer, load_named
 
+# What transformers' Idefics3VisionConfig assumes for a field config.json leaves out.
+IDEFICS3_VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12,
+                                num_attention_heads=16, image_size=224, patch_size=32)
+
 
 def image_token_runs(ids: List[int], image_token_id: int) -> List[Tuple[int, int]]:
     """``(start, end)`` of each maximal run of ``image_token_id`` in ``ids``."""
@@ -99,7 +103,7 @@ class Idefics3VisionEncoder(VisionEncoder):
     def __init__(self, vision_cfg: dict, scale_factor: int, text_hidden: int, image_token_id: int,
                  dtype: torch.dtype):
         super().__init__()
-        self.args = SiglipArgs.from_config(vision_cfg)
+        self.args = SiglipArgs.from_config(vision_cfg, **IDEFICS3_VISION_DEFAULTS)
         self.scale_factor, self.image_token_id, self.dtype = scale_factor, image_token_id, dtype
         self.vision_model = SiglipVisionTransformer(self.args, dtype)
         self.connector = Idefics3Connector(self.args.hidden_size, text_hidden, scale_factor, dtype)

@@ -37,7 +37,10 @@ class SiglipArgs:
     hidden_act: str = "gelu_pytorch_tanh"
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "SiglipArgs":
+    def from_config(cls, cfg: dict, **defaults) -> "SiglipArgs":
+        """The fields of a vision config; ``defaults`` (HF config names) for
+        those it leaves out where a family's config class has its own."""
+        cfg = {**defaults, **cfg}
         act = cfg.get("hidden_act", cls.hidden_act)
         if act not in _ACTIVATIONS:
             raise refuse("vision_config.hidden_act", act, f"served: {', '.join(_ACTIVATIONS)}")
