@@ -54,7 +54,7 @@ def step_blocks(batch, blocks):
     return found
 
 
-@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "triton"])
 @pytest.mark.parametrize("window", [None, 3, 8])
 def test_block_rows_see_their_whole_block_and_other_rows_stay_causal(backend, window):
     batch = make_batch(LENS, block_size=BLOCK_SIZE, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
