@@ -16,7 +16,11 @@ class VisionEncoder(nn.Module):
     the text model's dtype; ``load_weights``: the checkpoint's tensors of the
     tower and projector, named as in the checkpoint without the family's
     prefix (``vision_tower.``, ``multi_modal_projector.``: the family routes
-    them). Runs without grad on the runner's device."""
+    them). Runs without grad on the runner's device. ``bidirectional``: one
+    image's embedding rows attend to each other both ways inside the causal
+    decoder (Gemma 3): each image run is computed in one prefill chunk
+    (``core.whole_spans``) and attends as a block (``models.attention``)."""
+    bidirectional = False
 
     def split_images(self, processed: Mapping[str, torch.Tensor]) -> List[Dict[str, torch.Tensor]]:
         raise NotImplementedError

@@ -47,7 +47,9 @@ class Gemma3Projector(nn.Module):
 
 
 class Gemma3VisionEncoder(VisionEncoder):
-    """SigLIP (``vision_tower.``) and the projector (``multi_modal_projector.``)."""
+    """SigLIP (``vision_tower.``) and the projector (``multi_modal_projector.``);
+    an image's soft tokens attend to each other both ways."""
+    bidirectional = True
 
     def __init__(self, vision_cfg: dict, tokens_per_image: int, text_hidden: int, dtype: torch.dtype):
         super().__init__()
