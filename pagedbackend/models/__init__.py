@@ -16,6 +16,7 @@ from pagedbackend.models.model_args import ModelArgs, UnsupportedModelError
 FAMILIES = {
     "llama": "llama:LlamaForCausalLM",
     "mistral": "llama:LlamaForCausalLM",
+    "idefics3": "idefics3:Idefics3ForConditionalGeneration",
     "qwen2": "llama:LlamaForCausalLM",
     "qwen3": "qwen3:Qwen3ForCausalLM",
     "gemma3_text": "gemma3:Gemma3ForCausalLM",

@@ -1,5 +1,5 @@
-"""Gemma 3 (text, and the text decoder of ``Gemma3ForConditionalGeneration``)
-and Gemma 2.
+"""Gemma 3 (text, and ``Gemma3ForConditionalGeneration``: the text decoder
+with its SigLIP vision encoder) and Gemma 2.
 
 What differs from Llama: RMSNorm multiplies by ``1 + w``; four norms per
 layer (before and after attention, before and after the MLP); a GELU-tanh
@@ -23,6 +23,7 @@ from pagedbackend.models.model_args import (ModelArgs, check_activation, common_
                                             layer_types_of, refuse, windows_of)
 from pagedbackend.models.multimodal import text_decoder_tensor, wrapped_text_config
 from pagedbackend.models.rotary import CosSin, rope_parameters
+from pagedbackend.models.vision.gemma3 import Gemma3VisionEncoder
 
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 
@@ -153,12 +154,33 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """Gemma 3's multimodal checkpoint served as text: the text decoder's
-    weights; the vision tower and projector are not loaded (said in a log line)."""
+    """Gemma 3's multimodal checkpoint: the text decoder and ``vision``
+    (SigLIP and the projector, ``models.vision.gemma3``). An image's soft
+    tokens attend to each other both ways (its encoder is ``bidirectional``:
+    the runner lists each image's span as a block, ``models.attention``); the
+    scheduler computes a span in one prefill chunk."""
 
     @classmethod
     def parse_config(cls, cfg: dict) -> GemmaArgs:
-        return super().parse_config(wrapped_text_config(cfg, ("gemma3_text",)))
+        args = super().parse_config(wrapped_text_config(cfg, ("gemma3_text",)))
+        args.vision_config = cfg
+        return args
+
+    def __init__(self, args: GemmaArgs, dtype: torch.dtype, *rest, **kwargs):
+        super().__init__(args, dtype, *rest, **kwargs)
+        cfg = args.vision_config
+        self.image_token_id = cfg.get("image_token_index", cfg.get("image_token_id", 262144))
+        self.vision = Gemma3VisionEncoder(cfg.get("vision_config") or {}, cfg.get("mm_tokens_per_image", 256),
+                                          args.hidden_size, dtype)
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor):
-        return text_decoder_tensor(self, name, tensor)
+        part = name.removeprefix("model.")
+        if part.startswith(("vision_tower.", "multi_modal_projector.")):
+            yield "vision." + part, tensor
+            return
+        yield from text_decoder_tensor(self, name, tensor)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # The image placeholder may lie past the vocabulary (its rows are replaced): as transformers, id 0 there.
+        vocab = self.embed_tokens.num_embeddings
+        return super().embed(torch.where(input_ids < vocab, input_ids, torch.zeros_like(input_ids)))

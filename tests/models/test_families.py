@@ -143,14 +143,25 @@ def test_nope_layers_have_no_rope_and_gemma_layer_types_their_own(tiny_family):
     assert [params["rope_theta"] for params in gemma.args.ropes] == [10000.0, 1e6]
 
 
-@pytest.mark.parametrize("case, parts", [("gemma3", ["multimodal projector", "vision tower"]),
-                                         ("mistral3", ["multimodal projector", "vision tower"])])
-def test_a_multimodal_checkpoint_loads_its_text_decoder_and_says_what_it_skipped(tiny_family, caplog, case, parts):
+def test_a_multimodal_checkpoint_served_as_text_says_what_it_skipped(tiny_family, caplog):
+    parts = ["multimodal projector", "vision tower"]
     with caplog.at_level("INFO", logger="pagedbackend"):
-        runner = make_runner(tiny_family(case), num_kv_blocks=4)
+        runner = make_runner(tiny_family("mistral3"), num_kv_blocks=4)
     said = [r.getMessage() for r in caplog.records if "are not loaded" in r.getMessage()]
     assert sorted(runner.model.skipped) == parts
     assert [part for part in parts if any(f"of the {part} are not loaded" in line for line in said)] == parts
+
+
+def test_gemma3s_multimodal_checkpoint_loads_its_vision_encoder_too(tiny_family):
+    """Its tower and projector load (SigLIP's unused pooling head aside), with
+    the checkpoint's values: nothing is skipped."""
+    from safetensors.torch import load_file
+    folder = tiny_family("gemma3")
+    model = make_runner(folder, num_kv_blocks=4).model
+    assert not model.skipped and model.image_token_id == 262144
+    saved = load_file(str(folder / "model.safetensors"))
+    tower = {n.removeprefix("model."): t for n, t in saved.items() if "vision_tower.encoder" in n}
+    assert tower and all(torch.equal(model.vision.get_parameter(n), t) for n, t in tower.items())
 
 
 def test_two_tensor_parallel_ranks_generate_what_transformers_does(tiny_family):
