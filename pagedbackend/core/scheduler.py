@@ -49,6 +49,7 @@ from .capacity import Capacity
 from .prefill_share import MIN_CHUNK
 from .request_queue import RequestQueue
 from .scheduled import ScheduledSeq, SchedulerInputs, SchedulerOutput, StepUpdate
+from .whole_spans import chunk_outside_spans
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerInputs", "SchedulerOutput", "StepUpdate"]
@@ -100,6 +101,10 @@ class Scheduler:
     def check_admissible(self, group: SequenceGroup) -> None:
         message = self.capacity.admission_error(len(group.prompt_token_ids), group.max_tokens,
                                                 self.capacity.max_live_seqs(group))
+        longest = max((end - first for first, end in group.whole_spans), default=0)
+        if message is None and longest > self.config.max_num_batched_tokens:
+            message = (f"an image of {longest} tokens is computed in one step (its tokens attend to each "
+                       f"other), more than max_num_batched_tokens={self.config.max_num_batched_tokens}")
         if message is not None:
             raise InvalidRequestError(message)
 
@@ -240,6 +245,10 @@ class Scheduler:
         tokens, plan = room.tokens, []
         for seq in seqs:
             chunk = min(seq.num_uncomputed_tokens, tokens, cap if caps is None else caps.get(seq.seq_id, MIN_CHUNK))
+            if group.whole_spans:
+                chunk = chunk_outside_spans(seq.num_computed_tokens, chunk, group.whole_spans, tokens)
+                if chunk == 0:
+                    return   # an image's span waits for a step with room for all of it
             if group.whole_prompt and chunk < seq.num_uncomputed_tokens:
                 if seq.num_uncomputed_tokens > tokens:
                     return   # not chunked: it waits for a step with room for all of it

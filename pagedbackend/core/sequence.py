@@ -147,6 +147,9 @@ class SequenceGroup:
         self.whole_prompt = False
         # A cross-encoder's pair: the position where the second segment (the document) starts.
         self.token_type_start = None
+        # Positions [first, end) each computed in one prefill chunk (core.whole_spans):
+        # the images of a model whose image rows attend both ways (Gemma 3).
+        self.whole_spans: List[Tuple[int, int]] = []
         self.embedding: Optional[List[float]] = None   # its pooled output, once computed
         # Images of the prompt (multimodal.inputs.MultiModalItem), and their
         # hashes by block index for the prefix cache (multimodal.inputs.block_keys).

@@ -11,6 +11,7 @@ from ..config import EngineConfig
 from ..core.kv_groups import step_blocks
 from ..core.scheduler import Scheduler
 from ..core.sequence import SequenceGroup
+from ..core.whole_spans import image_runs
 from ..sample import BeamSearchState
 from ..structured.compiler import GrammarCompiler
 from ..multimodal.inputs import block_keys
@@ -157,6 +158,8 @@ class InputProcessor:
         if items:   # samples and beams share the prompt's blocks, and so its images
             group.mm_items = list(items)
             group.block_keys = block_keys(items, self.scheduler.bm.block_size)
+            if getattr(self.multimodal.vision, "bidirectional", False):
+                group.whole_spans = image_runs(items)
 
     def _tokenize_text(self, prompt):
         if isinstance(prompt, str):

@@ -4,6 +4,8 @@ placeholder expansion), so the ids are exactly those the family's Hugging
 Face model takes. Runs in the calling thread (any but the engine's: the
 Triton model hands image requests to a worker pool); one call at a time
 per processor, since a fast tokenizer may not be shared between threads."""
+import logging
+import pathlib
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -13,6 +15,9 @@ from ..errors import InvalidRequestError
 from .inputs import MultiModalItem, image_hash
 
 DEFAULT_IMAGE_LIMIT = 4   # images per prompt unless limit_mm_per_prompt says otherwise
+# A folder's image processor is in one of these (transformers' AutoProcessor reads them).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+logger = logging.getLogger("pagedbackend")
 
 
 class MultiModalProcessor:
@@ -84,5 +89,10 @@ def processor_for(runner, config, folder) -> Optional[MultiModalProcessor]:
     model = getattr(runner, "model", None)
     vision = getattr(model, "vision", None)
     if vision is None:
+        return None
+    if not any((pathlib.Path(folder) / name).is_file() for name in PROCESSOR_FILES):
+        # A checkpoint folder without its processor (Gemma 3 served as text before it took images).
+        logger.warning("pagedbackend: %s has no image processor (%s): it serves text only, images are "
+                       "refused", folder, " / ".join(PROCESSOR_FILES))
         return None
     return MultiModalProcessor(folder, vision, model.image_token_id, config.limit_mm_per_prompt)

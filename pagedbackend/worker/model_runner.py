@@ -18,7 +18,7 @@ from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.kernels import get_attention_ops
 from pagedbackend.kernels.kv_cache_dtype import cache_dtype, check_head_dim, row_bytes, row_width
 from pagedbackend.models import ModelArgs
-from pagedbackend.models.attention import step_context
+from pagedbackend.models.attention import ImageBlock, step_context
 from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.models import moe
 from pagedbackend.models.linear import Reduce
@@ -28,6 +28,7 @@ from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
 from pagedbackend.worker.compiled import CompiledStep
 from pagedbackend.worker.cpu_wait import governor_for
 from pagedbackend.worker.cuda_graphs import DecodeGraphs, decode_graphs_for
+from pagedbackend.worker.image_blocks import image_blocks
 from pagedbackend.worker.image_rows import ImageRows
 from pagedbackend.worker.loader import DTYPES, kv_block_bytes, load_model, resolve_device
 from pagedbackend.worker.step_source import prepare_step
@@ -193,26 +194,28 @@ class ModelRunner:
         if (not hidden_spans and images is None and self.graphs is not None and batch.lora is None
                 and self.graphs.fits(batch)):
             return self.graphs.run(batch)
+        blocks = image_blocks(entries) if images is not None and self.image_rows.vision.bidirectional else ()
         return self.execute_batch(batch, hidden_spans=hidden_spans, hidden_out=hidden_out,   # plans the batch
-                                  images=images)
+                                  images=images, image_blocks=blocks)
 
     def execute_batch(self, batch: StepBatch, compute_logits: bool = True, step=None,
                       kv_caches=None, hidden_spans: Sequence[Tuple[int, int]] = (),
                       hidden_out: Optional[List[torch.Tensor]] = None,
-                      images: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+                      images: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                      image_blocks: Sequence[ImageBlock] = ()) -> Optional[torch.Tensor]:
         """The forward pass of a prepared batch (host or device tensors); with
         ``compute_logits=False`` it only fills the KV cache (a worker rank).
         ``step`` and ``kv_caches`` replace ``step_functions()`` and the runner's
         cache (a warm-up). ``hidden_spans``: row ranges whose normed hidden
         states are appended to ``hidden_out``. ``images``: ``(rows, embeddings)``
         that replace those rows' token embeddings (``worker.image_rows``; an
-        eager forward)."""
+        eager forward); ``image_blocks``: rows that attend both ways (``models.attention``)."""
         if batch.meta.plan is None:   # a worker rank's batch arrives without one
             self.plan(batch)
         batch = batch.to(self.device)
         forward, logits_of = step or self.step_functions()
         with torch.inference_mode(), step_context(kv_caches or self.kv_caches, batch.metas, self.attention_ops,
-                                                  self.layer_group), lora_step(self.lora, batch.lora):
+                                                  self.layer_group, image_blocks), lora_step(self.lora, batch.lora):
             if images is None:
                 hidden = forward(batch.input_ids, batch.positions)
             else:

@@ -175,3 +175,14 @@ def test_two_tensor_parallel_ranks_generate_what_transformers_does(tiny_family):
              attention_backend="torch") as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_gemma3_folder_without_its_image_processor_serves_text_and_refuses_images(tiny_family):
+    from pagedbackend.errors import InvalidRequestError
+    from loadtest.tiny_vision import random_image
+    with LLM(model=str(tiny_family("gemma3")), compile=False, block_size=8, num_kv_blocks=32) as llm:
+        with pytest.raises(InvalidRequestError, match="takes no image input"):
+            llm.generate({"prompt": "look <start_of_image>", "multi_modal_data": {"image": random_image(0)}},
+                         SamplingParams(max_tokens=2))
+        assert len(llm.generate("a text prompt", SamplingParams(max_tokens=3, temperature=0.0))[0]
+                   .outputs[0].token_ids) == 3
