@@ -6,7 +6,7 @@ that exercises what makes it differ: Qwen3's head_dim apart from the hidden
 size, Gemma 3's sliding and full layers with their own RoPE, Phi-3's partial
 rotary dims and fused tensors, SmolLM3's NoPE layers, Granite's multipliers,
 Mistral 3's and Gemma 3's multimodal wrappers (a one-layer vision tower that
-the engine skips). Weights are seeded and drawn wider than HF's init so that
+Mistral 3 skips and Gemma 3 loads). Weights are seeded and drawn wider than HF's init so that
 greedy decoding does not sit on near-ties; the tokenizer is SmolLM2's.
 """
 import pathlib

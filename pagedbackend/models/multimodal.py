@@ -1,6 +1,7 @@
-"""Multimodal checkpoints served as text (``*ForConditionalGeneration``:
-Gemma 3, Mistral 3): the text decoder's config and weights; the vision tower
-and projector are skipped, counted, and named in a log line at load."""
+"""The text decoder inside a multimodal checkpoint (``*ForConditionalGeneration``):
+its config and weights. A family served as text only (Mistral 3) skips the
+vision tower and projector, counted and named in a log line at load; one
+that takes images (LLaVA, Gemma 3, Idefics3) routes them to its encoder."""
 import torch
 
 from pagedbackend.models.model_args import refuse
