@@ -153,3 +153,5 @@ def test_the_same_image_again_hits_the_prefix_cache_another_image_does_not(vlm):
     assert tokens == expected_first and cached >= len(ids) - 8   # every full block, past the image
     tokens, cached = run(other)
     assert tokens == expected_other and cached <= image_at       # no block past the image's start
+    # each distinct image went through the tower once
+    assert llm.engine.runner.image_rows.encoded_images == 2
