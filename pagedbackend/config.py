@@ -224,6 +224,9 @@ class EngineConfig:
     # Bytes of image embeddings kept by content hash (the encoder cache): a
     # request with an image seen before skips the vision tower.
     encoder_cache_bytes: int = 64 * 1024 * 1024
+    # Image embedding rows a step may start computing (vLLM's name); a chunk
+    # ends before an image past it. None: max_num_batched_tokens.
+    max_num_encoder_input_tokens: Optional[int] = None
 
     def resolved(self, model_path: pathlib.Path) -> "EngineConfig":
         """This config with ``dtype="auto"`` made the dtype it picks for the
@@ -347,6 +350,8 @@ class EngineConfig:
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values())):
             raise ValueError(f"limit_mm_per_prompt must map modalities to counts >= 0, got {limits!r}")
         self.limit_mm_per_prompt = limits
+        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
+            raise ValueError(f"max_num_encoder_input_tokens must be >= 1, got {self.max_num_encoder_input_tokens}")
         if self.encoder_cache_bytes < 0:
             raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
 

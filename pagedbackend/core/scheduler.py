@@ -49,6 +49,7 @@ from .capacity import Capacity
 from .prefill_share import MIN_CHUNK
 from .request_queue import RequestQueue
 from .scheduled import ScheduledSeq, SchedulerInputs, SchedulerOutput, StepUpdate
+from .encoder_budget import encoder_cut
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerInputs", "SchedulerOutput", "StepUpdate"]
@@ -60,8 +61,8 @@ PASS_SCAN = 16
 class _Room:
     """What is left of one step: tokens under the budget, sequence slots."""
 
-    def __init__(self, tokens: int, seqs: int):
-        self.tokens, self.seqs = tokens, seqs
+    def __init__(self, tokens: int, seqs: int, encoder: int = 0):
+        self.tokens, self.seqs, self.encoder, self.encoder_budget = tokens, seqs, encoder, encoder
 
 
 class Scheduler:
@@ -160,7 +161,8 @@ class Scheduler:
         if inputs.prefill_caps is not None:
             self.prefill_caps = inputs.prefill_caps(self)
         out = SchedulerOutput()
-        room = _Room(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        room = _Room(self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                     self.config.max_num_encoder_input_tokens or self.config.max_num_batched_tokens)
         crowded = len(self.running) + len(self.waiting) + len(self.swapped) > 1
         for group in sorted(self.running, key=self._is_prefilling):   # stable: decodes first, in order
             if group.status == GroupStatus.RUNNING:   # not preempted earlier in this loop
@@ -244,6 +246,10 @@ class Scheduler:
                 if seq.num_uncomputed_tokens > tokens:
                     return   # not chunked: it waits for a step with room for all of it
                 chunk = seq.num_uncomputed_tokens
+            if group.mm_items and chunk > 0:   # images the chunk starts: within the encoder's budget
+                chunk, used = encoder_cut(group.mm_items, seq.num_computed_tokens, chunk, room.encoder,
+                                          room.encoder == room.encoder_budget)
+                room.encoder -= used
             if chunk > 0:
                 plan.append([seq, chunk, 0])
                 tokens -= chunk

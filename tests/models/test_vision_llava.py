@@ -136,3 +136,31 @@ def test_limit_mm_per_prompt_setting(llava):
             engine.generate(request(TWO, [1, 2]), GREEDY)
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         LLM(model=str(llava), compile=False, limit_mm_per_prompt="{not json")
+
+
+def test_encoder_budget_spreads_images_over_steps(llava, reference):
+    # 16 encoder tokens a step: one image (16 rows) per step, however much token room is left.
+    with LLM(model=str(llava), block_size=8, compile=False, max_num_encoder_input_tokens=16) as llm:
+        engine, rows = llm.engine, llm.engine.runner.image_rows
+        engine.add_request("two", request(TWO, [1, 2]), GREEDY)
+        engine.add_request("one", request(CHAT, [3]), GREEDY)
+        per_step, tokens = [], {"two": [], "one": []}
+        while engine.has_unfinished_requests():
+            before = rows.encoded_images
+            for out in engine.step():   # deltas
+                tokens[out.request_id] += out.outputs[0].token_ids
+            per_step.append(rows.encoded_images - before)
+    assert per_step[:3] == [1, 1, 1] and sum(per_step) == 3
+    assert tokens == {"two": reference(TWO, [1, 2]), "one": reference(CHAT, [3])}
+
+
+def test_encoder_cut_unit():
+    from pagedbackend.core.encoder_budget import encoder_cut
+    from pagedbackend.multimodal.inputs import MultiModalItem
+
+    items = [MultiModalItem("image", "aa", offset, 16, None, {}) for offset in (4, 30)]
+    assert encoder_cut(items, 0, 64, 100, True) == (64, 32)     # both fit
+    assert encoder_cut(items, 0, 64, 20, True) == (30, 16)      # the second waits for the next step
+    assert encoder_cut(items, 30, 20, 8, True) == (20, 16)      # alone at the chunk's start: runs
+    assert encoder_cut(items, 30, 20, 8, False) == (0, 0)       # ... unless the step has used some
+    assert encoder_cut(items, 20, 5, 0, False) == (5, 0)        # no image starts in it
