@@ -164,3 +164,24 @@ def test_encoder_cut_unit():
     assert encoder_cut(items, 30, 20, 8, True) == (20, 16)      # alone at the chunk's start: runs
     assert encoder_cut(items, 30, 20, 8, False) == (0, 0)       # ... unless the step has used some
     assert encoder_cut(items, 20, 5, 0, False) == (5, 0)        # no image starts in it
+
+
+def test_prompt_logprobs_speculation_and_structured_outputs_with_images(llava, reference):
+    from transformers import AutoProcessor
+    model, processor = load_hf(llava), AutoProcessor.from_pretrained(llava)
+    inputs = processor(text=CHAT, images=[image(0)], return_tensors="pt")
+    with torch.no_grad():
+        hf_logprobs = torch.log_softmax(model(**inputs).logits[0].float(), -1)
+    ids = inputs["input_ids"][0].tolist()
+    with LLM(model=str(llava), block_size=8, compile=False,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        scored = llm.generate(request(CHAT, [0]), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+        speculated = llm.generate(request(CHAT, [0]), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+        choice = llm.generate(request(CHAT, [0]), SamplingParams(
+            max_tokens=8, temperature=0, structured_outputs={"choice": ["cat", "dog", "kite"]}))[0]
+    # Every prompt token's log-probability (after the images' rows) is HF's.
+    got = [next(iter(entry.values())).logprob for entry in scored.prompt_logprobs[1:]]
+    want = [hf_logprobs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+    assert got == pytest.approx(want, abs=2e-4)
+    assert speculated.outputs[0].token_ids[:GREEDY.max_tokens] == reference(CHAT, [0])
+    assert choice.outputs[0].text in ("cat", "dog", "kite")
