@@ -66,6 +66,10 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
         self.lm_head_matmul: Optional[nn.Module] = None   # set by use_head_matmul()
+        self.score = None   # a sequence classifier's head (ModelArgs.num_labels): scores from the last token
+        if args.num_labels:
+            self.score = nn.Linear(args.hidden_size, args.num_labels, bias=False, dtype=dtype)
+            self.score.weight.requires_grad_(False)
         self.skipped: Counter = Counter()   # checkpoint tensors left out, by part (checkpoint_tensors)
 
     # ---- what a family says ---------------------------------------------

@@ -40,6 +40,7 @@ class ModelArgs:
     mlp_bias: bool = False
     attention_scale: Optional[float] = None   # the softmax scale; None: head_dim ** -0.5
     vision_config: Optional[dict] = None      # a vision-language checkpoint's whole config (models.vision)
+    num_labels: int = 0   # a *ForSequenceClassification decoder's score head (a reranker); 0: an LM head
 
     def __post_init__(self):
         for params in self.ropes:
