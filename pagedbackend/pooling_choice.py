@@ -32,23 +32,25 @@ def is_encoder_folder(model_path: pathlib.Path) -> bool:
         return False   # the model check names what is wrong with the folder
 
 
-def is_classifier_folder(model_path: pathlib.Path) -> bool:
-    """Whether ``model_path``'s config.json names a decoder ``*ForSequenceClassification`` (a reranker)."""
+def is_classifier_folder(model_path: pathlib.Path, overrides: Optional[dict] = None) -> bool:
+    """Whether ``model_path``'s config.json (with ``overrides``) names a decoder
+    ``*ForSequenceClassification`` (a reranker)."""
     try:
-        config = json.loads((pathlib.Path(model_path) / "config.json").read_text())
+        config = {**json.loads((pathlib.Path(model_path) / "config.json").read_text()), **(overrides or {})}
         return (config.get("model_type") not in ENCODER_MODEL_TYPES and
                 any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []))
     except (OSError, ValueError, AttributeError):
         return False
 
 
-def resolve_runner(runner: str, pooling_type: Optional[str], model_path: pathlib.Path) -> Tuple[str, str]:
+def resolve_runner(runner: str, pooling_type: Optional[str], model_path: pathlib.Path,
+                   overrides: Optional[dict] = None) -> Tuple[str, str]:
     """``EngineConfig``'s ``runner`` and ``pooling_type`` made what the folder
     says where they are left to it ("auto", None): pooling for a
     sentence-transformers folder or an encoder, with its pooler (CLS for an
     encoder, LAST for a decoder, unless its files name one)."""
     pooling, encoder = read_pooling_defaults(model_path), is_encoder_folder(model_path)
-    scores = encoder or is_classifier_folder(model_path)
+    scores = encoder or is_classifier_folder(model_path, overrides)
     if scores and runner == "generate":
         raise ValueError(f"runner=generate: {model_path} is an encoder (BERT, XLM-RoBERTa) or a sequence "
                          "classifier, which serves embeddings and scores (runner=pooling)")

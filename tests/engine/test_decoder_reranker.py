@@ -68,3 +68,27 @@ def test_scores_equal_transformers(reranker, chunked):
 def test_a_reranker_serves_no_text(reranker):
     with pytest.raises(ValueError, match="sequence classifier"):
         LLM(model=str(reranker), runner="generate", compile=False)
+
+
+def test_original_qwen3_reranker_by_hf_overrides(tiny_family):
+    """The original Qwen3-Reranker layout (a plain Qwen3ForCausalLM) with
+    vLLM's overrides: the score is softmax([no, yes])[yes] of the LM head's
+    next-token logits on the last token, as the model card computes it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = tiny_family("qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    expected = []
+    for document in DOCUMENTS:
+        with torch.no_grad():
+            logits = model(**tokenizer(QUERY, document, return_tensors="pt")).logits[0, -1]
+        expected.append(torch.softmax(logits[[no, yes]], -1)[1].item())
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                 "is_original_qwen3_reranker": True}
+    with LLM(model=str(path), compile=False, hf_overrides=overrides) as llm:
+        assert llm.engine.config.runner == "pooling"
+        scores = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS)]
+    assert scores == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(ValueError, match="classifier_from_token 'not-a-token' is not a token"):
+        LLM(model=str(path), compile=False, hf_overrides={**overrides, "classifier_from_token": ["no", "not-a-token"]})
