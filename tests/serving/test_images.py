@@ -2,46 +2,16 @@
 each image is made in the test (encoded by Pillow, or written byte by byte
 where Pillow would not write it cheaply); URLs are fetched from a real HTTP
 server on 127.0.0.1."""
-import base64
 import http.server
-import io
-import struct
 import threading
 import time
-import zlib
 
-import numpy as np
 import pytest
 from PIL import Image
 
+from image_files import animated_gif, b64, encoded, huge_blank_png, pixels
 from pagedbackend.errors import InvalidRequestError
 from pagedbackend.serving.images import ImageLimits, decode_image, decode_images, images_per_prompt
-
-
-def encoded(image, fmt: str = "PNG", **options) -> bytes:
-    out = io.BytesIO()
-    image.save(out, fmt, **options)
-    return out.getvalue()
-
-
-def pixels(seed: int = 0, width: int = 40, height: int = 30) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def huge_blank_png(width: int, height: int) -> bytes:
-    """A valid 1-bit greyscale PNG of ``width`` x ``height`` zero pixels,
-    compressed by zlib as it is written (20,000 x 20,000: about 50 KB)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-    row = b"\0" * (1 + (width + 7) // 8)   # filter byte, then the packed bits
-    packer = zlib.compressobj(9)
-    idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
-    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
 def refusal(source, limits=ImageLimits()) -> str:
@@ -130,8 +100,7 @@ def test_bad_sources_are_refused_naming_the_problem(name, source, words):
 
 
 def test_an_animated_gif_over_the_frame_limit_is_refused_and_one_within_serves_its_first_frame():
-    frames = [Image.new("RGB", (8, 8), (i * 20, 0, 0)) for i in range(10)]
-    gif = encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50)
+    gif = animated_gif(10)
 
     message = refusal(b64(gif), ImageLimits(max_image_frames=4))
     first = decode_image(b64(gif), ImageLimits(max_image_frames=10))
