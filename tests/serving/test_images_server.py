@@ -230,3 +230,19 @@ def test_tokenize_refuses_image_parts_by_name(api):
     reply = httpx.post(f"{api.url}/tokenize", json=body, timeout=30)
 
     assert reply.status_code == 400 and "image parts" in reply.json()["error"]["message"]
+
+
+@pytest.mark.timeout(120)
+def test_the_client_cli_sends_image_files(triton, tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(encoded(pixels(12)))
+    root = pathlib.Path(__file__).resolve().parents[2]
+
+    run = subprocess.run([sys.executable, "-m", "client", "Describe it.", "--url", triton.grpc_url,
+                          "--image", str(picture), "--max-tokens", "4"],
+                         cwd=root, capture_output=True, text=True, timeout=100)
+
+    assert run.returncode == 1 and NO_IMAGES in run.stderr, run.stderr
