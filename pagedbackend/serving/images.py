@@ -274,7 +274,7 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
-def images_per_prompt(engine_config, default: int = 16) -> int:
+def images_per_prompt(engine_config, default: int = 4) -> int:
     """The most images a prompt may carry: the engine's ``limit_mm_per_prompt``
     (vLLM's setting: a count, or ``{"image": count}``, as JSON or a mapping)
     where the engine has one, else ``default``."""

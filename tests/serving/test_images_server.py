@@ -131,7 +131,7 @@ def test_a_valid_image_reaches_the_engine_which_says_the_model_takes_no_image_in
      ["image 1", "corrupt"]),
     (lambda host: ["https://images.example.com/cat.png"], ["image 0", "not in allowed_media_domains"]),
     (lambda host: [b64(animated_gif(6))], ["6 frames", "limit is 4 (max_image_frames)"]),
-    (lambda host: [png_base64(4)] * 17, ["17 images", "limit is 16 per prompt", "limit_mm_per_prompt"]),
+    (lambda host: [png_base64(4)] * 5, ["5 images", "limit is 4 per prompt", "limit_mm_per_prompt"]),
     (lambda host: [f"{host}/slow.png"], ["not fetched within 3 s", "image_fetch_timeout"]),
 ], ids=["20000x20000-png", "corrupt", "remote-url", "frames", "one-too-many", "slow-fetch"])
 def test_a_bad_image_is_refused_naming_its_limit_while_a_canary_streams(triton, slow_host, images, words):
