@@ -1,11 +1,13 @@
 """Engine configuration: one dataclass, the same names as ``LLM(...)`` and the
 ``parameters`` of ``config.pbtxt``."""
+import json
 import os
 import pathlib
 import typing
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
+from .config_coerce import coerce
 from .kv_events_config import KVEventsConfig
 from .spec_decode.config import SpeculativeConfig  # noqa: F401  (a field of EngineConfig; callers import it here)
 
@@ -216,6 +218,12 @@ class EngineConfig:
     # The pooler of embedding requests that name none: LAST, MEAN or CLS
     # (None: the folder's 1_Pooling/config.json, else CLS for an encoder, LAST for a decoder).
     pooling_type: Optional[str] = None
+    # Images per prompt of a vision-language model, vLLM's {"image": N} (JSON
+    # text in config.pbtxt); None: 4 (docs/vision.md).
+    limit_mm_per_prompt: Optional[Any] = None
+    # Bytes of image embeddings kept by content hash (the encoder cache): a
+    # request with an image seen before skips the vision tower.
+    encoder_cache_bytes: int = 64 * 1024 * 1024
 
     def resolved(self, model_path: pathlib.Path) -> "EngineConfig":
         """This config with ``dtype="auto"`` made the dtype it picks for the
@@ -298,6 +306,7 @@ class EngineConfig:
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         self._check_lora()
+        self._check_multimodal()
         self.speculative_config = SpeculativeConfig.build(self.speculative_config)
         self.kv_events_config = KVEventsConfig.build(self.kv_events_config)
         spec = self.speculative_config
@@ -326,6 +335,20 @@ class EngineConfig:
         if self.quantization == "w8a8":
             raise ValueError("enable_lora does not combine with quantization=w8a8 (its smoothing rescales the "
                              "projections' inputs that LoRA reads); use none, int8 or int4")
+
+    def _check_multimodal(self) -> None:
+        limits = self.limit_mm_per_prompt
+        if isinstance(limits, str):
+            try:
+                limits = json.loads(limits)
+            except ValueError as exc:
+                raise ValueError(f"limit_mm_per_prompt must be JSON like {{\"image\": 2}}: {exc}") from None
+        if limits is not None and not (isinstance(limits, dict) and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values())):
+            raise ValueError(f"limit_mm_per_prompt must map modalities to counts >= 0, got {limits!r}")
+        self.limit_mm_per_prompt = limits
+        if self.encoder_cache_bytes < 0:
+            raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -359,41 +382,3 @@ def engine_config(parameters: Mapping[str, Any],
     hints = typing.get_type_hints(EngineConfig)
     return EngineConfig(**{name: coerce(f"engine setting {name}", hints[name], value)
                            for name, value in raw.items()})
-
-
-def coerce(name: str, hint: Any, value: Any, error: type = ValueError) -> Any:
-    """``value`` as the type ``hint`` names: strings (config.pbtxt values,
-    environment variables, JSON request fields) become bool, int or float;
-    other values pass through when they already have a fitting type. ``None``
-    stays ``None``; anything else raises ``error`` naming ``name``."""
-    if value is None:
-        return None
-    args = typing.get_args(hint)
-    if type(None) in args and len(args) == 2:   # Optional[X]
-        hint = next(a for a in args if a is not type(None))
-        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
-            return None
-    if hint not in (bool, int, float):
-        return value.strip() if hint is str and isinstance(value, str) else value
-    if isinstance(value, str):
-        text = value.strip().lower()
-        try:
-            if hint is bool:
-                if text in ("true", "1", "yes", "on"):
-                    return True
-                if text in ("false", "0", "no", "off"):
-                    return False
-                raise ValueError
-            return int(text) if hint is int else float(text)
-        except ValueError:
-            raise error(f"{name}: expected {hint.__name__}, got {value!r}") from None
-    if hint is bool:
-        if isinstance(value, bool) or value in (0, 1):
-            return bool(value)
-    elif isinstance(value, bool):
-        pass
-    elif hint is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    elif isinstance(value, (int, float)):
-        return float(value) if hint is float else value
-    raise error(f"{name}: expected {hint.__name__}, got {value!r}")

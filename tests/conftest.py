@@ -67,6 +67,20 @@ def tiny_untied_model_dir(tmp_path_factory, default_model_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_vision(tmp_path_factory, default_model_dir):
+    """``tiny_vision(case)``: the folder of a tiny random vision-language
+    checkpoint with its processor (``loadtest.tiny_vision.CASES``), saved once per session."""
+    from loadtest.tiny_vision import build_tiny_vision
+    folders = {}
+
+    def folder(case):
+        if case not in folders:
+            folders[case] = build_tiny_vision(tmp_path_factory.mktemp(f"vision_{case}"), case)
+        return folders[case]
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory, default_model_dir):
     """``tiny_family(case)``: the folder of a tiny random checkpoint of a
     model family (``loadtest.tiny_families.CASES``), saved once per session."""

@@ -23,7 +23,7 @@ lists of ``(src, dst)`` block ids for the model runner to carry out.
 """
 import enum
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .block_checks import check_invariants
 from .block_pool import BlockManagerError, BlockPool, KVBlock, NoFreeBlocksError
@@ -58,6 +58,7 @@ class _SeqBlocks:
     hashes: List[bytes] = field(default_factory=list)    # of its first len(hashes) blocks
     on_device: bool = True       # False while swapped out to the host pool
     salt: bytes = b""            # the request's cache_salt: its own prefix-cache namespace
+    block_keys: Optional[Mapping[int, bytes]] = None   # per block index, its images' hashes
     num_computed: int = 0        # positions whose K/V are computed (mark_computed)
 
 
@@ -190,14 +191,16 @@ class BlockManager(SwapMixin):
         quantisation) and the request's cache salt."""
         return self.cache_salt + b"\0" + salt if salt else self.cache_salt
 
-    def _cached_prefix(self, token_ids: Sequence[int], salt: bytes = b"", reuse: bool = True) -> CachedPrefix:
+    def _cached_prefix(self, token_ids: Sequence[int], salt: bytes = b"", reuse: bool = True,
+                       block_keys: Optional[Mapping[int, bytes]] = None) -> CachedPrefix:
         """The cached blocks the sequence's first tokens map to in every group
         (none without ``reuse``); at least the last token is left to compute,
         since its logits are needed."""
         if not self.enable_prefix_caching or not reuse:
             return CachedPrefix(0, [], [[] for _ in self.managers])
         limit = (len(token_ids) - 1) // self.block_size
-        hashes = block_hashes(token_ids, self.block_size, self._key(salt), self.hash_fn, limit=limit)
+        hashes = block_hashes(token_ids, self.block_size, self._key(salt), self.hash_fn, limit=limit,
+                              block_keys=block_keys)
         return longest_cached_prefix(self.managers, hashes, token_ids, self.block_size)
 
     def _admission_blocks(self, num_tokens: int, hit: int, reserve_tokens: int = 0) -> List[int]:
@@ -206,19 +209,21 @@ class BlockManager(SwapMixin):
         return [cdiv(m.admission_target(num_tokens, hit * self.block_size, self.step_tokens), self.block_size)
                 + (extra if m.window is None else 0) for m in self.managers]
 
-    def blocks_needed(self, token_ids: Sequence[int], salt: bytes = b"", reuse: bool = True) -> int:
+    def blocks_needed(self, token_ids: Sequence[int], salt: bytes = b"", reuse: bool = True,
+                      block_keys: Optional[Mapping[int, bytes]] = None) -> int:
         """Free blocks that ``allocate`` would take for these tokens now."""
-        hit = self._cached_prefix(token_ids, salt, reuse)
+        hit = self._cached_prefix(token_ids, salt, reuse, block_keys)
         return sum(end - hit.blocks for end in self._admission_blocks(len(token_ids), hit.blocks)) + hit.revived
 
     def can_allocate(self, token_id_lists: Sequence[Sequence[int]], reserve_tokens: int = 0,
-                     salt: bytes = b"", reuse: bool = True) -> AllocStatus:
+                     salt: bytes = b"", reuse: bool = True,
+                     block_keys: Optional[Mapping[int, bytes]] = None) -> AllocStatus:
         """Whether sequences with these tokens (one group) can be allocated."""
         extra = [self._reserved_extra(len(t), reserve_tokens) for t in token_id_lists]
         total = sum(sum(self._admission_blocks(len(t), 0)) for t in token_id_lists) + sum(extra)
         if total > self.pool.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        needed = sum(self.blocks_needed(t, salt, reuse) for t in token_id_lists) + sum(extra)
+        needed = sum(self.blocks_needed(t, salt, reuse, block_keys) for t in token_id_lists) + sum(extra)
         if self.pool.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -227,14 +232,16 @@ class BlockManager(SwapMixin):
         return max(0, cdiv(reserve_tokens, self.block_size) - cdiv(num_tokens, self.block_size))
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int = 0,
-                 salt: bytes = b"", reuse: bool = True) -> int:
+                 salt: bytes = b"", reuse: bool = True,
+                 block_keys: Optional[Mapping[int, bytes]] = None) -> int:
         """Give a new sequence blocks for all its tokens, mapping cached prefix
         blocks where it can. Returns how many leading tokens are already computed.
         ``reserve_tokens`` takes blocks for that many positions up front, as a
         contiguous-reservation server would (benchmark baselines only). ``salt``
         (a request's cache_salt) keeps its prefix blocks apart from requests
         with another salt, or none; ``reuse=False`` maps no cached block (the
-        whole prompt is computed; its full blocks are still registered)."""
+        whole prompt is computed; its full blocks are still registered);
+        ``block_keys``: the hashes of its images by block index (``prefix_cache.block_hashes``)."""
         if seq_id in self._seqs:
             raise BlockManagerError(f"sequence {seq_id} already has blocks")
         if not token_ids:
@@ -244,7 +251,7 @@ class BlockManager(SwapMixin):
         if whole > self.pool.num_blocks:
             raise BlockManagerError(
                 f"sequence {seq_id} needs {whole} blocks for {n} tokens; the whole pool has {self.pool.num_blocks}")
-        hit = self._cached_prefix(token_ids, salt, reuse)
+        hit = self._cached_prefix(token_ids, salt, reuse, block_keys)
         ends = self._admission_blocks(n, hit.blocks, reserve_tokens)
         needed = sum(end - hit.blocks for end in ends) + hit.revived
         if needed > self.pool.num_free:
@@ -259,7 +266,8 @@ class BlockManager(SwapMixin):
             table = GroupTable(blocks, hit.blocks - len(mapped), cached)
             manager.fill(table, min(n, manager.admission_target(n, cached, self.step_tokens)))
             tables.append(table)
-        self._seqs[seq_id] = _SeqBlocks(tables, n, hit.hashes, salt=salt, num_computed=cached)
+        self._seqs[seq_id] = _SeqBlocks(tables, n, hit.hashes, salt=salt, block_keys=block_keys,
+                                        num_computed=cached)
         if self.enable_prefix_caching:
             self.prefix_queries += n
             self.prefix_hits += cached
@@ -334,7 +342,7 @@ class BlockManager(SwapMixin):
             return
         parent = state.hashes[-1] if state.hashes else None
         new = block_hashes(token_ids, bs, self._key(state.salt), self.hash_fn,
-                           start=start, parent_hash=parent, limit=n_full)
+                           start=start, parent_hash=parent, limit=n_full, block_keys=state.block_keys)
         for manager, table in zip(self.managers, state.tables):
             previous = parent
             for i, h in enumerate(new, start):
@@ -357,7 +365,7 @@ class BlockManager(SwapMixin):
             for block in table.blocks:
                 self.pool.incref(block)
         self._seqs[child_id] = _SeqBlocks([t.copy() for t in parent.tables], parent.num_tokens,
-                                          list(parent.hashes), salt=parent.salt,
+                                          list(parent.hashes), salt=parent.salt, block_keys=parent.block_keys,
                                           num_computed=parent.num_computed)
 
     def free(self, seq_id: int) -> None:

@@ -9,7 +9,7 @@ return wrong K/V.
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
 HashFn = Callable[[Optional[bytes], Sequence[int], bytes], bytes]
 
@@ -24,15 +24,19 @@ def hash_block(parent_hash: Optional[bytes], token_ids: Sequence[int], extra_key
 
 def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: bytes = b"",
                  hash_fn: HashFn = hash_block, start: int = 0,
-                 parent_hash: Optional[bytes] = None, limit: Optional[int] = None) -> List[bytes]:
+                 parent_hash: Optional[bytes] = None, limit: Optional[int] = None,
+                 block_keys: Optional[Mapping[int, bytes]] = None) -> List[bytes]:
     """Hashes of the full blocks of ``token_ids`` from block index ``start`` on,
-    chained from ``parent_hash`` (the hash of block ``start - 1``)."""
+    chained from ``parent_hash`` (the hash of block ``start - 1``).
+    ``block_keys``: more extra key for some block indexes (the content hash
+    of an image whose placeholders start there: ``multimodal.inputs.block_keys``)."""
     n_full = len(token_ids) // block_size
     if limit is not None:
         n_full = min(n_full, limit)
     hashes = []
     for i in range(start, n_full):
-        parent_hash = hash_fn(parent_hash, token_ids[i * block_size:(i + 1) * block_size], extra_key)
+        key = extra_key + block_keys[i] if block_keys and i in block_keys else extra_key
+        parent_hash = hash_fn(parent_hash, token_ids[i * block_size:(i + 1) * block_size], key)
         hashes.append(parent_hash)
     return hashes
 

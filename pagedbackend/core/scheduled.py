@@ -39,6 +39,7 @@ class SeqEntry:
     lora: Optional[object] = None
     return_hidden: bool = False
     token_type_start: Optional[int] = None   # an encoder's pair: where segment 1 starts
+    mm_items: tuple = ()   # the prompt's images (multimodal.inputs.MultiModalItem), for worker.image_rows
 
     @property
     def num_logit_rows(self) -> int:

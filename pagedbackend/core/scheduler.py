@@ -192,6 +192,7 @@ class Scheduler:
             # A pooling request samples nothing: it takes its rows' hidden states.
             item.return_hidden = item.group.pooling is not None
             item.token_type_start = item.group.token_type_start
+            item.mm_items = tuple(item.group.mm_items) if item.start_pos < seq.num_prompt_tokens else ()
             item.need_logits = item.start_pos + item.num_new_tokens == seq.num_tokens and not item.return_hidden
             item.prompt_logits = item.group.needs_prompt_logits and item.start_pos < seq.num_prompt_tokens
         return out
@@ -317,7 +318,7 @@ class Scheduler:
             reserve = self.capacity.reserve_tokens(len(group.prompt_token_ids) + group.max_tokens)
             # A cached prefix has no logits or hidden states (SequenceGroup.reuses_cached_prefix).
             reuse = group.reuses_cached_prefix
-            status = self.bm.can_allocate(token_lists, reserve, group.cache_salt, reuse)
+            status = self.bm.can_allocate(token_lists, reserve, group.cache_salt, reuse, group.block_keys)
             if status == AllocStatus.NEVER:  # cannot happen after check_admissible; kept as a guard
                 out.rejected.append((group, f"request {group.request_id} can never fit the KV pool"))
                 continue
@@ -332,7 +333,7 @@ class Scheduler:
                 continue
             for seq in group.seqs:
                 seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids, reserve, group.cache_salt,
-                                                           reuse)
+                                                           reuse, group.block_keys)
             if group.metrics.num_cached_prompt_tokens == 0:
                 group.metrics.num_cached_prompt_tokens = group.seqs[0].num_computed_tokens
             self._run(group)
@@ -355,7 +356,7 @@ class Scheduler:
             room.seqs += len(mine)
             room.tokens += sum(item.num_new_tokens + item.num_lookahead for item in mine)
             self._preempt(victim, out)
-            status = self.bm.can_allocate(token_lists, reserve, group.cache_salt, reuse)
+            status = self.bm.can_allocate(token_lists, reserve, group.cache_salt, reuse, group.block_keys)
         return status
 
     def _may_pass(self, blocker: SequenceGroup, group: SequenceGroup) -> bool:

@@ -148,6 +148,10 @@ class SequenceGroup:
         # A cross-encoder's pair: the position where the second segment (the document) starts.
         self.token_type_start = None
         self.embedding: Optional[List[float]] = None   # its pooled output, once computed
+        # Images of the prompt (multimodal.inputs.MultiModalItem), and their
+        # hashes by block index for the prefix cache (multimodal.inputs.block_keys).
+        self.mm_items: list = []
+        self.block_keys: Optional[dict] = None
 
     @property
     def lora_name(self) -> Optional[str]:

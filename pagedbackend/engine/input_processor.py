@@ -13,6 +13,8 @@ from ..core.scheduler import Scheduler
 from ..core.sequence import SequenceGroup
 from ..sample import BeamSearchState
 from ..structured.compiler import GrammarCompiler
+from ..multimodal.inputs import block_keys
+from ..multimodal.processor import processor_for  # noqa: F401  (the engine builds InputProcessor's with it)
 from ..multimodal.prompt import split_prompt
 from ..pooling_params import PoolingParams
 from ..sampling_params import InvalidRequestError, SamplingParams
@@ -60,8 +62,11 @@ class InputProcessor:
     ``InvalidRequestError`` that says why it can never be served."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_prompt_chars: int,
-                 scheduler: Scheduler, grammars: GrammarCompiler):
+                 scheduler: Scheduler, grammars: GrammarCompiler, multimodal=None):
+        """``multimodal``: a vision-language model's ``multimodal.processor.MultiModalProcessor``
+        (None: the model takes text only)."""
         self.tokenizer = tokenizer
+        self.multimodal = multimodal
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_prompt_chars
@@ -80,7 +85,9 @@ class InputProcessor:
         if priority is not None:   # one route in: the parameters' own field, checked there
             params = dataclasses.replace(params, priority=priority)
         params.check_token_ids(self.vocab_size)
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids, items = self._tokenize(prompt)
+        if items and params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError("truncate_prompt_tokens cannot cut a prompt with images")
         if params.truncate_prompt_tokens is not None and len(token_ids) > params.truncate_prompt_tokens:
             token_ids = token_ids[-params.truncate_prompt_tokens:]   # vLLM keeps the last k
             text = None if text is None else self.tokenizer.decode(token_ids)
@@ -97,6 +104,7 @@ class InputProcessor:
                 f"{len(token_ids) + max_tokens} exceeds the maximum context length {self.max_model_len}")
         group = SequenceGroup(request_id, text, token_ids, params,
                               time.time() if arrival_time is None else arrival_time, max_tokens)
+        self._attach_images(group, items)
         self.scheduler.check_admissible(group)
         group.wants_logprob |= cumulative_logprob
         group.bad_words_ids = self._bad_words_ids(params)
@@ -111,7 +119,9 @@ class InputProcessor:
         """The group of an embedding request (``pooling``: resolved against the
         model): its prompt is computed and pooled; it samples nothing (one
         token of room is reserved, as for any prompt, and never used)."""
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids, items = self._tokenize(prompt)
+        if items:
+            raise InvalidRequestError("embedding requests take text only, not images")
         if len(token_ids) > self.max_model_len:
             raise InvalidRequestError(f"input has {len(token_ids)} tokens; the maximum context length "
                                       f"is {self.max_model_len}")
@@ -123,11 +133,32 @@ class InputProcessor:
         return group
 
     def _tokenize(self, prompt: Prompt):
-        """``(text, token ids)`` of a prompt; text is None for a prompt of ids."""
+        """``(text, token ids, image items)`` of a prompt; text is None for a prompt of ids."""
         if isinstance(prompt, dict):
             prompt, images = split_prompt(prompt)
             if images:
-                raise InvalidRequestError("this model takes no image input (multi_modal_data): it serves text only")
+                return self._tokenize_with_images(prompt, images)
+        return (*self._tokenize_text(prompt), [])
+
+    def _tokenize_with_images(self, prompt, images):
+        if self.multimodal is None:
+            raise InvalidRequestError("this model takes no image input (multi_modal_data): it serves text only")
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise InvalidRequestError(f"prompt has {len(prompt)} characters; the limit is {self.max_prompt_chars} "
+                                      f"(engine setting max_prompt_chars)")
+        ids, items = self.multimodal.process(prompt, images)
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens with its images' placeholders; the "
+                                      f"maximum context length is {self.max_model_len}")
+        return prompt, ids, items
+
+    def _attach_images(self, group: SequenceGroup, items) -> None:
+        """The group's images, and their hashes by block for the prefix cache."""
+        if items:   # samples and beams share the prompt's blocks, and so its images
+            group.mm_items = list(items)
+            group.block_keys = block_keys(items, self.scheduler.bm.block_size)
+
+    def _tokenize_text(self, prompt):
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")

@@ -29,7 +29,7 @@ from ..sampling_params import InvalidRequestError, SamplingParams
 from ..spec_decode.speculator import make_speculator
 from ..structured.queue import StructuredQueue
 from .adapters import AdapterMethods, lora_manager, resolve_adapter, with_adapter
-from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len
+from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len, processor_for
 from .core_outputs import CoreOutput, SeqFinish
 from .kv_publisher import KVEventRelay
 from .output_processor import OutputProcessor
@@ -78,8 +78,8 @@ class LLMEngine(AdapterMethods):
         self.structured = StructuredQueue(config, self.tokenizer, self.vocab_size, self.eos_token_ids)
         # Constrained requests whose grammar still compiles (held back from the scheduler), the compiler.
         self.compiling, self.grammars = self.structured.compiling, self.structured.grammars
-        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
-                                     self.max_prompt_chars, self.scheduler, self.grammars)
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.max_prompt_chars,
+                                     self.scheduler, self.grammars, processor_for(runner, config, model_path))
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         self.tokens = TokenUpdates(self.eos_token_ids, self.max_model_len, self.stats)

@@ -29,6 +29,7 @@ FAMILIES = {
     "qwen3_moe": "qwen3_moe:Qwen3MoeForCausalLM",
     "mixtral": "mixtral:MixtralForCausalLM",
     "gpt_oss": "gpt_oss:GptOssForCausalLM",
+    "llava": "llava:LlavaForConditionalGeneration",
 }
 # Encoders (models.bert): served by their own executor, for embeddings and scores only.
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES) | ENCODER_MODEL_TYPES

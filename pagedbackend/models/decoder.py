@@ -102,10 +102,13 @@ class CausalLM(nn.Module):
         """KV heads held by this rank (the KV cache's third dimension)."""
         return self.layers[0].self_attn.num_kv_heads
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` before the final norm; runs
-        inside the step context of ``models.attention.step_context``."""
-        h = self.embed(input_ids)
+        inside the step context of ``models.attention.step_context``.
+        ``inputs_embeds``: the rows' embeddings given (images in place of
+        their placeholders, ``worker.image_rows``) instead of ``embed(input_ids)``."""
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         ropes = [rotary(positions) for rotary in self.rotary]   # once per step, shared by the layers
         for layer in self.layers:
             h = layer(h, positions, ropes)
@@ -147,7 +150,9 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, tensors: Tensors) -> None:
         """Load HF-named tensors, each rank keeping its slice; every parameter must be set."""
-        params = dict(self.named_parameters())
+        # A vision-language model's tower and projector load apart ("vision." names).
+        params = {name: p for name, p in self.named_parameters() if not name.startswith("vision.")}
+        vision = []
         # Tensors still to come per parameter: merged ones take one per shard.
         pending = {name: len(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "rank_slices", [0]))
                    for name in params}
@@ -156,11 +161,16 @@ class CausalLM(nn.Module):
             for name, tensor in self.checkpoint_tensors(hf_name, hf_tensor):
                 if _IGNORED_RE.search(name):
                     continue
+                if name.startswith("vision."):
+                    vision.append((name[len("vision."):], tensor))
+                    continue
                 if name == "lm_head.weight" and self.lm_head is None:
                     head = tensor
                     continue
                 name = self._load_one(hf_name, name, tensor, params)
                 pending[name] -= 1
+        if getattr(self, "vision", None) is not None:
+            self.vision.load_weights(vision)
         unset = sorted(name for name, count in pending.items() if count > 0)
         if unset:
             raise ValueError(f"checkpoint lacks tensors for {len(unset)} parameter(s), e.g. {unset[:3]}")

@@ -39,6 +39,7 @@ class ModelArgs:
     output_bias: bool = False             # o_proj bias
     mlp_bias: bool = False
     attention_scale: Optional[float] = None   # the softmax scale; None: head_dim ** -0.5
+    vision_config: Optional[dict] = None      # a vision-language checkpoint's whole config (models.vision)
 
     def __post_init__(self):
         for params in self.ropes:

@@ -39,3 +39,14 @@ def image_hash(image) -> str:
     digest.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
     digest.update(image.tobytes())
     return digest.hexdigest()
+
+
+def block_keys(items, block_size: int) -> Dict[int, bytes]:
+    """The prefix cache's extra key per block index: each image's hash joins
+    the block where its placeholder span starts; later blocks chain from it,
+    so blocks after an image are told apart by the image too."""
+    keys: Dict[int, bytes] = {}
+    for item in items:
+        index = item.offset // block_size
+        keys[index] = keys.get(index, b"") + bytes.fromhex(item.hash)
+    return keys

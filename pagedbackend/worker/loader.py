@@ -60,6 +60,8 @@ def load_model(config: EngineConfig, device: torch.device, tp_rank: int = 0, tp_
     hf_config = json.loads((path / "config.json").read_text())
     args = read_args(hf_config, config)
     max_model_len = fit_model_len(config.max_model_len, args.served_positions)
+    if args.vision_config is not None and tp_size > 1:
+        raise ValueError(f"{hf_config['model_type']}: a vision-language model serves with tensor_parallel_size=1")
     with torch.device(device):
         model = model_class(hf_config["model_type"])(args, DTYPES[config.dtype], max_model_len,
                                                      tp_rank, tp_size, reduce)

@@ -28,6 +28,7 @@ from pagedbackend.worker.batch import SeqEntry, StepBatch, build_step_batch
 from pagedbackend.worker.compiled import CompiledStep
 from pagedbackend.worker.cpu_wait import governor_for
 from pagedbackend.worker.cuda_graphs import DecodeGraphs, decode_graphs_for
+from pagedbackend.worker.image_rows import ImageRows
 from pagedbackend.worker.loader import DTYPES, kv_block_bytes, load_model, resolve_device
 from pagedbackend.worker.step_source import prepare_step
 
@@ -73,6 +74,9 @@ class ModelRunner:
             from pagedbackend.lora.layers import LoRAModel
             self.lora = LoRAModel(self.model, config.max_loras * config.max_lora_rank, self.dtype, self.device)
         self.model.eval()
+        # A vision-language model's image rows: its vision encoder behind the encoder cache.
+        self.image_rows = (ImageRows(self.model.vision, config.encoder_cache_bytes, self.device)
+                           if getattr(self.model, "vision", None) is not None else None)
         self.compiled: Optional[CompiledStep] = None
         self.graphs: Optional[DecodeGraphs] = None
         self.compile_thread: Optional[threading.Thread] = None
@@ -184,25 +188,37 @@ class ModelRunner:
         if self.lora is not None:
             batch.lora = build_mapping(entries, self.lora.split_rows)
         hidden_spans = _hidden_spans(entries) if hidden_out is not None else []
-        if not hidden_spans and self.graphs is not None and batch.lora is None and self.graphs.fits(batch):
+        with torch.inference_mode():
+            images = self.image_rows.rows(entries) if self.image_rows is not None else None
+        if (not hidden_spans and images is None and self.graphs is not None and batch.lora is None
+                and self.graphs.fits(batch)):
             return self.graphs.run(batch)
-        return self.execute_batch(batch, hidden_spans=hidden_spans, hidden_out=hidden_out)   # plans the batch
+        return self.execute_batch(batch, hidden_spans=hidden_spans, hidden_out=hidden_out,   # plans the batch
+                                  images=images)
 
     def execute_batch(self, batch: StepBatch, compute_logits: bool = True, step=None,
                       kv_caches=None, hidden_spans: Sequence[Tuple[int, int]] = (),
-                      hidden_out: Optional[List[torch.Tensor]] = None) -> Optional[torch.Tensor]:
+                      hidden_out: Optional[List[torch.Tensor]] = None,
+                      images: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
         """The forward pass of a prepared batch (host or device tensors); with
         ``compute_logits=False`` it only fills the KV cache (a worker rank).
         ``step`` and ``kv_caches`` replace ``step_functions()`` and the runner's
         cache (a warm-up). ``hidden_spans``: row ranges whose normed hidden
-        states are appended to ``hidden_out``."""
+        states are appended to ``hidden_out``. ``images``: ``(rows, embeddings)``
+        that replace those rows' token embeddings (``worker.image_rows``; an
+        eager forward)."""
         if batch.meta.plan is None:   # a worker rank's batch arrives without one
             self.plan(batch)
         batch = batch.to(self.device)
         forward, logits_of = step or self.step_functions()
         with torch.inference_mode(), step_context(kv_caches or self.kv_caches, batch.metas, self.attention_ops,
                                                   self.layer_group), lora_step(self.lora, batch.lora):
-            hidden = forward(batch.input_ids, batch.positions)
+            if images is None:
+                hidden = forward(batch.input_ids, batch.positions)
+            else:
+                embeds = self.model.embed(batch.input_ids)
+                embeds[images[0]] = images[1].to(embeds.dtype)
+                hidden = self.model.forward(batch.input_ids, batch.positions, embeds)
             if hidden_spans:
                 rows = torch.cat([torch.arange(a, b) for a, b in hidden_spans]).to(hidden.device)
                 normed = self.model.norm(hidden[rows]).float()

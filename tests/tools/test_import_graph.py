@@ -18,7 +18,7 @@ ENTRY_POINTS = {"pagedbackend", "pagedbackend.serve", "pagedbackend.accounting"}
 # the engine; their settings and request parameters are plain data that
 # EngineConfig and SamplingParams carry, so those modules count as data.
 FEATURE_DATA = {"pagedbackend.spec_decode.config", "pagedbackend.structured.params"}
-LAYERS = ["data", "kernels", "core", "sample", "models", "quant", "lora", "worker", "structured", "spec_decode",
+LAYERS = ["data", "kernels", "core", "multimodal", "sample", "models", "quant", "lora", "worker", "structured", "spec_decode",
           "engine", "serving", "entry"]
 
 # Imports that are not counted, each a compatibility name kept for importers
