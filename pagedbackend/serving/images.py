@@ -274,13 +274,14 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
-def images_per_prompt(engine_config, default: int = 4) -> int:
+def images_per_prompt(engine_config) -> int:
     """The most images a prompt may carry: the engine's ``limit_mm_per_prompt``
-    (vLLM's setting: a count, or ``{"image": count}``, as JSON or a mapping)
-    where the engine has one, else ``default``."""
+    (vLLM's setting, ``{"image": count}``, as JSON or a mapping), else the
+    engine's own default."""
+    from pagedbackend.multimodal.processor import DEFAULT_IMAGE_LIMIT
     value = getattr(engine_config, "limit_mm_per_prompt", None)
     if isinstance(value, str):
         value = json.loads(value) if value.strip() else None
     if isinstance(value, Mapping):
         value = value.get("image")
-    return default if value is None else int(value)
+    return DEFAULT_IMAGE_LIMIT if value is None else int(value)

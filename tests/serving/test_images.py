@@ -11,6 +11,7 @@ from PIL import Image
 
 from image_files import animated_gif, b64, encoded, huge_blank_png, pixels
 from pagedbackend.errors import InvalidRequestError
+from pagedbackend.multimodal.processor import DEFAULT_IMAGE_LIMIT
 from pagedbackend.serving.images import ImageLimits, decode_image, decode_images, images_per_prompt
 
 
@@ -206,9 +207,12 @@ def test_settings_are_read_by_name_and_bad_ones_refused():
         ImageLimits(max_image_pixels=10 ** 10)
 
 
-def test_images_per_prompt_follows_the_engines_limit_mm_per_prompt_where_it_has_one():
+def test_images_per_prompt_follows_the_engines_limit_mm_per_prompt_and_its_default():
     class Config:
         limit_mm_per_prompt = '{"image": 3}'
 
+    class Unset:
+        limit_mm_per_prompt = None
+
     assert images_per_prompt(Config()) == 3
-    assert images_per_prompt(object(), default=7) == 7
+    assert images_per_prompt(Unset()) == DEFAULT_IMAGE_LIMIT == 4
