@@ -3,8 +3,10 @@
     python -m client "Tell me a story" --max-tokens 64 --temperature 0.7 --stream
     python -m client "Hi" --protocol http --url http://127.0.0.1:8000 --n 2 --seed 1
     python -m client "What is paging?" --chat --beam-width 2
+    python -m client "What is in the picture?" --chat --image cat.png --tokenizer /models/llava
 """
 import argparse
+import base64
 import sys
 
 from client.streaming import (DEFAULT_GRPC_URL, DEFAULT_HTTP_URL, DEFAULT_MODEL, Result,
@@ -31,6 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", help="tokenizer folder for --chat (default: the default model's)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole request")
     parser.add_argument("--api-key", help="the server's API key (default: the first of $PAGEDBACKEND_API_KEY)")
+    parser.add_argument("--image", action="append", default=[], metavar="FILE",
+                        help="an image for a vision-language model (repeatable; gRPC), sent base64 in the "
+                             "image input; with --chat it follows the prompt's text in the message")
     return parser.parse_args(argv)
 
 
@@ -46,27 +51,37 @@ def sampling_params(args: argparse.Namespace) -> dict:
     return params
 
 
-def chat_prompt(prompt: str, tokenizer_path=None) -> str:
+def chat_prompt(prompt: str, tokenizer_path=None, images: int = 0) -> str:
     from transformers import AutoTokenizer
     if tokenizer_path is None:
         from pagedbackend.models.default_model import resolve_model_path
         tokenizer_path = resolve_model_path("default")
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+    content = [{"type": "text", "text": prompt}] + [{"type": "image"}] * images if images else prompt
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                          tokenize=False, add_generation_prompt=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    prompt = chat_prompt(args.prompt, args.tokenizer) if args.chat else args.prompt
+    if args.image and args.protocol != "grpc":
+        print("error: --image is sent over gRPC only (the image input is a list)", file=sys.stderr)
+        return 2
+    try:
+        images = [base64.b64encode(open(path, "rb").read()).decode("ascii") for path in args.image]
+    except OSError as exc:
+        print(f"error: cannot read the image: {exc}", file=sys.stderr)
+        return 2
+    prompt = chat_prompt(args.prompt, args.tokenizer, len(images)) if args.chat else args.prompt
     params = sampling_params(args)
     stream_fn = grpc_stream if args.protocol == "grpc" else http_stream
+    extra = {"images": images} if images else {}
     url = args.url or (DEFAULT_GRPC_URL if args.protocol == "grpc" else DEFAULT_HTTP_URL)
     result = Result()
     live = params.get("n", 1) == 1 and not args.beam_width  # one output: print it as it grows
     try:
         for delta in stream_fn(prompt, params, url=url, model=args.model, stream=args.stream,
-                               exclude_input=True, timeout=args.timeout, api_key=args.api_key):
+                               exclude_input=True, timeout=args.timeout, api_key=args.api_key, **extra):
             result.add(delta)
             if live:
                 print(delta.text, end="", flush=True)

@@ -163,7 +163,7 @@ def _expected_outputs(params: Optional[dict]) -> int:
 
 
 def _grpc_inputs(module, prompt: str, params: Optional[dict], stream: bool,
-                 exclude_input: Optional[bool], cumulative_logprob: bool = False) -> list:
+                 exclude_input: Optional[bool], cumulative_logprob: bool = False, images=()) -> list:
     values = {"text_input": np.array([prompt.encode("utf-8")], dtype=np.object_),
               "stream": np.array([stream]),
               "sampling_parameters": np.array([json.dumps(params or {}).encode("utf-8")], dtype=np.object_),
@@ -178,6 +178,11 @@ def _grpc_inputs(module, prompt: str, params: Optional[dict], stream: bool,
     for name, value in values.items():
         tensor = module.InferInput(name, [1], "BYTES" if value.dtype == np.object_ else "BOOL")
         tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    if images:   # the model's image input: one base64 image (or data URL) per element
+        tensor = module.InferInput("image", [len(images)], "BYTES")
+        tensor.set_data_from_numpy(np.array([i.encode("ascii") if isinstance(i, str) else i for i in images],
+                                            dtype=np.object_))
         inputs.append(tensor)
     return inputs
 
@@ -194,10 +199,11 @@ def _arrays(result) -> Dict[str, list]:
 def grpc_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAULT_GRPC_URL,
                 model: str = DEFAULT_MODEL, stream: bool = True, exclude_input: Optional[bool] = None,
                 timeout: float = 300.0, cumulative_logprob: bool = False,
-                api_key: Optional[str] = None) -> Iterator[Delta]:
+                api_key: Optional[str] = None, images=()) -> Iterator[Delta]:
     """One request over a gRPC stream (tritonclient.grpc). Closing the generator
     early cancels the request on the server. ``cumulative_logprob``: ask for it
-    (``Delta.cumulative_logprob``); ``api_key``: see ``api_key_of``."""
+    (``Delta.cumulative_logprob``); ``api_key``: see ``api_key_of``; ``images``:
+    base64 images (or data URLs) for the prompt (the model's ``image`` input)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -210,7 +216,7 @@ def grpc_stream(prompt: str, params: Optional[dict] = None, *, url: str = DEFAUL
                             stream_timeout=timeout, headers=triton_headers(api_key, grpc=True) or None)
         start = time.perf_counter()
         client.async_stream_infer(model, _grpc_inputs(grpcclient, prompt, params, stream, exclude_input,
-                                                      cumulative_logprob),
+                                                      cumulative_logprob, images),
                                   request_id=uuid.uuid4().hex, enable_empty_final_response=True)
         while True:
             left = start + timeout - time.perf_counter()
@@ -240,7 +246,7 @@ async def grpc_stream_async(prompt: str, params: Optional[dict] = None, *, url: 
                             model: str = DEFAULT_MODEL, stream: bool = True,
                             exclude_input: Optional[bool] = None, timeout: float = 300.0,
                             client=None, cumulative_logprob: bool = False,
-                            api_key: Optional[str] = None) -> AsyncIterator[Delta]:
+                            api_key: Optional[str] = None, images=()) -> AsyncIterator[Delta]:
     """One request over a gRPC stream (tritonclient.grpc.aio); pass ``client`` to
     share one connection between many concurrent requests. Closing the generator
     early cancels the request."""
@@ -252,7 +258,7 @@ async def grpc_stream_async(prompt: str, params: Optional[dict] = None, *, url: 
     decoder = _Decoder(_expected_outputs(params))
     request = {"model_name": model, "request_id": uuid.uuid4().hex,
                "inputs": _grpc_inputs(aioclient, prompt, params, stream, exclude_input,
-                                      cumulative_logprob)}
+                                      cumulative_logprob, images)}
 
     async def requests():
         yield request

@@ -28,17 +28,18 @@ def build_tiny_encoder(path, model_type: str = "bert", pooling_type: Optional[st
     """A 2-layer encoder (hidden 64, 4 heads) in ``path``: ``model_type``
     "bert" or "xlm-roberta"; ``pooling_type``: the sentence-transformers
     pooler written beside it (None: no such files); ``cross_encoder``: a
-    ``BertForSequenceClassification`` with one label instead."""
+    ``*ForSequenceClassification`` with one label instead."""
     from transformers import (BertConfig, BertForSequenceClassification, BertModel, XLMRobertaConfig,
-                              XLMRobertaModel)
+                              XLMRobertaForSequenceClassification, XLMRobertaModel)
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     shape = dict(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=128, hidden_act="gelu", type_vocab_size=2)
     if model_type == "xlm-roberta":
-        model = XLMRobertaModel(XLMRobertaConfig(**shape, max_position_embeddings=130, pad_token_id=1,
-                                                 bos_token_id=3, eos_token_id=4))
+        roberta = XLMRobertaConfig(**shape, max_position_embeddings=130, pad_token_id=1, bos_token_id=3,
+                                   eos_token_id=4, **({"num_labels": 1} if cross_encoder else {}))
+        model = (XLMRobertaForSequenceClassification if cross_encoder else XLMRobertaModel)(roberta)
     elif cross_encoder:
         model = BertForSequenceClassification(BertConfig(**shape, max_position_embeddings=128, num_labels=1))
     else:
@@ -56,8 +57,8 @@ def build_tiny_encoder(path, model_type: str = "bert", pooling_type: Optional[st
 def hf_scores(path, pairs: Sequence[Tuple[Sequence[int], Sequence[int]]]) -> List[float]:
     """transformers' logit of each (query ids, document ids) pair, encoded as
     BERT encodes a pair: [CLS] query [SEP] document [SEP], segment 0 then 1."""
-    from transformers import BertForSequenceClassification
-    model = BertForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     cls, sep = 3, 4   # the ids of [CLS] and [SEP] in the vocabulary above
     out = []
     with torch.no_grad():

@@ -224,6 +224,13 @@ class EngineConfig:
     # Bytes of image embeddings kept by content hash (the encoder cache): a
     # request with an image seen before skips the vision tower.
     encoder_cache_bytes: int = 64 * 1024 * 1024
+    # Image embedding rows a step may start computing (vLLM's name); a chunk
+    # ends before an image past it. None: max_num_batched_tokens.
+    max_num_encoder_input_tokens: Optional[int] = None
+    # Fields laid over the model's config.json, vLLM's name (JSON text in
+    # config.pbtxt): e.g. Qwen3-Reranker's {"architectures":
+    # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}.
+    hf_overrides: Optional[Any] = None
 
     def resolved(self, model_path: pathlib.Path) -> "EngineConfig":
         """This config with ``dtype="auto"`` made the dtype it picks for the
@@ -232,7 +239,7 @@ class EngineConfig:
         from dataclasses import replace
         from .dtype_choice import resolve_dtype
         from .pooling_choice import resolve_runner
-        runner, pooling_type = resolve_runner(self.runner, self.pooling_type, model_path)
+        runner, pooling_type = resolve_runner(self.runner, self.pooling_type, model_path, self.hf_overrides)
         return replace(self, dtype=resolve_dtype(self.dtype, model_path, self.device), runner=runner,
                        pooling_type=pooling_type)
 
@@ -337,6 +344,13 @@ class EngineConfig:
                              "projections' inputs that LoRA reads); use none, int8 or int4")
 
     def _check_multimodal(self) -> None:
+        if isinstance(self.hf_overrides, str):
+            try:
+                self.hf_overrides = json.loads(self.hf_overrides)
+            except ValueError as exc:
+                raise ValueError(f"hf_overrides must be a JSON object: {exc}") from None
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config.json fields, got {self.hf_overrides!r}")
         limits = self.limit_mm_per_prompt
         if isinstance(limits, str):
             try:
@@ -347,6 +361,8 @@ class EngineConfig:
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values())):
             raise ValueError(f"limit_mm_per_prompt must map modalities to counts >= 0, got {limits!r}")
         self.limit_mm_per_prompt = limits
+        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
+            raise ValueError(f"max_num_encoder_input_tokens must be >= 1, got {self.max_num_encoder_input_tokens}")
         if self.encoder_cache_bytes < 0:
             raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
 

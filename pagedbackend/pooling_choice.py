@@ -32,17 +32,30 @@ def is_encoder_folder(model_path: pathlib.Path) -> bool:
         return False   # the model check names what is wrong with the folder
 
 
-def resolve_runner(runner: str, pooling_type: Optional[str], model_path: pathlib.Path) -> Tuple[str, str]:
+def is_classifier_folder(model_path: pathlib.Path, overrides: Optional[dict] = None) -> bool:
+    """Whether ``model_path``'s config.json (with ``overrides``) names a decoder
+    ``*ForSequenceClassification`` (a reranker)."""
+    try:
+        config = {**json.loads((pathlib.Path(model_path) / "config.json").read_text()), **(overrides or {})}
+        return (config.get("model_type") not in ENCODER_MODEL_TYPES and
+                any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def resolve_runner(runner: str, pooling_type: Optional[str], model_path: pathlib.Path,
+                   overrides: Optional[dict] = None) -> Tuple[str, str]:
     """``EngineConfig``'s ``runner`` and ``pooling_type`` made what the folder
     says where they are left to it ("auto", None): pooling for a
     sentence-transformers folder or an encoder, with its pooler (CLS for an
     encoder, LAST for a decoder, unless its files name one)."""
     pooling, encoder = read_pooling_defaults(model_path), is_encoder_folder(model_path)
-    if encoder and runner == "generate":
-        raise ValueError(f"runner=generate: {model_path} is an encoder (BERT, XLM-RoBERTa), "
-                         "which serves embeddings and scores (runner=pooling)")
+    scores = encoder or is_classifier_folder(model_path, overrides)
+    if scores and runner == "generate":
+        raise ValueError(f"runner=generate: {model_path} is an encoder (BERT, XLM-RoBERTa) or a sequence "
+                         "classifier, which serves embeddings and scores (runner=pooling)")
     if runner == "auto":
-        runner = "pooling" if pooling is not None or encoder else "generate"
+        runner = "pooling" if pooling is not None or scores else "generate"
     return runner, pooling_type or (pooling.pooling_type if pooling is not None else "CLS" if encoder else "LAST")
 
 

@@ -20,8 +20,9 @@ Fairness, so that one request cannot hold up every newcomer:
 
 - a prompt is computed at most ``long_prefill_token_threshold`` tokens per
   step, which bounds every step and leaves budget for newcomers;
-- an encoder's input (``SequenceGroup.whole_prompt``) is never chunked: it
-  waits for the first step with room for all of it;
+- an encoder's input (``SequenceGroup.whole_prompt``) is never chunked, nor
+  is an image whose tokens attend to each other (``whole_spans``, Gemma 3):
+  it waits for the first step with room for all of it;
 - while other requests are present, one request's parallel samples decode at
   most half of ``max_num_seqs`` per step (the least advanced first; beams,
   which advance together, are exempt); it is admitted on those slots too;
@@ -49,7 +50,8 @@ from .capacity import Capacity
 from .prefill_share import MIN_CHUNK
 from .request_queue import RequestQueue
 from .scheduled import ScheduledSeq, SchedulerInputs, SchedulerOutput, StepUpdate
-from .whole_spans import chunk_outside_spans
+from .encoder_budget import encoder_cut
+from .whole_spans import chunk_outside_spans, whole_span_error
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerInputs", "SchedulerOutput", "StepUpdate"]
@@ -61,8 +63,8 @@ PASS_SCAN = 16
 class _Room:
     """What is left of one step: tokens under the budget, sequence slots."""
 
-    def __init__(self, tokens: int, seqs: int):
-        self.tokens, self.seqs = tokens, seqs
+    def __init__(self, tokens: int, seqs: int, encoder: int = 0):
+        self.tokens, self.seqs, self.encoder, self.encoder_budget = tokens, seqs, encoder, encoder
 
 
 class Scheduler:
@@ -101,10 +103,7 @@ class Scheduler:
     def check_admissible(self, group: SequenceGroup) -> None:
         message = self.capacity.admission_error(len(group.prompt_token_ids), group.max_tokens,
                                                 self.capacity.max_live_seqs(group))
-        longest = max((end - first for first, end in group.whole_spans), default=0)
-        if message is None and longest > self.config.max_num_batched_tokens:
-            message = (f"an image of {longest} tokens is computed in one step (its tokens attend to each "
-                       f"other), more than max_num_batched_tokens={self.config.max_num_batched_tokens}")
+        message = message or whole_span_error(group.whole_spans, self.config.max_num_batched_tokens)
         if message is not None:
             raise InvalidRequestError(message)
 
@@ -165,7 +164,8 @@ class Scheduler:
         if inputs.prefill_caps is not None:
             self.prefill_caps = inputs.prefill_caps(self)
         out = SchedulerOutput()
-        room = _Room(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        room = _Room(self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                     self.config.max_num_encoder_input_tokens or self.config.max_num_batched_tokens)
         crowded = len(self.running) + len(self.waiting) + len(self.swapped) > 1
         for group in sorted(self.running, key=self._is_prefilling):   # stable: decodes first, in order
             if group.status == GroupStatus.RUNNING:   # not preempted earlier in this loop
@@ -245,14 +245,14 @@ class Scheduler:
         tokens, plan = room.tokens, []
         for seq in seqs:
             chunk = min(seq.num_uncomputed_tokens, tokens, cap if caps is None else caps.get(seq.seq_id, MIN_CHUNK))
-            if group.whole_spans:
-                chunk = chunk_outside_spans(seq.num_computed_tokens, chunk, group.whole_spans, tokens)
-                if chunk == 0:
-                    return   # an image's span waits for a step with room for all of it
-            if group.whole_prompt and chunk < seq.num_uncomputed_tokens:
-                if seq.num_uncomputed_tokens > tokens:
-                    return   # not chunked: it waits for a step with room for all of it
-                chunk = seq.num_uncomputed_tokens
+            spans = [(seq.num_computed_tokens, seq.num_tokens)] if group.whole_prompt else group.whole_spans
+            chunk = chunk_outside_spans(seq.num_computed_tokens, chunk, spans, tokens)
+            if chunk == 0 and spans:
+                return   # computed whole (an encoder's prompt, a Gemma 3 image): it waits for room
+            if group.mm_items and chunk > 0:   # images the chunk starts: within the encoder's budget
+                chunk, used = encoder_cut(group.mm_items, seq.num_computed_tokens, chunk, room.encoder,
+                                          room.encoder == room.encoder_budget)
+                room.encoder -= used
             if chunk > 0:
                 plan.append([seq, chunk, 0])
                 tokens -= chunk

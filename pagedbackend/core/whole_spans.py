@@ -6,7 +6,7 @@ A chunk that would end inside such a span stops before it; a chunk that
 starts inside one (a prefix-cache hit can end mid-span: those positions were
 computed whole before) or at its start runs to its end when the step has
 room for that, else it waits for a step that has."""
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 
 def chunk_outside_spans(start: int, chunk: int, spans: Sequence[Tuple[int, int]], room: int) -> int:
@@ -21,6 +21,15 @@ def chunk_outside_spans(start: int, chunk: int, spans: Sequence[Tuple[int, int]]
                 return first - start
             return last - start if last - start <= room else 0
     return chunk
+
+
+def whole_span_error(spans: Sequence[Tuple[int, int]], step_tokens: int) -> Optional[str]:
+    """Why a prompt with these spans can never run in steps of ``step_tokens``, or None."""
+    longest = max((end - first for first, end in spans), default=0)
+    if longest > step_tokens:
+        return (f"an image of {longest} tokens is computed in one step (its tokens attend to each other), "
+                f"more than max_num_batched_tokens={step_tokens}")
+    return None
 
 
 def image_runs(items) -> List[Tuple[int, int]]:

@@ -109,7 +109,7 @@ class LLM:
         ``outputs[i].outputs.score``, as vLLM's ``LLM.score``."""
         self._check_runner("pooling", "score")
         if not self.engine.pooling.num_labels:
-            raise ValueError("LLM.score needs a cross-encoder (BertForSequenceClassification); "
+            raise ValueError("LLM.score needs a cross-encoder or a sequence classifier (*ForSequenceClassification); "
                              "this model serves embeddings (LLM.embed)")
         documents = [documents] if isinstance(documents, str) else list(documents)
         queries = [query] * len(documents) if isinstance(query, str) else list(query)

@@ -51,4 +51,14 @@ def model_class(model_type: str) -> type:
 def model_args(hf_config: dict) -> ModelArgs:
     """The architecture of a config.json, read by its family (which refuses
     any field it does not serve, by name)."""
-    return model_class(hf_config.get("model_type")).parse_config(hf_config)
+    args = model_class(hf_config.get("model_type")).parse_config(hf_config)
+    architectures = hf_config.get("architectures") or []
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        # A decoder with a score head on its last token (a converted reranker such
+        # as Qwen3-Reranker-seq-cls): scores only, no LM head.
+        labels = len(hf_config.get("id2label") or {}) or int(hf_config.get("num_labels", 1))
+        if labels != 1:
+            raise UnsupportedModelError(f"num_labels {labels}: a sequence-classification decoder with one "
+                                        "label (a reranker's score) is served")
+        args.num_labels, args.tie_word_embeddings = 1, True
+    return args

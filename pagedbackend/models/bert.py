@@ -64,9 +64,6 @@ def parse_encoder_config(cfg: dict) -> EncoderArgs:
         raise UnsupportedModelError("is_decoder / add_cross_attention: only encoders are served")
     architectures = cfg.get("architectures") or []
     classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
-    if classifier and model_type != "bert":
-        raise UnsupportedModelError(f"architectures {architectures}: sequence classification is served "
-                                    "for BERT (BertForSequenceClassification)")
     num_labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 1))
     if classifier and num_labels != 1:
         raise UnsupportedModelError(f"num_labels {num_labels}: a cross-encoder with one label (a score) is served")
@@ -168,6 +165,18 @@ class _Pooler(nn.Module):
         return torch.tanh(self.dense(first))
 
 
+class _RobertaHead(nn.Module):
+    """XLM-RoBERTa's classification head: the first token through dense, tanh, out_proj."""
+
+    def __init__(self, a: EncoderArgs):
+        super().__init__()
+        self.dense = nn.Linear(a.hidden_size, a.hidden_size)
+        self.out_proj = nn.Linear(a.hidden_size, a.num_labels)
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(first)))
+
+
 class Encoder(nn.Module):
     """An encoder and, for a cross-encoder, its pooler and classifier."""
 
@@ -176,8 +185,12 @@ class Encoder(nn.Module):
         self.args = args
         self.embeddings = _Embeddings(args)
         self.encoder = _Encoder(args)
-        self.pooler = _Pooler(args) if args.classifier else None
-        self.classifier = nn.Linear(args.hidden_size, args.num_labels) if args.classifier else None
+        # BERT: pooler then a linear classifier; XLM-RoBERTa: its own head, no pooler.
+        roberta = args.model_type == "xlm-roberta"
+        self.pooler = _Pooler(args) if args.classifier and not roberta else None
+        self.classifier = None
+        if args.classifier:
+            self.classifier = _RobertaHead(args) if roberta else nn.Linear(args.hidden_size, args.num_labels)
         self.requires_grad_(False)
 
     def positions(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -202,7 +215,8 @@ class Encoder(nn.Module):
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
         """A cross-encoder's logits ``[batch, num_labels]`` from the last hidden states."""
-        return self.classifier(self.pooler(hidden[:, 0]))
+        first = hidden[:, 0]
+        return self.classifier(first if self.pooler is None else self.pooler(first))
 
     def load_weights(self, tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Hugging Face tensors (``BertModel``, ``XLMRobertaModel`` or

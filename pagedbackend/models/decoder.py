@@ -66,6 +66,10 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
         self.lm_head_matmul: Optional[nn.Module] = None   # set by use_head_matmul()
+        self.score = None   # a sequence classifier's head (ModelArgs.num_labels): scores from the last token
+        if args.num_labels:
+            self.score = nn.Linear(args.hidden_size, args.num_labels, bias=False, dtype=dtype)
+            self.score.weight.requires_grad_(False)
         self.skipped: Counter = Counter()   # checkpoint tensors left out, by part (checkpoint_tensors)
 
     # ---- what a family says ---------------------------------------------
@@ -152,6 +156,8 @@ class CausalLM(nn.Module):
         """Load HF-named tensors, each rank keeping its slice; every parameter must be set."""
         # A vision-language model's tower and projector load apart ("vision." names).
         params = {name: p for name, p in self.named_parameters() if not name.startswith("vision.")}
+        if self.args.classifier_token_ids is not None:   # built from the LM head below
+            params.pop("score.weight", None)
         vision = []
         # Tensors still to come per parameter: merged ones take one per shard.
         pending = {name: len(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "rank_slices", [0]))
@@ -175,7 +181,9 @@ class CausalLM(nn.Module):
         if unset:
             raise ValueError(f"checkpoint lacks tensors for {len(unset)} parameter(s), e.g. {unset[:3]}")
         embedding = self.embed_tokens.weight
-        if head is not None and not torch.equal(head.to(embedding), embedding):
+        if self.args.classifier_token_ids is not None:
+            self._score_from_head(embedding if head is None else head.to(embedding))
+        elif head is not None and not torch.equal(head.to(embedding), embedding):
             # As transformers does: a head the checkpoint holds apart is not tied.
             self.lm_head = nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, dtype=embedding.dtype,
                                      device=embedding.device)
@@ -184,6 +192,16 @@ class CausalLM(nn.Module):
         for part, count in sorted(self.skipped.items()):
             logger.info("pagedbackend: %d checkpoint tensors of the %s are not loaded: only the text "
                         "decoder is served", count, part)
+
+    def _score_from_head(self, head: torch.Tensor) -> None:
+        """A reranker read from its LM head (vLLM's ``classifier_from_token``):
+        one token's row, or for ``[no, yes]`` the difference yes - no, so that
+        the sigmoid of the one logit is softmax([no, yes])[yes]."""
+        if self.score is None:
+            raise ValueError("classifier_from_token needs a sequence-classification architecture "
+                             "(hf_overrides architectures: [\"Qwen3ForSequenceClassification\"] or the like)")
+        rows = head[self.args.classifier_token_ids]
+        self.score.weight.copy_(rows[-1:] - rows[:1] if len(rows) == 2 else rows)
 
     def _load_one(self, hf_name: str, name: str, tensor: torch.Tensor, params: dict) -> str:
         """Copy one tensor into its parameter (or its shard); returns the parameter's name."""

@@ -40,6 +40,8 @@ class ModelArgs:
     mlp_bias: bool = False
     attention_scale: Optional[float] = None   # the softmax scale; None: head_dim ** -0.5
     vision_config: Optional[dict] = None      # a vision-language checkpoint's whole config (models.vision)
+    num_labels: int = 0   # a *ForSequenceClassification decoder's score head (a reranker); 0: an LM head
+    classifier_token_ids: Optional[List[int]] = None   # the score head from these LM head rows (no, yes)
 
     def __post_init__(self):
         for params in self.ropes:

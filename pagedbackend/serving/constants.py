@@ -19,3 +19,7 @@ EXIT_TIMEOUT_S = 5
 
 # The error that ends every open request when a server stops.
 SHUTTING_DOWN = "the server is shutting down"
+
+# How the Triton model's refusal of a request begins when its image workers
+# are all busy (the OpenAI API answers it with 503, as a server too busy).
+IMAGES_BUSY = "the server is busy decoding images"

@@ -47,10 +47,12 @@ class RequestLimits:
     max_tools_bytes: int = 32 * 1024      # OpenAI tools as JSON
     max_cache_salt_chars: int = 1024
     max_embedding_inputs: int = 2048      # inputs of one embedding request (OpenAI's own limit)
-    # The model's context length and prompt characters, where the front end
-    # knows them: max_tokens and a prompt beyond them are refused before tokenising.
+    # The model's context length, prompt characters and images per prompt (the
+    # engine's limit_mm_per_prompt), where the front end knows them: max_tokens
+    # and a prompt beyond them are refused before tokenising or decoding.
     max_model_len: Optional[int] = None
     max_prompt_chars: Optional[int] = None
+    max_images: Optional[int] = None
 
     def __post_init__(self):
         for item in dataclasses.fields(self):
@@ -139,12 +141,20 @@ class EngineRequest:
     prompts: List[Prompt]                 # each a text or token ids (one per engine request)
     lora_name: Optional[str] = None       # the adapter it names (vllm_backend's field)
     fields: Dict[str, Any] = field(default_factory=dict)   # the JSON object the parameters came from
-    multi_modal_data: Optional[dict] = None   # images and the like: no front end sends them yet
+    # {"image": [...]}: the images as sent (base64, URLs) until decoded, then PIL images
+    multi_modal_data: Optional[dict] = None
     pooling: Optional[dict] = None            # pooling (embedding) requests: none yet
 
     @property
     def prompt(self) -> Prompt:
         return self.prompts[0]
+
+    def engine_prompt(self, index: int = 0):
+        """Prompt ``index`` as the engine takes it: the text or token ids, or,
+        with images, vLLM's ``{"prompt": text, "multi_modal_data": {...}}``."""
+        if not self.multi_modal_data:
+            return self.prompts[index]
+        return {"prompt": self.prompts[index], "multi_modal_data": self.multi_modal_data}
 
     def wire(self) -> Dict[str, Any]:
         """The JSON object to send to the Triton model: the parameters and the adapter's name."""
@@ -152,10 +162,10 @@ class EngineRequest:
 
 
 def map_request(fields: Mapping[str, Any], prompts: Sequence[Prompt] = (),
-                limits: RequestLimits = RequestLimits()) -> EngineRequest:
-    """The one mapping: vLLM-named sampling parameters (plus ``lora_name``)
-    and the prompts, checked, as an ``EngineRequest``. Raises
-    ``InvalidRequestError`` naming the field."""
+                limits: RequestLimits = RequestLimits(), images: Sequence = ()) -> EngineRequest:
+    """The one mapping: vLLM-named sampling parameters (plus ``lora_name``),
+    the prompts and the images sent with them (not yet decoded), checked, as
+    an ``EngineRequest``. Raises ``InvalidRequestError`` naming the field."""
     if not isinstance(fields, Mapping):
         raise InvalidRequestError(f"sampling parameters must be a JSON object, got {type(fields).__name__}")
     fields = dict(fields)
@@ -172,7 +182,15 @@ def map_request(fields: Mapping[str, Any], prompts: Sequence[Prompt] = (),
             exc.param = match.group(1) if match and match.group(1) in PARAMETER_NAMES else None
         raise
     limits.check(params, fields)
-    return EngineRequest(params, list(prompts), lora_name or None, fields)
+    if images:
+        if limits.max_images is not None and len(images) > limits.max_images:
+            raise InvalidRequestError(f"image: {len(images)} images; the limit is {limits.max_images} per prompt "
+                                      "(limit_mm_per_prompt)", param="image")
+        if any(not isinstance(p, str) for p in prompts):
+            raise InvalidRequestError("image: images go with a text prompt; a prompt of token ids takes none "
+                                      "(its image placeholders would have to be expanded already)", param="image")
+    return EngineRequest(params, list(prompts), lora_name or None, fields,
+                         {"image": list(images)} if images else None)
 
 
 def model_context_length(folder) -> Optional[int]:

@@ -192,7 +192,9 @@ class DraftModelProposer:
             length = seq.num_tokens
             done, seen = self._done.get(seq.seq_id, (0, -1))
             start = min(done, length - 1) if seen == item.group.num_preemptions else 0
-            entries.append(SeqEntry(seq.token_ids[start:length], start, item.block_table))
+            # A vision-language draft takes the prompt's images in their places too.
+            entries.append(SeqEntry(seq.token_ids[start:length], start, item.block_table,
+                                    mm_items=tuple(item.group.mm_items)))
             self._proposed[seq.seq_id] = length
         active = [i for i, (_, n) in enumerate(requests) if n > 0]
         while active:

@@ -8,7 +8,7 @@ calibration runs prefills through the cache.
 import json
 import pathlib
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
@@ -57,8 +57,10 @@ def load_model(config: EngineConfig, device: torch.device, tp_rank: int = 0, tp_
     """Build rank ``tp_rank`` of ``tp_size``'s shard of ``config.model`` on
     ``device`` in ``config.dtype`` and read its weights."""
     path = resolve_model_path(config.model)
-    hf_config = json.loads((path / "config.json").read_text())
+    hf_config = {**json.loads((path / "config.json").read_text()), **(config.hf_overrides or {})}
     args = read_args(hf_config, config)
+    if hf_config.get("classifier_from_token") is not None:
+        args.classifier_token_ids = classifier_token_ids(path, hf_config["classifier_from_token"])
     max_model_len = fit_model_len(config.max_model_len, args.served_positions)
     if args.vision_config is not None and tp_size > 1:
         raise ValueError(f"{hf_config['model_type']}: a vision-language model serves with tensor_parallel_size=1")
@@ -71,6 +73,19 @@ def load_model(config: EngineConfig, device: torch.device, tp_rank: int = 0, tp_
     else:
         model.load_weights(read_safetensors(path))
     return LoadedModel(path, hf_config, args, model, max_model_len)
+
+
+def classifier_token_ids(path: pathlib.Path, tokens) -> List[int]:
+    """The ids of ``classifier_from_token`` (vLLM's override: a reranker whose
+    score reads the LM head's rows of these tokens, e.g. ["no", "yes"])."""
+    from tokenizers import Tokenizer
+    if not (isinstance(tokens, list) and len(tokens) in (1, 2) and all(isinstance(t, str) for t in tokens)):
+        raise ValueError(f"classifier_from_token must list one or two tokens, got {tokens!r}")
+    vocab = Tokenizer.from_file(str(path / "tokenizer.json"))
+    ids = [vocab.token_to_id(t) for t in tokens]
+    if None in ids:
+        raise ValueError(f"classifier_from_token {tokens[ids.index(None)]!r} is not a token of {path}'s tokenizer")
+    return ids
 
 
 def fit_model_len(requested: Optional[int], model_limit: int) -> int:

@@ -54,6 +54,7 @@ class ModelRunner:
         args = loaded.args
         self.vocab_size = args.vocab_size
         self.hidden_size = args.hidden_size   # an embedding's length (pooling)
+        self.num_labels = args.num_labels     # a sequence classifier's: pooled rows are its scores' logits
         self.num_heads = self.model.layers[0].self_attn.num_heads
         windows = self.model.layer_windows
         self.kv_layout = kv_layout(windows, free_out_of_window=not config.disable_hybrid_kv_cache_manager)
@@ -224,7 +225,8 @@ class ModelRunner:
                 hidden = self.model.forward(batch.input_ids, batch.positions, embeds)
             if hidden_spans:
                 rows = torch.cat([torch.arange(a, b) for a, b in hidden_spans]).to(hidden.device)
-                normed = self.model.norm(hidden[rows]).float()
+                normed = self.model.norm(hidden[rows])
+                normed = (normed if self.model.score is None else self.model.score(normed)).float()
                 hidden_out.extend(normed.split([b - a for a, b in hidden_spans]))
             if not compute_logits:
                 return None

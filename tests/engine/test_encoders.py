@@ -124,9 +124,12 @@ def test_over_long_input_is_refused(mean_llm):
         mean_llm.embed([[7] * 129])
 
 
-@pytest.fixture(scope="module")
-def reranker_dir(tmp_path_factory):
-    return build_tiny_encoder(tmp_path_factory.mktemp("reranker"), "bert", None, cross_encoder=True, seed=3)
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def reranker_dir(tmp_path_factory, request):
+    """A BertForSequenceClassification (pooler, classifier) or an
+    XLMRobertaForSequenceClassification (its dense-tanh-out_proj head, as
+    bge-reranker's), one label."""
+    return build_tiny_encoder(tmp_path_factory.mktemp("reranker"), request.param, None, cross_encoder=True, seed=3)
 
 
 def test_cross_encoder_scores_equal_transformers(reranker_dir):

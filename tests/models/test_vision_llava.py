@@ -136,3 +136,52 @@ def test_limit_mm_per_prompt_setting(llava):
             engine.generate(request(TWO, [1, 2]), GREEDY)
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         LLM(model=str(llava), compile=False, limit_mm_per_prompt="{not json")
+
+
+def test_encoder_budget_spreads_images_over_steps(llava, reference):
+    # 16 encoder tokens a step: one image (16 rows) per step, however much token room is left.
+    with LLM(model=str(llava), block_size=8, compile=False, max_num_encoder_input_tokens=16) as llm:
+        engine, rows = llm.engine, llm.engine.runner.image_rows
+        engine.add_request("two", request(TWO, [1, 2]), GREEDY)
+        engine.add_request("one", request(CHAT, [3]), GREEDY)
+        per_step, tokens = [], {"two": [], "one": []}
+        while engine.has_unfinished_requests():
+            before = rows.encoded_images
+            for out in engine.step():   # deltas
+                tokens[out.request_id] += out.outputs[0].token_ids
+            per_step.append(rows.encoded_images - before)
+    assert per_step[:3] == [1, 1, 1] and sum(per_step) == 3
+    assert tokens == {"two": reference(TWO, [1, 2]), "one": reference(CHAT, [3])}
+
+
+def test_encoder_cut_unit():
+    from pagedbackend.core.encoder_budget import encoder_cut
+    from pagedbackend.multimodal.inputs import MultiModalItem
+
+    items = [MultiModalItem("image", "aa", offset, 16, None, {}) for offset in (4, 30)]
+    assert encoder_cut(items, 0, 64, 100, True) == (64, 32)     # both fit
+    assert encoder_cut(items, 0, 64, 20, True) == (30, 16)      # the second waits for the next step
+    assert encoder_cut(items, 30, 20, 8, True) == (20, 16)      # alone at the chunk's start: runs
+    assert encoder_cut(items, 30, 20, 8, False) == (0, 0)       # ... unless the step has used some
+    assert encoder_cut(items, 20, 5, 0, False) == (5, 0)        # no image starts in it
+
+
+def test_prompt_logprobs_speculation_and_structured_outputs_with_images(llava, reference):
+    from transformers import AutoProcessor
+    model, processor = load_hf(llava), AutoProcessor.from_pretrained(llava)
+    inputs = processor(text=CHAT, images=[image(0)], return_tensors="pt")
+    with torch.no_grad():
+        hf_logprobs = torch.log_softmax(model(**inputs).logits[0].float(), -1)
+    ids = inputs["input_ids"][0].tolist()
+    with LLM(model=str(llava), block_size=8, compile=False,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        scored = llm.generate(request(CHAT, [0]), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+        speculated = llm.generate(request(CHAT, [0]), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+        choice = llm.generate(request(CHAT, [0]), SamplingParams(
+            max_tokens=8, temperature=0, structured_outputs={"choice": ["cat", "dog", "kite"]}))[0]
+    # Every prompt token's log-probability (after the images' rows) is HF's.
+    got = [next(iter(entry.values())).logprob for entry in scored.prompt_logprobs[1:]]
+    want = [hf_logprobs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+    assert got == pytest.approx(want, abs=2e-4)
+    assert speculated.outputs[0].token_ids[:GREEDY.max_tokens] == reference(CHAT, [0])
+    assert choice.outputs[0].text in ("cat", "dog", "kite")

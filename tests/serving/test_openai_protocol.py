@@ -248,12 +248,37 @@ def test_chat_messages_reach_the_template_as_text_with_developer_as_system():
     assert messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nthere"}]
 
 
-def test_a_non_text_content_part_is_refused_naming_its_place():
+def test_image_parts_reach_the_template_as_image_parts_and_their_urls_come_in_order():
     request = parse_request(ChatCompletionRequest, body(messages=[
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]))
+        {"role": "system", "content": "Look."},
+        {"role": "user", "content": [{"type": "text", "text": "Compare"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA",
+                                                                        "detail": "high"}},
+                                     {"type": "image_url", "image_url": "QkJC"}]}]))
 
-    with pytest.raises(OpenAIError, match=r"messages\[0\]\.content\[0\].*'image_url'"):
+    messages = [m.for_template(i) for i, m in enumerate(request.messages)]
+    urls = [url for i, m in enumerate(request.messages) for url in m.image_urls(i)]
+
+    assert messages[1]["content"] == [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "image"}]
+    assert messages[0]["content"] == "Look."
+    assert urls == ["data:image/png;base64,AAA", "QkJC"]
+
+
+@pytest.mark.parametrize("part, words", [
+    ({"type": "input_audio", "input_audio": {"data": "x"}}, ["content parts are text and image_url", "input_audio"]),
+    ({"type": "image_url"}, ["image_url part", "image_url"]),
+    ({"type": "image_url", "image_url": {"detail": "low"}}, ["image_url part", "url"]),
+    ({"type": "text"}, ["text part", "text"]),
+], ids=["audio", "no-image_url", "no-url", "no-text"])
+def test_a_bad_content_part_is_refused_naming_its_place(part, words):
+    request = parse_request(ChatCompletionRequest, body(messages=[{"role": "user", "content": [part]}]))
+
+    with pytest.raises(OpenAIError) as refused:
         request.messages[0].for_template(0)
+
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert refused.value.message.startswith("messages[0].content[0]: ")
+    assert all(w in refused.value.message for w in words), refused.value.message
 
 
 # ---------------------------------------------------------------- Triton responses

@@ -478,11 +478,11 @@ def _long_prompt() -> str:
                                     extra_body={"use_beam_search": True}), 400,
      ["logprobs are not returned with beam search"]),
     (lambda c: c.completions.create(model="paged_llm", prompt="Hi", extra_body={"top_k": -5}), 400, ["top_k"]),
-    (lambda c: c.completions.create(model="paged_llm", prompt="x" * (2 << 20)), 413, ["larger than the limit"]),
+    (lambda c: c.completions.create(model="paged_llm", prompt="x" * (33 << 20)), 413, ["larger than the limit"]),
     (lambda c: c.chat.completions.create(model="paged_llm", messages=[]), 400, ["messages"]),
     (lambda c: c.chat.completions.create(model="paged_llm", stream=True, messages=[
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400,
-     ["only text content parts"]),
+     ["model paged_llm takes no image input"]),
     (lambda c: c.chat.completions.create(model="paged_llm", messages=[{"role": "user", "content": "Hi"}],
                                          stream=True, max_tokens=400, extra_body={"min_tokens": 500}), 400,
      ["min_tokens"]),

@@ -182,3 +182,18 @@ def test_the_context_length_of_a_model_folder_includes_its_rope_scaling(tmp_path
                                                            "original_max_position_embeddings": 4096}}))
     assert model_context_length(tmp_path) == 16384
     assert model_context_length(tmp_path / "missing") is None
+
+
+def test_images_ride_with_a_text_prompt_as_vllms_prompt_dict_within_the_images_per_prompt_limit():
+    limits = LIMITS.replace(max_images=2)
+
+    mapped = map_request({"max_tokens": 4}, ["<image> Hi"], limits, ["aGk=", "aGk="])
+    plain = map_request({"max_tokens": 4}, ["Hi"], limits)
+
+    assert mapped.engine_prompt() == {"prompt": "<image> Hi", "multi_modal_data": {"image": ["aGk=", "aGk="]}}
+    assert plain.engine_prompt() == "Hi" and plain.multi_modal_data is None
+    with pytest.raises(InvalidRequestError, match="3 images; the limit is 2 per prompt") as refused:
+        map_request({}, ["Hi"], limits, ["aGk="] * 3)
+    assert refused.value.param == "image"
+    with pytest.raises(InvalidRequestError, match="a prompt of token ids takes none"):
+        map_request({}, [[1, 2, 3]], limits, ["aGk="])

@@ -27,15 +27,17 @@ from pagedbackend.engine import AsyncLLMEngine, EngineDeadError
 from pagedbackend.errors import InvalidRequestError
 from pagedbackend.serving.constants import SHUTTING_DOWN
 from pagedbackend.serving.embeddings import check_runner
+from pagedbackend.serving.images import decode_images, images_per_prompt
 from pagedbackend.serving.triton.embeddings import EmbeddingJob, read_embedding_request
 from pagedbackend.serving.triton.health import EngineFailurePolicy
+from pagedbackend.serving.triton.image_pool import ImagePool
 from pagedbackend.serving.triton.io import (FINAL, Job, accumulate, build_response, read_flags, read_optional_text,
                                             read_request, send_error, send_json)
 from pagedbackend.serving.triton.lifecycle import (end_stub, log_to_stderr, on_sigterm, use_utf8_locale,
                                                    watch_listener, watch_server)
 from pagedbackend.serving.triton.lora import ControlError, TritonAdapters, read_multi_lora
 from pagedbackend.serving.triton.metrics import Metrics
-from pagedbackend.serving.triton.settings import ModelSettings, request_limits
+from pagedbackend.serving.triton.settings import ModelSettings, image_limits, request_limits
 
 TICK_S = 0.1             # cancellation poll period
 STATS_EVERY_TICKS = 2    # gauges and counters refreshed every 0.2 s
@@ -63,7 +65,10 @@ class TritonPythonModel:
         except Exception:
             self.engine.shutdown()
             raise
-        self.limits = request_limits(parameters, self.engine.max_model_len, self.engine.max_prompt_chars)
+        self.limits = request_limits(parameters, self.engine.max_model_len, self.engine.max_prompt_chars,
+                                     images_per_prompt(config))
+        self.image_limits = image_limits(parameters)
+        self.image_pool = ImagePool(settings.image_workers, settings.image_queue)
         pb_utils.Logger.log_info("paged_llm: serving " + ", ".join(f"{k}={v}" for k, v in self.engine.describe().items()))
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                settings.metric_namespaces, self.engine.max_model_len)
@@ -103,28 +108,49 @@ class TritonPythonModel:
     def _run_intake(self):
         """Read, check and tokenise queued requests in arrival order, off Triton's execute thread."""
         for request, sender in iter(self.intake.get, None):
-            try:
-                control = read_optional_text(request, "lora_control")
-                if control is not None:   # adapters listed, loaded or unloaded, no generation
-                    send_json(sender, self.adapters.control(control))
-                    continue
-                embedding = read_embedding_request(request, self.limits, self.engine.runner)
-                if embedding is not None:   # one embedding per input, one response (vllm_backend's)
-                    self._start(self._embed(EmbeddingJob(self.engine, embedding, request, sender,
-                                                         self._observe_embedding)))
-                    continue
-                job = self._submit(request, sender)
-            except ControlError as exc:
-                send_error(sender, str(exc), pb_utils.TritonError.NOT_FOUND if exc.status == 404
-                           else pb_utils.TritonError.INVALID_ARG)
-            except ValueError as exc:  # includes InvalidRequestError and bad UTF-8
-                send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
-            except EngineDeadError as exc:
-                send_error(sender, self.closing or str(exc), pb_utils.TritonError.UNAVAILABLE)
-            except Exception as exc:
-                send_error(sender, f"could not start the request: {exc!r}", pb_utils.TritonError.INTERNAL)
-            else:
-                self._start(self._respond(job))
+            self._answering_errors(sender, self._take, request, sender)
+
+    def _take(self, request, sender):
+        """Start one request; one with images goes to the image pool (decoded and added there)."""
+        control = read_optional_text(request, "lora_control")
+        if control is not None:   # adapters listed, loaded or unloaded, no generation
+            send_json(sender, self.adapters.control(control))
+            return
+        embedding = read_embedding_request(request, self.limits, self.engine.runner)
+        if embedding is not None:   # one embedding per input, one response (vllm_backend's)
+            self._start(self._embed(EmbeddingJob(self.engine, embedding, request, sender,
+                                                 self._observe_embedding)))
+            return
+        check_runner(self.engine.runner, "generate")
+        mapped = read_request(request, self.limits)   # prompt, sampling parameters, adapter: checked
+        if not mapped.multi_modal_data:
+            self._start(self._respond(self._submit(request, sender, mapped)))
+        elif not self.image_pool.try_submit(self._answering_errors, sender, self._submit_images,
+                                            request, sender, mapped):
+            if self.closing:
+                raise EngineDeadError(self.closing)
+            send_error(sender, self.image_pool.busy_message(), pb_utils.TritonError.UNAVAILABLE)
+
+    def _submit_images(self, request, sender, mapped):
+        """On the image pool: decode the request's images, then add it (the engine's processor runs here)."""
+        if self.closing:
+            raise EngineDeadError(self.closing)
+        mapped.multi_modal_data = {"image": decode_images(mapped.multi_modal_data["image"], self.image_limits)}
+        self._start(self._respond(self._submit(request, sender, mapped)))
+
+    def _answering_errors(self, sender, work, *args):
+        """``work(*args)``; what it raises is answered as the request's error."""
+        try:
+            work(*args)
+        except ControlError as exc:
+            send_error(sender, str(exc), pb_utils.TritonError.NOT_FOUND if exc.status == 404
+                       else pb_utils.TritonError.INVALID_ARG)
+        except ValueError as exc:  # includes InvalidRequestError and bad UTF-8
+            send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+        except EngineDeadError as exc:
+            send_error(sender, self.closing or str(exc), pb_utils.TritonError.UNAVAILABLE)
+        except Exception as exc:
+            send_error(sender, f"could not start the request: {exc!r}", pb_utils.TritonError.INTERNAL)
 
     def _start(self, respond):
         """Run a request's responding coroutine on the response loop."""
@@ -133,18 +159,16 @@ class TritonPythonModel:
         except RuntimeError:  # the loop is closed (draining): the drain answers the job
             respond.close()
 
-    def _submit(self, request, sender) -> Job:
+    def _submit(self, request, sender, mapped) -> Job:
         if self.closing:
             raise EngineDeadError(self.closing)
-        check_runner(self.engine.runner, "generate")
-        mapped = read_request(request, self.limits)   # prompt, sampling parameters, adapter: checked
         lora_request = self.adapters.request_for(mapped.lora_name)
         prompt, params = mapped.prompt, mapped.params
         job = Job(uuid.uuid4().hex, prompt if isinstance(prompt, str) else "", read_flags(request), sender,
                   triton_id=request.request_id())
         job.n, job.logprobs_requested = params.n, params.logprobs is not None
         # cumulative_logprob is computed only for requests that ask for it.
-        job.stream = self.engine.add_request(job.request_id, prompt, params,
+        job.stream = self.engine.add_request(job.request_id, mapped.engine_prompt(), params,
                                              cumulative_logprob=bool(job.flags["return_cumulative_logprob"]),
                                              lora_request=lora_request)
         if not isinstance(prompt, str):   # what echo shows, decoded once the engine has checked the ids
@@ -266,6 +290,7 @@ class TritonPythonModel:
                 self.engine.abort(job.request_id)
             for job in embedding_jobs:
                 job.abort(SHUTTING_DOWN)
+            self.image_pool.shutdown()   # what waits there is refused: the server is closing
             self._wait_for_jobs(DRAIN_S)
             self.engine.shutdown(timeout=10.0)  # any stream left gets a final output
             self._wait_for_jobs(2.0)

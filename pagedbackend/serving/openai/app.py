@@ -13,10 +13,11 @@ Large bodies, texts and answers are handled off the event loop (``offload``).
 """
 import asyncio
 import json
+import pathlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -41,7 +42,9 @@ from pagedbackend.serving.openai.structured import (Tools, messages_with_tools, 
 from pagedbackend.serving.openai.triton_client import Triton, is_text_model
 from pagedbackend.serving.requests import RequestLimits, model_context_length
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20
+# Room for an image of up to the Triton model's max_image_bytes (20 MiB) as
+# base64 (4/3 as long) in a data URL, and the rest of the request.
+DEFAULT_MAX_BODY_BYTES = 32 << 20
 DEFAULT_MAX_HEADER_BYTES = 64 << 10   # the request line and headers together
 
 
@@ -59,11 +62,31 @@ class Settings:
     api_keys: Sequence[str] = ()               # Bearer keys every route but /health needs; (): open
     triton_api_key: Optional[str] = None       # the key of tritonserver's inference APIs (serve --api-key)
     max_concurrent_per_key: int = 0            # requests in flight per key (per address without keys); 0: no cap
+    # Whether the served model takes images; None: its folder's config.json
+    # says (a vision_config), read with the tokenizer.
+    takes_images: Optional[bool] = None
+
+
+def folder_takes_images(folder) -> bool:
+    """Whether a Hugging Face model folder is a vision-language model's (its
+    config.json has a ``vision_config``, as every such family served has)."""
+    try:
+        config = json.loads((pathlib.Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+def chat_images(req) -> List[str]:
+    """The images of the messages' content parts, as sent, in order."""
+    return [url for i, m in enumerate(req.messages) for url in m.image_urls(i)]
 
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: Optional[Tools] = None) -> str:
     """The messages through the tokenizer's chat template, as text, with the
-    tools (``structured.messages_with_tools``)."""
+    tools (``structured.messages_with_tools``); an image part reaches the
+    template as ``{"type": "image"}``, which a vision model's template writes
+    as its image placeholder."""
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError(400, "the model's tokenizer has no chat template; use /v1/completions", "messages")
     knows_tools = template_knows_tools(tokenizer)
@@ -86,6 +109,8 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         tokenizer = load_tokenizer(folder)
         if settings.limits.max_model_len is None:
             settings.limits = settings.limits.replace(max_model_len=model_context_length(folder))
+        if settings.takes_images is None:
+            settings.takes_images = folder_takes_images(folder)
     limits = settings.limits
     started = int(time.time())
     open_generations = OpenGenerations()
@@ -110,7 +135,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         return JSONResponse(OpenAIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
 
-    async def model_for(name: Optional[str], logprobs: bool) -> Tuple[str, Optional[str]]:
+    async def model_for(name: Optional[str], logprobs: bool, images: bool = False) -> Tuple[str, Optional[str]]:
         """The Triton model of a request's ``model``, and the adapter it names
         (None: the model itself); an adapter's name wins over other models'."""
         name, adapter = name or settings.model_name, None
@@ -123,6 +148,8 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         if logprobs and "logprobs" not in {o["name"] for o in config.get("output", [])}:
             raise OpenAIError(400, f"logprobs are not supported by model {name}: it has no logprobs output",
                               "logprobs")
+        if images and (not settings.takes_images or "image" not in {i["name"] for i in config.get("input", [])}):
+            raise OpenAIError(400, f"model {name} takes no image input: it serves text only", "messages")
         return name, adapter
 
     @app.get("/health")
@@ -174,7 +201,8 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     async def chat_completions(request: Request):
         body = await request.body()
         req = await run_sized(len(body), parse_request, ChatCompletionRequest, body)
-        model, adapter = await model_for(req.model, req.logprobs)
+        images = chat_images(req)
+        model, adapter = await model_for(req.model, req.logprobs, bool(images))
         openai_checked(limits.check_tools, req.tools)   # their count and size, before they are read
         tools = Tools.of(req)
         prompt = await run_sized(len(body), chat_prompt, tokenizer, req, tools)
@@ -195,7 +223,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
             params["lora_name"] = adapter
         params = map_openai(params, [prompt], limits).wire()   # checked here, before Triton sees it
         return await answer(request, triton, model, [prompt], params, req.logprobs, shape, req.stream,
-                            open_generations)
+                            open_generations, images)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -203,6 +231,9 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         req = await run_sized(len(body), parse_request,
                               lambda data: TokenizeChatRequest if "messages" in data else TokenizeRequest, body)
         await model_for(req.model, False)
+        if isinstance(req, TokenizeChatRequest) and chat_images(req):
+            raise OpenAIError(400, "/tokenize counts text only: its messages may hold no image parts "
+                              "(a chat completion's usage counts an image's tokens)", "messages")
 
         def work():
             text = chat_prompt(tokenizer, req) if isinstance(req, TokenizeChatRequest) else req.prompt

@@ -4,7 +4,7 @@ and every generation still open, so that a stopping server ends each one."""
 import asyncio
 import functools
 import json
-from typing import AsyncIterator, Callable, List, Optional
+from typing import AsyncIterator, Callable, List, Optional, Sequence
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -44,8 +44,10 @@ class OpenGenerations:
 
 
 async def answer(request: Request, triton: Triton, model: str, prompts: List[str], params: dict,
-                 logprobs: bool, shape: Answer, stream: bool, open_generations: OpenGenerations) -> Response:
-    """Run the prompts on Triton and answer as ``shape`` says.
+                 logprobs: bool, shape: Answer, stream: bool, open_generations: OpenGenerations,
+                 images: Sequence[str] = ()) -> Response:
+    """Run the prompts on Triton (with ``images``, as sent: the model's
+    ``image`` input) and answer as ``shape`` says.
 
     The first update is awaited before answering, so that a request the model
     refuses gets an HTTP error status even when streaming. The client hanging
@@ -58,7 +60,7 @@ async def answer(request: Request, triton: Triton, model: str, prompts: List[str
                           "does not return (no prompt_logprobs output)", "echo")
     cached = "num_cached_tokens" in outputs
     generation = Generation([functools.partial(triton.stream, model, p, params, logprobs, cached,
-                                               shape.wants_prompt_logprobs) for p in prompts],
+                                               shape.wants_prompt_logprobs, images=images) for p in prompts],
                             [prompt_size(p) for p in prompts])
     open_generations.running.add(generation)
     watcher = asyncio.ensure_future(_watch_disconnect(request.receive, generation.cancel))

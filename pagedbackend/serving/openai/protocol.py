@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from pagedbackend.errors import InvalidRequestError
+from pagedbackend.serving.openai.chat_content import template_content
 from pagedbackend.serving.openai.token_ids import check_token_ids
 from pagedbackend.serving.requests import EngineRequest, RequestLimits, map_request, openai_fields
 from pagedbackend.structured.params import MAX_SCHEMA_DEPTH, text_depth
@@ -141,12 +142,6 @@ class CompletionRequest(_GenerationRequest):
         return prompts
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")   # e.g. cache_control, which changes nothing here
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # e.g. tool_calls on an assistant turn, passed to the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -154,22 +149,17 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
 
     def for_template(self, index: int) -> dict:
-        """The message as a chat template expects it: text content, and the
+        """The message as a chat template expects it: text content, or parts
+        with ``{"type": "image"}`` for images (``chat_content``), and the
         ``developer`` role as ``system``."""
-        content = self.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                try:
-                    texts.append(TextPart.model_validate(part).text)
-                except ValidationError:
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise OpenAIError(400, f"messages[{index}].content[{j}]: only text content parts "
-                                      f"are supported, got {kind!r}", "messages") from None
-            content = "\n".join(texts)
+        content, _ = openai_checked(template_content, self.content, index)
         message = self.model_dump(exclude_none=True)
         message.update(role="system" if self.role == "developer" else self.role, content=content or "")
         return message
+
+    def image_urls(self, index: int) -> List[str]:
+        """The images of the message's content parts, as sent, in order."""
+        return openai_checked(template_content, self.content, index)[1]
 
 
 class ChatCompletionRequest(_GenerationRequest):

@@ -9,7 +9,7 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, List, Optional, Tuple
+from typing import AsyncIterator, Callable, List, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -17,7 +17,7 @@ import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
 from pagedbackend.errors import GRAMMAR_DEAD_END
-from pagedbackend.serving.constants import GRPC_ADMIN_HEADER
+from pagedbackend.serving.constants import GRPC_ADMIN_HEADER, IMAGES_BUSY
 from pagedbackend.serving.security import GRPC_API_KEY_HEADER, redact
 from pagedbackend.serving.openai.protocol import OpenAIError, parse_logprobs
 
@@ -151,6 +151,8 @@ class TritonStream:
             if "unknown model" in message.lower():
                 raise OpenAIError(404, f"model {self.model} is not ready on Triton: {message}",
                                   "model", "model_not_found")
+            if message.startswith(IMAGES_BUSY):
+                raise OpenAIError(503, message)
             failed = (self.started and not message.startswith(GRAMMAR_DEAD_END)) or message.startswith(SERVER_FAILURES)
             raise OpenAIError(500 if failed else 400, message)
         self.started = True
@@ -333,12 +335,17 @@ class Triton:
         return ready
 
     def stream(self, model: str, prompt, params: dict, logprobs: bool, cached_tokens: bool = False,
-               prompt_logprobs: bool = False, output_ids: bool = False) -> TritonStream:
+               prompt_logprobs: bool = False, output_ids: bool = False, images: Sequence[str] = ()) -> TritonStream:
         """``prompt``: text, or a list of token ids (the model's ``input_ids``);
         ``cached_tokens``, ``prompt_logprobs``, ``output_ids``: ask for those
-        outputs (a model that declares them)."""
+        outputs (a model that declares them); ``images``: the model's ``image``
+        input, one element per image (base64 or a URL, as sent)."""
         first = _input("text_input", prompt) if isinstance(prompt, str) else _ids_input(prompt)
         inputs = [first, _input("sampling_parameters", json.dumps(params)), *FLAGS]
+        if images:
+            tensor = aioclient.InferInput("image", [len(images)], "BYTES")
+            tensor.set_data_from_numpy(np.array([i.encode("utf-8") for i in images], dtype=np.object_))
+            inputs.append(tensor)
         if prompt_logprobs:
             inputs.append(RETURN_PROMPT_LOGPROBS)
         if logprobs:

@@ -10,6 +10,7 @@ from typing import Optional
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pagedbackend.errors import InvalidRequestError
 from pagedbackend.sample.sampler import finite_logprob
 from pagedbackend.serving.requests import (MAX_PARAMETERS_BYTES, EngineRequest, RequestLimits, map_request,
                                            triton_fields)
@@ -114,17 +115,36 @@ def read_flags(request) -> dict:
     return flags
 
 
+def read_images(request, max_images: Optional[int]) -> list:
+    """The ``image`` input as vllm_backend declares it (BYTES, one element per
+    image: base64, or here also a data URL or an allowed http(s) URL), not
+    yet decoded; more than ``max_images`` is refused before any is decoded."""
+    tensor = pb_utils.get_input_tensor_by_name(request, "image")
+    if tensor is None:
+        return []
+    value = tensor.as_numpy()
+    if max_images is not None and value.size > max_images:
+        raise InvalidRequestError(f"image: {value.size} images; the limit is {max_images} per prompt "
+                                  "(limit_mm_per_prompt)", param="image")
+    if value.dtype != np.object_:
+        raise InvalidRequestError(f"input image must be BYTES (one base64 image an element), got {value.dtype}",
+                                  param="image")
+    return list(value.reshape(-1))
+
+
 def read_request(request, limits: RequestLimits) -> EngineRequest:
-    """The request's prompt (``text_input`` or ``input_ids``) and its sampling
-    parameters: the ``sampling_parameters`` tensor (JSON, with vllm_backend's
-    ``lora_name`` beside them), else the request's parameters (generate
-    endpoint), each parsed once and mapped by ``map_request``."""
+    """The request's prompt (``text_input`` or ``input_ids``), its images
+    (``image``, still encoded) and its sampling parameters: the
+    ``sampling_parameters`` tensor (JSON, with vllm_backend's ``lora_name``
+    beside them), else the request's parameters (generate endpoint), each
+    parsed once and mapped by ``map_request``."""
     prompt = read_prompt_or_ids(request, limits.max_prompt_chars)
+    images = read_images(request, limits.max_images)
     if pb_utils.get_input_tensor_by_name(request, "sampling_parameters") is not None:
         fields = triton_fields(read_text(request, "sampling_parameters", MAX_PARAMETERS_BYTES))
     else:
         fields = triton_fields(None, request.parameters())
-    return map_request(fields, [prompt], limits)
+    return map_request(fields, [prompt], limits, images)
 
 
 def send_error(sender, message: str, code) -> None:

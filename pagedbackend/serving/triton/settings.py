@@ -10,9 +10,10 @@ Lower-case parameters are ``EngineConfig`` fields.
 """
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 from pagedbackend.config import coerce
+from pagedbackend.serving.images import ImageLimits
 from pagedbackend.serving.requests import RequestLimits
 
 METRIC_NAMES = ("both", "pagedbackend", "vllm")
@@ -33,11 +34,22 @@ class ModelSettings:
     # Which names the metrics carry: "both" (pagedbackend:* and vLLM's vllm:*),
     # "pagedbackend" or "vllm".
     metric_names: str = "both"
+    # Threads that decode the images of requests (docs/images.md) and hand
+    # them to the engine, whose image processor runs in add_request, off the
+    # intake thread that reads every request.
+    image_workers: int = 2
+    # Requests with images that may wait for those threads; one more is
+    # refused at once (UNAVAILABLE; 503 on the OpenAI API) rather than queued
+    # without bound.
+    image_queue: int = 16
 
     def __post_init__(self):
         if self.metric_names not in METRIC_NAMES:
             raise ValueError(f"parameter METRIC_NAMES must be one of {', '.join(METRIC_NAMES)}; "
                              f"got {self.metric_names!r}")
+        if self.image_workers < 1 or self.image_queue < 0:
+            raise ValueError(f"parameters IMAGE_WORKERS (at least 1) and IMAGE_QUEUE (at least 0): got "
+                             f"{self.image_workers} and {self.image_queue}")
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, Any]) -> "ModelSettings":
@@ -61,15 +73,24 @@ class ModelSettings:
         return METRIC_NAMES[1:] if self.metric_names == "both" else (self.metric_names,)
 
 
-def request_limits(parameters: Mapping[str, Any], max_model_len: int, max_prompt_chars: int) -> RequestLimits:
+def request_limits(parameters: Mapping[str, Any], max_model_len: int, max_prompt_chars: int,
+                   max_images: Optional[int] = None) -> RequestLimits:
     """The request limits (``RequestLimits``), each set by the parameter of its
-    name in upper case (``MAX_N``, ``MAX_STOP_STRINGS``); the context length
-    and prompt characters are the engine's."""
-    engine_owned = ("max_model_len", "max_prompt_chars")
+    name in upper case (``MAX_N``, ``MAX_STOP_STRINGS``); the context length,
+    prompt characters and images per prompt are the engine's."""
+    engine_owned = ("max_model_len", "max_prompt_chars", "max_images")
     values = {f.name: _text(parameters.get(f.name.upper())) for f in dataclasses.fields(RequestLimits)
               if f.name not in engine_owned}
     limits = RequestLimits.from_settings({name: text for name, text in values.items() if text})
-    return limits.replace(max_model_len=max_model_len, max_prompt_chars=max_prompt_chars)
+    return limits.replace(max_model_len=max_model_len, max_prompt_chars=max_prompt_chars, max_images=max_images)
+
+
+def image_limits(parameters: Mapping[str, Any]) -> ImageLimits:
+    """The image limits (``serving.images.ImageLimits``), each set by the
+    parameter of its name in upper case (``MAX_IMAGE_PIXELS``,
+    ``ALLOWED_MEDIA_DOMAINS``)."""
+    values = {f.name: _text(parameters.get(f.name.upper())) for f in dataclasses.fields(ImageLimits)}
+    return ImageLimits.from_settings({name: text for name, text in values.items() if text})
 
 
 def parameter_names(field: str) -> Tuple[str, ...]:
