@@ -12,10 +12,13 @@ GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
 # The key, shared with the OpenAI-compatible server that lists the repository's models.
 ADMIN_KEY_ENV = "PAGEDBACKEND_ADMIN_KEY"
 
-# Seconds tritonserver waits, after SIGTERM, for HTTP connections to close and
-# requests to end (the model ends its own at once; idle keep-alive clients are
-# what it waits for).
-EXIT_TIMEOUT_S = 5
+# Seconds tritonserver has, after SIGTERM, for HTTP connections to close,
+# requests to end and the model to unload (the model ends its own requests at
+# once; idle keep-alive clients are what it waits for). The unload alone takes
+# over a second (the Python backend's health check sleeps one second before it
+# asks the stub to finalize) and an open HTTP connection costs a second more;
+# 5 s ran out on a loaded 2-core machine, so 10.
+EXIT_TIMEOUT_S = 10
 
 # The error that ends every open request when a server stops.
 SHUTTING_DOWN = "the server is shutting down"

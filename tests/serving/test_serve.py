@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 from pagedbackend.config import EngineConfig, engine_config
+from pagedbackend.serving.constants import EXIT_TIMEOUT_S
 from processes import group_members, processes_mentioning
 from loadtest.harness.triton import ServerError, TritonServer
 from pagedbackend.serving.process import find_tritonserver, prepare_backend, server_command, triton_home
@@ -97,7 +98,7 @@ def test_server_command_lets_models_unload_themselves_but_keeps_the_repository_a
     assert "--model-control-mode=explicit" in command and "--load-model=*" in command
     assert f"--http-restricted-api={admin}" in command
     assert f"--grpc-restricted-protocol={admin}" in command
-    assert "--exit-timeout-secs=5" in command
+    assert f"--exit-timeout-secs={EXIT_TIMEOUT_S}" in command
     assert not [flag for flag in other if flag.endswith("=k3y")]  # a random key otherwise
     assert not [flag for flag in command if "inference" in flag]   # open without an API key
     assert "--http-restricted-api=inference,metadata,model-config:pagedbackend-api-key=s3cret" in keyed
@@ -132,7 +133,7 @@ def test_tritonserver_options_after_a_double_dash_pass_through_and_replace_ours(
     assert args.http_port == 18000
     assert args.tritonserver_args == ["--load-model=paged_llm", "--log-info=false", "--exit-timeout-secs", "9"]
     assert "--load-model=paged_llm" in command and "--load-model=*" not in command
-    assert command[-4:] == args.tritonserver_args and "--exit-timeout-secs=5" not in command
+    assert command[-4:] == args.tritonserver_args and f"--exit-timeout-secs={EXIT_TIMEOUT_S}" not in command
     assert "--model-control-mode=poll" in polling and "--model-control-mode=explicit" not in polling
     assert not [flag for flag in polling if flag.startswith("--load-model")]  # poll mode takes none
 

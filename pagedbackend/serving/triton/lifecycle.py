@@ -26,7 +26,7 @@ answering drains the model just as the group's SIGTERM does (a probe every
 
 ``end_stub()``: the end of ``finalize``. The stub replies to tritonserver's
 finalize request before it calls ``finalize``, and tritonserver then only
-waits for the process to exit (within its exit timeout, 5 s). The stub's own
+waits for the process to exit (within its exit timeout). The stub's own
 teardown releases the model's metric families after its stub object is gone:
 each family's destructor asks for the stub again, gets a fresh one without
 shared memory and segfaults (tritonserver 2.51, on every stop; the kernel log
