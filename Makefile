@@ -21,8 +21,12 @@ FLEET_ARGS ?=
 # e.g. OPENAI_ARGS="--max-concurrent-per-key 8 --request-limit max_n=16".
 OPENAI_ARGS ?=
 # `make serve MODEL=FOLDER` (and `make fleet MODEL=FOLDER`) serves a Hugging Face model folder
-# instead of the default model.
+# (or a GGUF file) instead of the default model. Several models, one Triton model each:
+# MODEL="chat=/models/qwen embed=/models/bge rerank=/models/bge-reranker", with settings
+# per model in SERVE_ARGS="--set embed:num_kv_blocks=64" (docs/deployment.md).
 MODEL :=
+# More options of the launcher (python -m pagedbackend.serve --help), e.g. SERVE_ARGS="--set max_num_seqs=32".
+SERVE_ARGS ?=
 PYTEST_ARGS ?=
 SOAK_MINUTES ?= 10
 
@@ -80,10 +84,10 @@ serve: setup
 	$(if $(API_KEY),export PAGEDBACKEND_API_KEY='$(API_KEY)';) \
 	$(PY) -m pagedbackend.serve --model-repository model_repository --host $(HOST) \
 	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
-	  $(if $(MODEL),--model $(MODEL)) & triton=$$!; \
+	  $(foreach m,$(MODEL),--model $(m)) $(SERVE_ARGS) & triton=$$!; \
 	$(PY) -m pagedbackend.serving.openai_server \
 	  --triton-url $(if $(filter 0.0.0.0 ::,$(HOST)),127.0.0.1,$(HOST)):$(GRPC_PORT) \
-	  --host $(HOST) --port $(OPENAI_PORT) $(if $(MODEL),--tokenizer $(MODEL)) $(OPENAI_ARGS) & openai=$$!; \
+	  --host $(HOST) --port $(OPENAI_PORT) $(foreach m,$(MODEL),--model $(m)) $(OPENAI_ARGS) & openai=$$!; \
 	stopped=; stop() { [ -n "$$stopped" ] && return; stopped=1; trap '' INT TERM; \
 	  kill $$triton $$openai 2>/dev/null; }; \
 	trap stop INT TERM; \

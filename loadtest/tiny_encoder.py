@@ -16,7 +16,8 @@ WORDS = ("the a of to and in is it that paged attention cache block token model 
 SPECIAL = ["[PAD]", "<pad>", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]   # <pad>: XLM-RoBERTa's padding id 1
 
 
-def _tokenizer(path: pathlib.Path) -> None:
+def write_tokenizer(path: pathlib.Path) -> None:
+    """A WordPiece tokenizer over the small vocabulary above (every word one token)."""
     from transformers import BertTokenizer
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     vocab = SPECIAL + WORDS + letters + ["##" + c for c in letters] + [str(d) for d in range(10)] + list(".,?!")
@@ -48,7 +49,7 @@ def build_tiny_encoder(path, model_type: str = "bert", pooling_type: Optional[st
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model.eval().save_pretrained(path)
-    _tokenizer(path)
+    write_tokenizer(path)
     if pooling_type is not None and not cross_encoder:
         write_sentence_transformers_files(path, pooling_type, normalize)
     return path

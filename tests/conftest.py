@@ -21,7 +21,7 @@ SLOW_FILES_FIRST = (
     "kernels/test_packed_linear.py", "models/test_moe_models.py", "serving/test_openai_structured_server.py",
     "worker/test_tensor_parallel.py", "tools/test_loadtest.py", "serving/test_fleet.py", "models/test_quant.py",
     "serving/test_embeddings_server.py", "engine/test_kv_cache_dtype_engine.py", "models/test_gguf.py",
-    "serving/test_scores_server.py", "serving/test_fuzz_smoke.py")
+    "serving/test_scores_server.py", "serving/test_fuzz_smoke.py", "serving/test_several_models.py")
 _TESTS = pathlib.Path(__file__).resolve().parent
 
 

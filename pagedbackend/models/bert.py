@@ -5,13 +5,15 @@ layers of bidirectional self-attention and a GELU MLP.
 The module tree uses Hugging Face's parameter names (``embeddings.*``,
 ``encoder.layer.N.attention.self.query``, ...) so a checkpoint loads by
 name once its ``bert.`` / ``roberta.`` prefix is taken off. The forward runs
-on a padded batch of whole inputs with a key mask: an encoder has no KV
-cache (``worker.encoder_runner`` says why). XLM-RoBERTa differs only in its
+on whole inputs packed one after another, without padding (a batch padded
+to its longest input computed up to twice the tokens on mixed lengths), each
+input attending to itself only: an encoder has no KV cache
+(``worker.encoder_runner`` says why). XLM-RoBERTa differs only in its
 position ids, which count from ``pad_token_id + 1`` over the non-padding
 tokens, as RoBERTa's do.
 """
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -113,17 +115,18 @@ class _Attention(nn.Module):
         setattr(self, "self", _SelfAttention(a))
         self.output = _DenseNorm(a.hidden_size, a.hidden_size, a.layer_norm_eps)
 
-    def forward(self, h: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, lengths: List[int]) -> torch.Tensor:
+        """``h``: the inputs' tokens one after another ``[tokens, hidden]``;
+        each input attends to all of itself (bidirectional) and nothing else."""
         sa = getattr(self, "self")
-        b, t, d = h.shape
-        heads = sa.num_heads
-
-        def split(x):
-            return x.view(b, t, heads, d // heads).transpose(1, 2)
-        q, k, v = split(sa.query(h)), split(sa.key(h)), split(sa.value(h))
-        # Bidirectional: every token sees every real token of its input, none of the padding.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :])
-        return self.output(out.transpose(1, 2).reshape(b, t, d), h)
+        d, heads = h.shape[-1], sa.num_heads
+        q, k, v = sa.query(h), sa.key(h), sa.value(h)
+        outs = []
+        for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+            n = qi.shape[0]
+            qi, ki, vi = (x.view(1, n, heads, d // heads).transpose(1, 2) for x in (qi, ki, vi))
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1).reshape(n, d))
+        return self.output(torch.cat(outs) if len(outs) > 1 else outs[0], h)
 
 
 class _Intermediate(nn.Module):
@@ -143,8 +146,8 @@ class _Layer(nn.Module):
         self.intermediate = _Intermediate(a)
         self.output = _DenseNorm(a.intermediate_size, a.hidden_size, a.layer_norm_eps)
 
-    def forward(self, h: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        h = self.attention(h, key_mask)
+    def forward(self, h: torch.Tensor, lengths: List[int]) -> torch.Tensor:
+        h = self.attention(h, lengths)
         return self.output(self.intermediate(h), h)
 
 
@@ -193,29 +196,34 @@ class Encoder(nn.Module):
             self.classifier = _RobertaHead(args) if roberta else nn.Linear(args.hidden_size, args.num_labels)
         self.requires_grad_(False)
 
-    def positions(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Position ids of a padded batch: 0.. (BERT), or RoBERTa's past the padding index."""
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Position ids of one input: 0.. (BERT), or RoBERTa's past the padding index."""
         if self.args.model_type == "xlm-roberta":
             pad = self.args.pad_token_id
-            real = (ids != pad) & mask
-            return torch.cumsum(real.long(), dim=1) * real.long() + pad
-        return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            real = (ids != pad).long()
+            return torch.cumsum(real, dim=0) * real + pad
+        return torch.arange(ids.shape[0], device=ids.device)
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor,
+    def forward(self, ids: torch.Tensor, lengths: List[int],
                 token_types: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Last hidden states ``[batch, tokens, hidden]`` of right-padded inputs
-        (``mask``: true on real tokens); ``token_types``: the segment of each
-        token (a cross-encoder's query 0, document 1; default 0)."""
+        """Last hidden states ``[tokens, hidden]`` of whole inputs packed one
+        after another (``lengths``: each input's tokens; no padding, so the
+        projections and MLPs compute real tokens only); ``token_types``: the
+        segment of each token (a cross-encoder's query 0, document 1; default 0)."""
         if token_types is None:
             token_types = torch.zeros_like(ids)
-        h = self.embeddings(ids, self.positions(ids, mask), token_types)
+        positions = torch.cat([self.positions(part) for part in ids.split(lengths)])
+        h = self.embeddings(ids, positions, token_types)
         for layer in self.encoder.layer:
-            h = layer(h, mask)
+            h = layer(h, lengths)
         return h
 
-    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A cross-encoder's logits ``[batch, num_labels]`` from the last hidden states."""
-        first = hidden[:, 0]
+    def classify(self, hidden: torch.Tensor, lengths: List[int]) -> torch.Tensor:
+        """A cross-encoder's logits ``[inputs, num_labels]`` from the packed last hidden states."""
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        first = hidden[torch.tensor(starts, device=hidden.device)]
         return self.classifier(first if self.pooler is None else self.pooler(first))
 
     def load_weights(self, tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:

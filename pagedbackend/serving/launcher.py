@@ -7,18 +7,26 @@ Engine settings come from the ``parameters`` of each model's ``config.pbtxt``
 (names as ``EngineConfig`` fields). An environment variable
 ``PAGEDBACKEND_<FIELD>`` (e.g. ``PAGEDBACKEND_NUM_KV_BLOCKS=512``) overrides the
 file; ``--set field=value`` and ``--model`` set those variables for the server.
+Several models (``--model NAME=FOLDER``, repeated) are served from a
+repository made for the run, one copy of the repository's model each, with
+the settings (``--set field=value`` for all, ``--set NAME:field=value`` for
+one) in their parameters.
 This module is the command line alone: the model repository is read and
 prepared in ``repository``, tritonserver started and stopped in ``process``,
 and its readiness awaited through ``readiness``.
 """
 import argparse
+import atexit
 import os
+import pathlib
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import fields
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 from pagedbackend.config import ENV_PREFIX, EngineConfig
 from pagedbackend.serving.constants import ADMIN_HEADER, ADMIN_KEY_ENV, EXIT_TIMEOUT_S
@@ -26,7 +34,8 @@ from pagedbackend.serving.readiness import is_model_ready, is_ready, models_not_
 from pagedbackend.serving.process import (prepare_backend, server_command, server_env, signal_group,
                                           start_server_process)
 from pagedbackend.serving.repository import (MODEL_REPOSITORY_ENV, build_step_packages, default_model_repository,
-                                             prepare_models, repository_models)
+                                             parse_model_args, prepare_models, repository_models,
+                                             served_repository)
 from pagedbackend.serving.security import (API_KEY_ENV, API_KEY_HEADER, PUBLIC_BIND_FLAG, api_keys,
                                            refuse_public_bind)
 
@@ -57,7 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--model", help='engine model: "default" or a model folder (PAGEDBACKEND_MODEL)')
+    parser.add_argument("--model", action="append", default=[], metavar="FOLDER | NAME=FOLDER",
+                        help='engine model: "default", a model folder or GGUF file (PAGEDBACKEND_MODEL); '
+                             "NAME=FOLDER, repeatable: several models, Triton model NAME each")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override an engine setting (PAGEDBACKEND_<FIELD>); repeatable")
     parser.add_argument("--log-verbose", type=int, default=0)
@@ -88,15 +99,47 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def setting_overrides(args: argparse.Namespace) -> Dict[str, str]:
-    overrides = {}
-    for item in args.set:
-        name, sep, value = item.partition("=")
-        if not sep or name not in {f.name for f in fields(EngineConfig)}:
-            raise SystemExit(f"--set expects FIELD=VALUE with an EngineConfig field, got {item!r}")
-        overrides[ENV_PREFIX + name.upper()] = value
-    if args.model:   # a folder or GGUF file, made absolute: tritonserver's backend runs elsewhere
-        overrides[ENV_PREFIX + "MODEL"] = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
+    """The environment for one model (``--model FOLDER``) or for the
+    repository's own models; with several named models, nothing: their
+    settings go into their parameters (``served_models_repository``)."""
+    try:
+        models = parse_model_args(args.model)
+    except ValueError as exc:
+        raise SystemExit(f"--model: {exc}") from None
+    shared, per_model = split_settings(args.set, [name for name in models if name])
+    if models and "" not in models:
+        return {}
+    overrides = {ENV_PREFIX + name.upper(): value for name, value in shared.items()}
+    if models:   # a folder or GGUF file, made absolute: tritonserver's backend runs elsewhere
+        model = models[""]
+        overrides[ENV_PREFIX + "MODEL"] = os.path.abspath(model) if os.path.exists(model) else model
     return overrides
+
+
+def split_settings(items, names) -> Tuple[Dict[str, str], Dict[str, Dict[str, str]]]:
+    """``--set`` values: FIELD=VALUE for every model, NAME:FIELD=VALUE for the named model NAME."""
+    shared, per_model = {}, {}
+    known = {f.name for f in fields(EngineConfig)}
+    for item in items:
+        target, sep, value = item.partition("=")
+        model, colon, name = target.rpartition(":")
+        if not sep or name not in known or (colon and model not in names):
+            raise SystemExit(f"--set expects FIELD=VALUE with an EngineConfig field, or NAME:FIELD=VALUE with "
+                             f"NAME one of --model's names ({', '.join(names) or 'none given'}), got {item!r}")
+        (per_model.setdefault(model, {}) if colon else shared)[name] = value
+    return shared, per_model
+
+
+def served_models_repository(args: argparse.Namespace, source) -> Optional[pathlib.Path]:
+    """For several named models: a repository made for this run (removed at
+    exit) with a copy of ``source``'s model per name; None otherwise."""
+    models = parse_model_args(args.model)
+    if not models or "" in models:
+        return None
+    shared, per_model = split_settings(args.set, list(models))
+    dest = pathlib.Path(tempfile.mkdtemp(prefix="pagedbackend-models-"))
+    atexit.register(shutil.rmtree, dest, True)
+    return served_repository(dest, models, shared, per_model, source=source)
 
 
 def main(argv=None) -> int:
@@ -114,6 +157,10 @@ def main(argv=None) -> int:
     failures = []
     try:
         repository = args.model_repository or default_model_repository()
+        named = served_models_repository(args, repository)
+        if named is not None:   # each named model's folder is in its parameters, not in the environment
+            repository = named
+            os.environ.pop(ENV_PREFIX + "MODEL", None)
         prepare_backend()
         for path in prepare_models(repository, {**os.environ, **overrides}, failures):
             print(f"model weights: {path}", flush=True)

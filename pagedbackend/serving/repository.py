@@ -59,6 +59,34 @@ def make_model_repository(dest, settings: Mapping[str, Any] = (), source=None,
     return dest
 
 
+def parse_model_args(items) -> Dict[str, str]:
+    """``--model`` values: NAME=FOLDER pairs in order (several served models,
+    one Triton model each), or one plain FOLDER (returned under the name "")."""
+    models: Dict[str, str] = {}
+    for item in items:
+        name, sep, folder = item.partition("=")
+        if not sep:
+            if len(items) > 1:
+                raise ValueError(f"{item!r}: with several models each is NAME=FOLDER")
+            return {"": item}
+        if not name or not folder or name in models or "/" in name or name.startswith("."):
+            raise ValueError(f"{item!r}: expected NAME=FOLDER, a plain name used once")
+        models[name] = folder
+    return models
+
+
+def served_repository(dest, models: Mapping[str, str], settings: Mapping[str, str],
+                      per_model: Mapping[str, Mapping[str, str]], source=None) -> pathlib.Path:
+    """A repository in ``dest`` with one copy of ``source``'s model per entry
+    of ``models`` (name -> model folder or GGUF file), its parameters
+    ``settings`` and then that model's own ``per_model`` settings."""
+    for name, folder in models.items():
+        folder = os.path.abspath(folder) if os.path.exists(folder) else folder
+        make_model_repository(dest, {**settings, **per_model.get(name, {}), "model": folder}, source=source,
+                              name=name)
+    return pathlib.Path(dest)
+
+
 def repository_models(model_repository) -> list:
     """Names of the repository's model folders (those with a config.pbtxt)."""
     return sorted(path.parent.name for path in pathlib.Path(model_repository).glob("*/config.pbtxt"))

@@ -1,6 +1,6 @@
 """The executor of an encoder model (BERT, XLM-RoBERTa; ``models.bert``):
-each step runs every scheduled input whole, in one padded batch, with
-bidirectional attention and no KV cache.
+each step runs every scheduled input whole, packed one after another
+without padding, with bidirectional attention and no KV cache.
 
 Why not the paged cache: an encoder's token attends to the tokens after it,
 so its K/V are useful only within the one forward pass that computes the
@@ -74,25 +74,22 @@ class EncoderRunner:
         if hidden_out is None:
             raise ValueError("an encoder step returns hidden states: hidden_out is needed")
         lengths = [len(e.token_ids) for e in entries]
-        longest = max(lengths)
-        ids = torch.zeros((len(entries), longest), dtype=torch.long)
-        mask = torch.zeros((len(entries), longest), dtype=torch.bool)
-        types = torch.zeros((len(entries), longest), dtype=torch.long)   # segments: a pair's document is 1
-        for i, e in enumerate(entries):
+        types = torch.zeros(sum(lengths), dtype=torch.long)   # segments: a pair's document is 1
+        start = 0
+        for e, n in zip(entries, lengths):
             bad = [t for t in e.token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-            ids[i, :lengths[i]] = torch.tensor(e.token_ids)
-            mask[i, :lengths[i]] = True
             if e.token_type_start is not None:
-                types[i, e.token_type_start:lengths[i]] = 1
-        ids, mask, types = ids.to(self.device), mask.to(self.device), types.to(self.device)
+                types[start + e.token_type_start:start + n] = 1
+            start += n
+        ids = torch.tensor([t for e in entries for t in e.token_ids], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            hidden = self.model(ids, mask, types)
+            hidden = self.model(ids, lengths, types.to(self.device))
             if self.num_labels:
-                hidden_out.extend(self.model.classify(hidden).float().unsqueeze(1).unbind(0))
+                hidden_out.extend(self.model.classify(hidden, lengths).float().unsqueeze(1).unbind(0))
             else:
-                hidden_out.extend(hidden[i, :n].float() for i, n in enumerate(lengths))
+                hidden_out.extend(part.float() for part in hidden.split(lengths))
         return torch.empty((0, self.vocab_size), device=self.device)
 
     # ---- what an encoder has none of ------------------------------------

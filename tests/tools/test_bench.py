@@ -664,3 +664,24 @@ def test_aiperf_bench_reads_the_servers_own_time_to_first_token_and_its_parts():
     assert times["engine_ttft_s"] == 1.0 and times["engine_queue_s"] == 0.5
     assert times["engine_prefill_s"] is None and times["triton_queue_s"] == 0.1
     assert aiperf.scrape("http://127.0.0.1:1/metrics") == {}
+
+
+def test_embed_bench_pairs_our_embeddings_with_sentence_transformers(tmp_path, monkeypatch, capsys):
+    from loadtest.bench import embed
+    monkeypatch.delenv("BENCH_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr("sys.argv", ["python -m loadtest.bench", "embed", "--quick"])
+    assert embed.main(["--quick", "--threads", "1", "--inputs", "12", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    saved = json.loads((tmp_path / "embed.json").read_text())
+    assert saved["inputs"] == 12 and saved["rounds"] == 1 and saved["command"].endswith("embed --quick")
+    systems = saved["systems"]
+    ours, bf16 = systems["ours (LLM.embed)"], systems["ours (LLM.embed, dtype=bfloat16)"]
+    st = systems["sentence-transformers (encode, batches of 32)"]
+    for row in (ours, bf16, st):
+        assert row["sentences_per_s"] > 0 and row["single_p50_ms"] > 0 and len(row["sentences_per_s_rounds"]) == 1
+    assert saved["ratios"]["ours (LLM.embed)"]["sentences_per_s"] == pytest.approx(
+        ours["sentences_per_s"] / st["sentences_per_s"])
+    # float32 gives sentence-transformers' embeddings, or the figures compare nothing; bfloat16 says how far it is
+    assert ours["max_cosine_distance_to_st"] < 1e-4 and 0 < bf16["max_cosine_distance_to_st"] < 0.05
+    assert "not run" in systems["vLLM CPU build (LLM.embed)"]["error"]
+    assert "| ours (LLM.embed) |" in printed and "x sentence-transformers" in printed

@@ -17,7 +17,7 @@ import pathlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -65,6 +65,30 @@ class Settings:
     # Whether the served model takes images; None: its folder's config.json
     # says (a vision_config), read with the tokenizer.
     takes_images: Optional[bool] = None
+    # Several served models (Triton model name -> its folder, for the
+    # tokenizer, the context length and whether it takes images), the first
+    # the default; empty: ``model_name`` served from ``tokenizer``.
+    models: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Served:
+    """What the API needs of one served model besides Triton: its tokenizer,
+    the request limits with its context length, and whether it takes images."""
+    tokenizer: object
+    limits: RequestLimits
+    takes_images: bool
+
+
+def load_served(folder: str, limits: RequestLimits, takes_images: Optional[bool] = None) -> Served:
+    """The tokenizer, context length and image input of a model folder (the
+    engine's, from local files only; "default": the engine's default model)."""
+    from pagedbackend.engine.tokenizer import load_tokenizer
+    from pagedbackend.models.default_model import resolve_model_path
+    path = resolve_model_path(folder)
+    if limits.max_model_len is None:
+        limits = limits.replace(max_model_len=model_context_length(path))
+    return Served(load_tokenizer(path), limits, folder_takes_images(path) if takes_images is None else takes_images)
 
 
 def folder_takes_images(folder) -> bool:
@@ -101,16 +125,16 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: Optional[Tools] = 
 
 def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     triton = Triton(settings.triton_url, settings.admin_key, settings.triton_api_key)
+    if settings.models:
+        settings.model_name = next(iter(settings.models))
+        served = {name: load_served(folder, settings.limits) for name, folder in settings.models.items()}
+    elif tokenizer is not None:   # given (tests): the limits and image input as the settings say
+        served = {settings.model_name: Served(tokenizer, settings.limits, bool(settings.takes_images))}
+    else:
+        served = {settings.model_name: load_served(settings.tokenizer, settings.limits, settings.takes_images)}
+    default = served[settings.model_name]
+    settings.limits, settings.takes_images = default.limits, default.takes_images
     adapters = lora.Adapters(triton, settings.model_name, settings.admin_key)
-    if tokenizer is None:   # the engine's, from local files only ("default": the engine's default model)
-        from pagedbackend.engine.tokenizer import load_tokenizer
-        from pagedbackend.models.default_model import resolve_model_path
-        folder = resolve_model_path(settings.tokenizer)
-        tokenizer = load_tokenizer(folder)
-        if settings.limits.max_model_len is None:
-            settings.limits = settings.limits.replace(max_model_len=model_context_length(folder))
-        if settings.takes_images is None:
-            settings.takes_images = folder_takes_images(folder)
     limits = settings.limits
     started = int(time.time())
     open_generations = OpenGenerations()
@@ -135,9 +159,12 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         return JSONResponse(OpenAIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
 
-    async def model_for(name: Optional[str], logprobs: bool, images: bool = False) -> Tuple[str, Optional[str]]:
-        """The Triton model of a request's ``model``, and the adapter it names
-        (None: the model itself); an adapter's name wins over other models'."""
+    async def model_for(name: Optional[str], logprobs: bool,
+                        images: bool = False) -> Tuple[str, Optional[str], Served]:
+        """The Triton model of a request's ``model``, the adapter it names
+        (None: the model itself; an adapter's name wins over other models'),
+        and what the API serves it with (a Triton model not served here by
+        name: the default model's tokenizer)."""
         name, adapter = name or settings.model_name, None
         if name != settings.model_name and await adapters.find(name):
             name, adapter = settings.model_name, name
@@ -148,9 +175,10 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         if logprobs and "logprobs" not in {o["name"] for o in config.get("output", [])}:
             raise OpenAIError(400, f"logprobs are not supported by model {name}: it has no logprobs output",
                               "logprobs")
-        if images and (not settings.takes_images or "image" not in {i["name"] for i in config.get("input", [])}):
+        model = served.get(name, default)
+        if images and (not model.takes_images or "image" not in {i["name"] for i in config.get("input", [])}):
             raise OpenAIError(400, f"model {name} takes no image input: it serves text only", "messages")
-        return name, adapter
+        return name, adapter, model
 
     @app.get("/health")
     async def health():
@@ -161,7 +189,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        names = await triton.text_models([settings.model_name])
+        names = await triton.text_models(list(served))
         cards = [{"id": name, "object": "model", "created": started, "owned_by": "pagedbackend"} for name in names]
         if settings.model_name in names:
             cards += lora.model_cards(await adapters.listed(), settings.model_name, started)
@@ -180,8 +208,8 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     async def completions(request: Request):
         body = await request.body()
         req = await run_sized(len(body), parse_request, CompletionRequest, body)
-        prompts = req.prompts(len(tokenizer))
-        model, adapter = await model_for(req.model, req.logprobs is not None)
+        model, adapter, use = await model_for(req.model, req.logprobs is not None)
+        prompts = req.prompts(len(use.tokenizer))
         # max_tokens 0 (score the prompt): one token is generated and not returned.
         params = sampling_parameters(req, max(req.max_tokens or 0, 1) if req.max_tokens is not None else None,
                                      req.logprobs)
@@ -192,8 +220,9 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
             params["prompt_logprobs"] = req.logprobs
         if adapter is not None:
             params["lora_name"] = adapter
-        params = map_openai(params, prompts, limits).wire()   # checked here, before Triton sees it
-        shape = await run_sized(len(body), CompletionAnswer, req, adapter or model, prompts, tokenizer)   # echo's texts
+        params = map_openai(params, prompts, use.limits).wire()   # checked here, before Triton sees it
+        shape = await run_sized(len(body), CompletionAnswer, req, adapter or model, prompts,
+                                use.tokenizer)   # echo's texts
         return await answer(request, triton, model, prompts, params, req.logprobs is not None,
                             shape, req.stream, open_generations)
 
@@ -202,10 +231,10 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         body = await request.body()
         req = await run_sized(len(body), parse_request, ChatCompletionRequest, body)
         images = chat_images(req)
-        model, adapter = await model_for(req.model, req.logprobs, bool(images))
-        openai_checked(limits.check_tools, req.tools)   # their count and size, before they are read
+        model, adapter, use = await model_for(req.model, req.logprobs, bool(images))
+        openai_checked(use.limits.check_tools, req.tools)   # their count and size, before they are read
         tools = Tools.of(req)
-        prompt = await run_sized(len(body), chat_prompt, tokenizer, req, tools)
+        prompt = await run_sized(len(body), chat_prompt, use.tokenizer, req, tools)
         reasoning = Reasoning.of(settings.reasoning_parser, req, prompt)
         shape = ChatAnswer(req, adapter or model, tools, reasoning)
         params = sampling_parameters(req, req.max_completion_tokens or req.max_tokens, shape.top)
@@ -221,7 +250,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
             params["structured_outputs"] = constraint
         if adapter is not None:
             params["lora_name"] = adapter
-        params = map_openai(params, [prompt], limits).wire()   # checked here, before Triton sees it
+        params = map_openai(params, [prompt], use.limits).wire()   # checked here, before Triton sees it
         return await answer(request, triton, model, [prompt], params, req.logprobs, shape, req.stream,
                             open_generations, images)
 
@@ -230,7 +259,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         body = await request.body()
         req = await run_sized(len(body), parse_request,
                               lambda data: TokenizeChatRequest if "messages" in data else TokenizeRequest, body)
-        await model_for(req.model, False)
+        tokenizer = (await model_for(req.model, False))[2].tokenizer
         if isinstance(req, TokenizeChatRequest) and chat_images(req):
             raise OpenAIError(400, "/tokenize counts text only: its messages may hold no image parts "
                               "(a chat completion's usage counts an image's tokens)", "messages")
@@ -246,7 +275,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     async def detokenize(request: Request):
         body = await request.body()
         req = await run_sized(len(body), parse_request, DetokenizeRequest, body)
-        await model_for(req.model, False)
+        tokenizer = (await model_for(req.model, False))[2].tokenizer
         openai_checked(check_token_ids, req.tokens, len(tokenizer), "tokens")
         return {"prompt": await run_sized(len(req.tokens), tokenizer.decode, req.tokens)}
 

@@ -12,6 +12,7 @@ from pagedbackend.serving.constants import ADMIN_KEY_ENV, SERVED_MODEL
 from pagedbackend.serving.openai.app import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, Settings, create_app,
                                              serve)
 from pagedbackend.serving.openai.reasoning import REASONING_PARSERS
+from pagedbackend.serving.repository import parse_model_args
 from pagedbackend.serving.requests import RequestLimits
 from pagedbackend.serving.security import API_KEY_ENV, PUBLIC_BIND_FLAG, api_keys, refuse_public_bind
 
@@ -27,6 +28,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", "--model-path", dest="tokenizer", default="default",
                         help='the served model\'s folder, for its tokenizer and chat template '
                              '("default": the engine\'s default model)')
+    parser.add_argument("--model", action="append", default=[], metavar="NAME=FOLDER",
+                        help="a served model (repeatable): Triton model NAME, its tokenizer, chat template and "
+                             "context length from FOLDER; the first is the default (replaces --model-name and "
+                             "--tokenizer). A plain FOLDER is --tokenizer FOLDER")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get 413")
     parser.add_argument("--triton-admin-key", default=os.environ.get(ADMIN_KEY_ENV),
@@ -74,13 +79,22 @@ def main(argv=None) -> int:
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
+    try:
+        models = parse_model_args(args.model)
+    except ValueError as exc:
+        print(f"error: --model: {exc}", file=sys.stderr)
+        return 2
+    if models and list(models) == [""]:   # a plain folder: the default Triton model's tokenizer
+        args.tokenizer, models = models[""], {}
     settings = Settings(args.triton_url, args.model_name, args.tokenizer, args.max_body_bytes,
                         args.triton_admin_key, args.reasoning_parser, limits, keys, keys[0] if keys else None,
-                        max(0, args.max_concurrent_per_key))
+                        max(0, args.max_concurrent_per_key), models=models)
+    if models:
+        args.model_name = next(iter(models))
     try:
         app = create_app(settings)
     except (OSError, ValueError) as exc:
-        print(f"error: cannot load the tokenizer from {args.tokenizer!r}: {exc}", file=sys.stderr)
+        print(f"error: cannot load the tokenizer from {dict(models) or args.tokenizer!r}: {exc}", file=sys.stderr)
         return 1
     print(f"OpenAI API: http://{args.host}:{args.port}/v1 (Triton gRPC {args.triton_url})", flush=True)
     return serve(app, args.host, args.port, args.log_level, args.max_header_bytes, args.model_name,
