@@ -29,6 +29,11 @@ LORA_RANKS = (8, 16, 32, 64)
 # (family, hidden, expert intermediate, top-k, biases): one rank's experts.
 MOE_SHAPES = (("mixtral", 4096, 14336, 2, False), ("qwen3_moe", 2048, 768, 8, False),
               ("gpt_oss", 2880, 2880, 4, True))
+# fp8 KV caches: write_kv's saturation and rounding constants, and the oldest
+# arch Triton converts the type on (e4m3 needs sm_89; sm_80 has e5m2).
+FP8_KV = {"fp8e4nv": (dict(CLAMP=448.0, MANTISSA=3, MIN_EXP=-6), 89),
+          "fp8e5": (dict(CLAMP=57344.0, MANTISSA=2, MIN_EXP=-14), 80)}
+KV_DTYPES = ("bf16", "i8", *FP8_KV)   # kv_cache_dtype beside a bf16 / fp16 model
 
 
 @dataclass
@@ -42,6 +47,7 @@ class Launch:
     dtype: str
     shape: str = ""
     options: Dict[str, int] = field(default_factory=dict)
+    min_arch: int = 0   # compiled for this arch and newer (the engine refuses it before)
 
     @property
     def label(self) -> str:
@@ -66,8 +72,8 @@ def _tensor(dtype: str) -> str:
 
 def _cache(dim: int, dtype: str, kv: Optional[str]):
     """A KV cache's pointer type, its scales' and its row length: the model's
-    ``dtype``, or ``kv`` ("bf16", or "i8": rows of int8 values and float32
-    scales, ``kv_cache_dtype.py``)."""
+    ``dtype``, or ``kv`` ("bf16", an fp8 type, or "i8": rows of int8 values
+    and float32 scales, ``kv_cache_dtype.py``)."""
     if kv == "i8":
         return "*i8", "*fp32", dim + dim // 8
     return _tensor(kv or dtype), _tensor(kv or dtype), dim
@@ -104,7 +110,7 @@ def paged_attention(dim: int, group: int, rows: int, dtype: str, sinks: bool,
     args.update(BLOCK_Q=rows // group, GROUP_PAD=group, BLOCK_N=block_n, DIM=dim,
                 LOWP_DOT=dtype != "fp32", HAS_SINKS=sinks, QUANT=kv == "i8")
     return Launch(f"{_PACKAGE}.paged_attention", "_paged_attention_kernel", args, dtype + (f"/kv {kv}" if kv else ""),
-                  options=dict(options or {}))
+                  options=dict(options or {}), min_arch=FP8_KV.get(kv, (None, 0))[1])
 
 
 def write_kv(dim: int, kv_heads: int, dtype: str, kv: Optional[str] = None) -> Launch:
@@ -121,8 +127,10 @@ def write_kv(dim: int, kv_heads: int, dtype: str, kv: Optional[str] = None) -> L
     args.update(zip(("stride_vt", "stride_vh", "stride_vd"), token_strides))
     args.update(zip(("stride_kcb", "stride_kcs", "stride_kch", "stride_kcd"), cache_strides))
     args.update(zip(("stride_vcb", "stride_vcs", "stride_vch", "stride_vcd"), cache_strides))
-    args.update(HEADS=kv_heads, DIM=dim, QUANT=kv == "i8", CLAMP=0.0, MANTISSA=3, MIN_EXP=-6)   # fp8 launches: not described yet
-    return Launch(f"{_PACKAGE}.kv_write", "_write_kv_kernel", args, dtype + (f"/kv {kv}" if kv else ""))
+    fp8, min_arch = FP8_KV.get(kv, (dict(CLAMP=0.0, MANTISSA=3, MIN_EXP=-6), 0))
+    args.update(HEADS=kv_heads, DIM=dim, QUANT=kv == "i8", **fp8)
+    return Launch(f"{_PACKAGE}.kv_write", "_write_kv_kernel", args, dtype + (f"/kv {kv}" if kv else ""),
+                  min_arch=min_arch)
 
 
 def lora_shrink(rank: int, dtype: str, in_features: int = 4096) -> Launch:
@@ -169,13 +177,14 @@ def all_launches() -> Iterator[Launch]:
                 for dtype in DTYPES:
                     for sinks in (False, True):
                         yield paged_attention(dim, group, rows, dtype, sinks)
-                    for kv in ("bf16", "i8") if dtype != "fp32" else ():   # kv_cache_dtype (refused
+                    for kv in KV_DTYPES if dtype != "fp32" else ():   # kv_cache_dtype (refused
                         yield paged_attention(dim, group, rows, dtype, False, kv=kv)   # beside fp32)
     for dim in HEAD_DIMS:
         for kv_heads in (1, 2, 4, 8):
             for dtype in DTYPES:
                 yield write_kv(dim, kv_heads, dtype)
-                yield write_kv(dim, kv_heads, dtype, kv="i8")
+                for kv in KV_DTYPES[1:] if dtype != "fp32" else ():
+                    yield write_kv(dim, kv_heads, dtype, kv=kv)
     for rank in LORA_RANKS[1:]:          # ranks 8 and 16 share BLOCK_R 16
         for dtype in DTYPES:
             yield lora_shrink(rank, dtype)
@@ -190,8 +199,10 @@ def quick_launches() -> Iterator[Launch]:
     """One launch per kernel (``make test``'s subset): the shapes of Llama-3-8B."""
     yield paged_attention(128, 4, 16, "bf16", False)
     yield paged_attention(128, 4, 16, "bf16", False, kv="i8")
+    yield paged_attention(128, 4, 16, "bf16", False, kv="fp8e4nv")
     yield write_kv(128, 8, "bf16")
     yield write_kv(128, 8, "bf16", kv="i8")
+    yield write_kv(128, 8, "bf16", kv="fp8e4nv")
     yield lora_shrink(16, "bf16")
     yield lora_expand(16, "bf16")
     yield moe_gemm(*MOE_SHAPES[0], False, "bf16")

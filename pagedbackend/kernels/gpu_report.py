@@ -53,7 +53,8 @@ RESERVED_SHARED = 1024   # per program on sm_80 and later, taken by the CUDA run
 REGISTER_UNIT = 256      # registers are allocated per warp in units of 256
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "i32": "int32",
-                 "i64": "int64", "i8": "int8", "u8": "uint8", "fp8e4nv": "float8_e4m3fn"}
+                 "i64": "int64", "i8": "int8", "u8": "uint8", "fp8e4nv": "float8_e4m3fn",
+                 "fp8e5": "float8_e5m2"}
 FIELDS = ("kernel", "arch", "dtype", "shape", "config", "ok", "error", "cubin_bytes", "registers",
           "spills", "shared_bytes", "programs_per_sm", "occupancy", "limited_by")
 
@@ -223,7 +224,8 @@ def report(launches: Sequence[Launch], archs: Sequence[int], jobs: int = 1,
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
         raise ValueError(f"unknown arch {unknown}; known: {', '.join(map(str, ARCHS))}")
-    tasks = [(launch, arch) for arch in archs for launch in launches]
+    # A launch the engine never makes on an older arch (fp8 e4m3 before sm_89: refused by name) is not compiled there.
+    tasks = [(launch, arch) for arch in archs for launch in launches if arch >= launch.min_arch]
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max(1, min(jobs, len(tasks))), mp_context=context,
                              initializer=_compile_here) as pool:

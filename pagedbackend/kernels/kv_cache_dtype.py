@@ -72,6 +72,24 @@ def check_head_dim(head_dim: int, dtype: torch.dtype) -> None:
                          f"(a scale per {GROUP} channels); the model's is {head_dim}")
 
 
+def check_triton_cache(device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype,
+                       name: str) -> None:
+    """Refuse, by name, a quantised cache the Triton-lang kernels cannot run
+    on this GPU: beside float32 tiles (they spill registers), and fp8_e4m3 on
+    a GPU older than sm_89 (Triton has no e4m3 there: ``make gpu-check``)."""
+    if device.type != "cuda" or kv_dtype == model_dtype:
+        return
+    if model_dtype == torch.float32:
+        raise ValueError(f"kv_cache_dtype={name} with the triton attention backend needs dtype bfloat16 or "
+                         "float16 on a GPU (float32 tiles beside the cache's spill registers: "
+                         "docs/kv_cache_dtype.md); got float32")
+    capability = torch.cuda.get_device_capability(device)
+    if kv_dtype == torch.float8_e4m3fn and capability < (8, 9):
+        raise ValueError(f"kv_cache_dtype={name} needs a GPU of compute capability 8.9 or newer for the triton "
+                         f"attention backend (Triton has no float8 e4m3 on sm_{capability[0]}{capability[1]}); "
+                         "fp8_e5m2 or int8 run there")
+
+
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[..., head_dim]`` (any float dtype) as int8 rows ``[..., row_width]``."""
     check_head_dim(x.shape[-1], torch.int8)

@@ -16,7 +16,8 @@ import torch
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.kernels import get_attention_ops
-from pagedbackend.kernels.kv_cache_dtype import cache_dtype, check_head_dim, row_bytes, row_width
+from pagedbackend.kernels.kv_cache_dtype import (cache_dtype, check_head_dim, check_triton_cache, row_bytes,
+                                                 row_width)
 from pagedbackend.models import ModelArgs
 from pagedbackend.models.attention import ImageBlock, step_context
 from pagedbackend.models.default_model import resolve_model_path
@@ -145,11 +146,10 @@ class ModelRunner:
         # The cache's own format (kv_cache_dtype): int8 rows carry their scale.
         self.kv_dtype = cache_dtype(self.config.kv_cache_dtype, self.dtype)
         check_head_dim(args.head_dim, self.kv_dtype)
-        if (self.device.type == "cuda" and self.kv_dtype != self.dtype and self.dtype == torch.float32
-                and self.attention_ops.write_kv is get_attention_ops("triton", self.device).write_kv):
-            raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype} with the triton attention backend "
-                             "needs dtype bfloat16 or float16 on a GPU (float32 tiles beside the cache's "
-                             "spill registers: docs/kv_cache_dtype.md); got float32")
+        triton_ops = self.device.type == "cuda" and \
+            self.attention_ops.write_kv is get_attention_ops("triton", self.device).write_kv
+        if triton_ops:
+            check_triton_cache(self.device, self.dtype, self.kv_dtype, self.config.kv_cache_dtype)
         row = row_bytes(args.head_dim, self.kv_dtype)
         block_shape = (self.block_size, self.model.num_kv_heads, row_width(args.head_dim, self.kv_dtype))
         slots = self.kv_layout.slots   # layers per block (every layer, for one KV group)

@@ -238,3 +238,26 @@ def test_fp8_pool_holds_twice_bfloat16s_tokens():
     for dtype in FP8:
         assert row_width(64, dtype) == 64 and head_dim_of(torch.zeros(1, 64, dtype=dtype)) == 64
         assert budget // kv_block_bytes(args, 16, 3, dtype) * 16 / bf16 == pytest.approx(2.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("capability, model, kv, refusal", [
+    ((8, 0), torch.bfloat16, torch.float8_e4m3fn, "compute capability 8.9 or newer"),
+    ((8, 9), torch.bfloat16, torch.float8_e4m3fn, None),
+    ((8, 0), torch.bfloat16, torch.float8_e5m2, None),
+    ((9, 0), torch.float32, torch.int8, "needs dtype bfloat16 or float16"),
+    ((8, 0), torch.float16, torch.int8, None),
+])
+def test_a_cache_the_triton_kernels_cannot_run_on_a_gpu_is_refused_by_name(monkeypatch, capability, model, kv,
+                                                                           refusal):
+    """The GPU's compute capability is faked here (no GPU on this machine): it is
+    what the rule reads, and the same launches fail to compile for sm_80 in
+    ``gpu_report`` (e4m3 has no conversion there)."""
+    from pagedbackend.kernels.kv_cache_dtype import check_triton_cache
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    check = lambda: check_triton_cache(torch.device("cuda", 0), model, kv, "the setting")   # noqa: E731
+    if refusal is None:
+        check()
+    else:
+        with pytest.raises(ValueError, match=refusal):
+            check()
+    check_triton_cache(torch.device("cpu"), model, kv, "the setting")   # the CPU kernels take every cache
