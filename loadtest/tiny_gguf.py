@@ -2,7 +2,8 @@
 
 transformers builds a random model of a family; its tensors are written
 under llama.cpp's names and layouts (q/k rows permuted for Llama and Mistral,
-Gemma's norms stored as ``1 + w``, Phi-3's fused q/k/v and gate/up) with the
+Gemma's norms stored as ``1 + w``, Phi-3's fused q/k/v and gate/up, Qwen3-MoE's
+experts as 3-D ``ffn_{gate,up,down}_exps`` tensors, one expert after another) with the
 ``gguf`` package's writer, quantised per a scheme: ``Q8_0``, ``Q4_0``,
 ``Q4_1``, and the mixtures ``Q4_K_M`` (Q4_K, with Q6_K for the output and for
 attn_v and ffn_down in the layers llama.cpp gives more bits) and ``Q5_K_M``
@@ -40,6 +41,10 @@ FAMILIES = {
     # Both layers sliding (transformers' default pattern from a GGUF), windows of 16 positions.
     "gemma3": ("gemma3_text", "gemma3", dict(TEXT, head_dim=64, sliding_window=16, tie_word_embeddings=True)),
     "phi3": ("phi3", "phi3", dict(TEXT)),
+    # Every layer with 4 experts, top 2, renormalised (llama.cpp's rule, transformers' GGUF default).
+    # transformers reads no expert_feed_forward_length from a qwen3moe GGUF: its default (768) it is.
+    "qwen3_moe": ("qwen3_moe", "qwen3moe", dict(TEXT, num_experts=4, num_experts_per_tok=2,
+                                                moe_intermediate_size=768, norm_topk_prob=True)),
 }
 SCHEMES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "F16", "BF16", "F32")
 FLOAT_SCHEMES = ("F16", "BF16", "F32")
@@ -135,11 +140,14 @@ def quantize_k(rows: np.ndarray, kind: str) -> np.ndarray:
 
 
 def quantize(rows: np.ndarray, kind: str) -> np.ndarray:
-    """``rows`` as GGUF blocks of ``kind`` (uint8 ``[N, row bytes]``)."""
+    """``rows`` (``[..., K]``) as GGUF blocks of ``kind`` (uint8 ``[..., row bytes]``)."""
     import gguf
+    flat = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1, rows.shape[-1])
     if kind in ("Q4_K", "Q5_K", "Q6_K"):
-        return quantize_k(rows, kind)
-    return gguf.quants.quantize(np.ascontiguousarray(rows, dtype=np.float32), gguf.GGMLQuantizationType[kind])
+        out = quantize_k(flat, kind)
+    else:
+        out = gguf.quants.quantize(flat, gguf.GGMLQuantizationType[kind])
+    return out.reshape(*rows.shape[:-1], out.shape[-1])
 
 
 # ---------------------------------------------------------------- the file
@@ -151,7 +159,7 @@ def _more_bits(layer: int, layers: int) -> bool:
 
 def tensor_kind(name: str, scheme: str, layers: int) -> str:
     """The GGUF type of tensor ``name`` in a file of ``scheme``."""
-    if name.endswith(("norm.weight", ".bias")):
+    if name.endswith(("norm.weight", ".bias", "ffn_gate_inp.weight")):   # llama.cpp keeps routers float
         return "F32"
     if scheme in FLOAT_SCHEMES:   # a converted, unquantised file: every matrix in that type
         return scheme
@@ -160,7 +168,7 @@ def tensor_kind(name: str, scheme: str, layers: int) -> str:
     base = "Q4_K" if scheme == "Q4_K_M" else "Q5_K"
     if name == "output.weight":
         return "Q6_K"
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(int(name.split(".")[1]), layers):
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and _more_bits(int(name.split(".")[1]), layers):
         return "Q6_K"
     return base
 
@@ -177,7 +185,7 @@ def gguf_tensors(state: Dict[str, torch.Tensor], cfg: dict, arch: str) -> Dict[s
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp"}
     if arch == "gemma3":
         rename.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"})
@@ -195,6 +203,14 @@ def gguf_tensors(state: Dict[str, torch.Tensor], cfg: dict, arch: str) -> Dict[s
         else:
             parts = name.split(".")
             layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+            if name.endswith("mlp.experts.gate_up_proj"):   # [E, 2I, H]: gate rows, then up rows
+                gate, up = np.split(t, 2, axis=1)
+                out[f"blk.{layer}.ffn_gate_exps.weight"] = gate
+                out[f"blk.{layer}.ffn_up_exps.weight"] = up
+                continue
+            if name.endswith("mlp.experts.down_proj"):      # [E, H, I]
+                out[f"blk.{layer}.ffn_down_exps.weight"] = t
+                continue
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg["num_attention_heads"] if module.endswith("q_proj") else cfg["num_key_value_heads"]
                 t = _permute(t, heads)
@@ -223,6 +239,11 @@ def write_gguf(path, state: Dict[str, torch.Tensor], cfg: dict, arch: str, schem
     writer.add_vocab_size(cfg["vocab_size"])
     if cfg.get("sliding_window"):
         writer.add_sliding_window(cfg["sliding_window"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")   # transformers saves the latter
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     tokens, types, merges = tiny_tokenizer()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -253,9 +274,9 @@ def write_gguf(path, state: Dict[str, torch.Tensor], cfg: dict, arch: str, schem
     return path
 
 
-def build_tiny_gguf(folder, family: str, scheme: str, seed: int = 0, std: float = 0.08,
-                    **overrides) -> pathlib.Path:
-    """``folder/<family>-<scheme>.gguf``: a random checkpoint of ``family`` (a key of ``FAMILIES``)."""
+def tiny_checkpoint(family: str, seed: int = 0, std: float = 0.08,
+                    **overrides) -> Tuple[Dict[str, torch.Tensor], dict, str]:
+    """(state dict, config, GGUF architecture) of a random checkpoint of ``family`` (a key of ``FAMILIES``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     model_type, arch, settings = FAMILIES[family]
     config = AutoConfig.for_model(model_type, **{**settings, **overrides})
@@ -272,9 +293,16 @@ def build_tiny_gguf(folder, family: str, scheme: str, seed: int = 0, std: float 
                 param.normal_(0.0, std)
     cfg = {**config.to_dict(), "head_dim": getattr(config, "head_dim", None)}
     cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return model.state_dict(), cfg, arch
+
+
+def build_tiny_gguf(folder, family: str, scheme: str, seed: int = 0, std: float = 0.08,
+                    **overrides) -> pathlib.Path:
+    """``folder/<family>-<scheme>.gguf``: a random checkpoint of ``family`` (a key of ``FAMILIES``)."""
+    state, cfg, arch = tiny_checkpoint(family, seed, std, **overrides)
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    return write_gguf(folder / f"{family}-{scheme}.gguf", model.state_dict(), cfg, arch, scheme)
+    return write_gguf(folder / f"{family}-{scheme}.gguf", state, cfg, arch, scheme)
 
 
 def load_hf_gguf(path):

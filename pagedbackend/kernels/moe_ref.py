@@ -2,7 +2,7 @@
 every expert kernel follows are in ``fused_moe``'s docstring): a loop over the
 experts a step uses, as Hugging Face's expert modules compute it. Plain torch,
 no Triton, so importing it stays cheap."""
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,16 +30,24 @@ def fused_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
                         alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """The reference: each active expert, in ascending order, multiplies the
     rows routed to it (as Hugging Face's experts do); slots sum into ``out``."""
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        h = F.linear(rows, w13[e], None if b13 is None else b13[e])
+        return F.linear(activate(h, activation, alpha, limit), w2[e], None if b2 is None else b2[e])
+    return each_expert(x, ids, weights, w13.shape[0], expert)
+
+
+def each_expert(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: int,
+                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert(ids[t, k], x[t])`` for every token ``t``:
+    ``expert(e, rows)`` runs once per active expert ``e`` (ascending) on the
+    rows routed to it; ids outside ``[0, experts)`` are skipped."""
     out = torch.zeros_like(x)
-    experts = w13.shape[0]
     flat = ids.reshape(-1).long()
     hit = torch.unique(flat[(flat >= 0) & (flat < experts)]).tolist()
     k = ids.shape[1]
     for e in hit:
         pairs = torch.nonzero(flat == e).squeeze(1)
         tokens = pairs // k
-        h = F.linear(x[tokens], w13[e], None if b13 is None else b13[e])
-        y = F.linear(activate(h, activation, alpha, limit), w2[e], None if b2 is None else b2[e])
-        y = y * weights.reshape(-1)[pairs, None]
+        y = expert(e, x[tokens]) * weights.reshape(-1)[pairs, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out

@@ -15,7 +15,8 @@ tied, from ``token_embd``), the embedding from ``token_embd``'s rows as tokens
 ask for them; norms and biases, which files keep in float, load as
 tensors. Tensor names and layouts follow llama.cpp's: Llama-architecture q/k
 rows permuted for its RoPE (read back through a row map), Gemma's norms held
-as ``1 + w``, Phi-3's fused q/k/v and gate/up.
+as ``1 + w``, Phi-3's fused q/k/v and gate/up. A mixture of experts
+(Qwen3-MoE) serves its experts from their 3-D GGUF tensors (``gguf_moe``).
 """
 import hashlib
 import json
@@ -38,7 +39,7 @@ SOURCE_FILE = "gguf_source.json"
 PREPARED_VERSION = 1
 # GGUF architecture -> what transformers names it; the families served from GGUF files.
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                 "gemma3": "gemma3_text", "phi3": "phi3"}
+                 "gemma3": "gemma3_text", "phi3": "phi3", "qwen3moe": "qwen3_moe"}
 # Hugging Face projection (inside model.layers.N) -> GGUF tensor (inside blk.N).
 _PROJECTIONS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
@@ -105,6 +106,9 @@ def _write_folder(path: pathlib.Path, gguf: GGUFFile, out: pathlib.Path) -> None
     key_length = gguf.metadata.get(f"{gguf.architecture}.attention.key_length")
     if isinstance(key_length, int) and key_length > 0:   # transformers reads it for some families only
         config["head_dim"] = key_length
+    expert_length = gguf.metadata.get(f"{gguf.architecture}.expert_feed_forward_length")
+    if isinstance(expert_length, int) and expert_length > 0:   # transformers leaves its default
+        config["moe_intermediate_size"] = expert_length
     (out / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
     template = gguf.metadata.get("tokenizer.chat_template")
@@ -121,6 +125,7 @@ def load_gguf_weights(model, path: pathlib.Path, dtype: torch.dtype) -> Dict[str
     """Serve ``model`` (a ``decoder.CausalLM`` built from the prepared config)
     from GGUF file ``path``; returns the count of tensors per GGUF type."""
     from pagedbackend.models.gguf_linear import GGUFEmbedding, GGUFLinear
+    from pagedbackend.models.gguf_moe import load_gguf_experts
 
     gguf = GGUFFile(path)
     arch, args = gguf.architecture, model.args
@@ -172,6 +177,7 @@ def load_gguf_weights(model, path: pathlib.Path, dtype: torch.dtype) -> Dict[str
             raise GGUFError(f"{path.name}: tensors {', '.join(hf_names)} have {layer.out_features} rows, "
                             f"the model's config {rows}")
         linear.use_matmul(layer)
+    used |= load_gguf_experts(model, gguf, matrix)
 
     embed, embed_kind = matrix("token_embd.weight")
     head, head_kind = matrix("output.weight") if "output.weight" in gguf.tensors else (None, None)

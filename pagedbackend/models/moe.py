@@ -9,7 +9,10 @@ per machine (``use_kernel``; ``select_kernel`` decides from
 - ``packed``: ``kernels/csrc/fused_moe.c`` on CPU (float32), experts packed at
   load; a step reads only the experts its tokens use, each once;
 - ``triton``: the grouped GEMM of ``kernels/fused_moe.py`` (GPUs);
-- ``torch``: a loop over the active experts (``fused_experts_torch``).
+- ``torch``: a loop over the active experts (``fused_experts_torch``);
+- ``gguf``: the same loop over a GGUF file's expert blocks as the file holds
+  them (``gguf_moe.GGUFExperts``, set by the GGUF loader; no other kernel
+  replaces it).
 
 Routing variants (``MoEConfig.scoring``): ``softmax`` (softmax over every
 expert, then the top k, rescaled to sum to one with ``renormalize``: Qwen3-MoE's
@@ -112,6 +115,7 @@ class FusedMoE(nn.Module):
         self.register_buffer("b2", torch.empty(self.local_experts, hidden, dtype=dtype)
                              if bias and (self.expert_parallel or tp_rank == 0) else None)
         self.kernel = "torch"
+        self.gguf: Optional[nn.Module] = None   # with kernel "gguf": the file's expert blocks
         self._loaded: Set[Tuple[str, int]] = set()
 
     # ---- forward --------------------------------------------------------
@@ -128,6 +132,8 @@ class FusedMoE(nn.Module):
     def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """This rank's experts on ``x`` for local ``ids`` (others: -1) and float32 ``weights``."""
         c = self.config
+        if self.kernel == "gguf":
+            return self.gguf(x, ids, weights, c.activation, c.swiglu_alpha, c.swiglu_limit)
         if self.kernel == "packed":
             return moe_cpu.fused_moe_cpu(x, ids, weights, self.w13, self.w2, self.b13, self.b2,
                                          self.local_inter, c.activation, c.swiglu_alpha, c.swiglu_limit)
@@ -140,7 +146,10 @@ class FusedMoE(nn.Module):
                                                           c.swiglu_limit)
 
     def use_kernel(self, kernel: str) -> None:
-        """Serve through ``kernel`` (``packed``, ``triton`` or ``torch``); packing happens here, once."""
+        """Serve through ``kernel`` (``packed``, ``triton`` or ``torch``); packing happens here, once.
+        Experts served from GGUF blocks stay so."""
+        if self.kernel == "gguf":
+            return
         if kernel == "packed" and self.kernel != "packed":
             # Weights published in bfloat16 (every value exact in it) stay bfloat16: the
             # kernel widens them exactly, the same sums for half the bytes.
@@ -153,13 +162,27 @@ class FusedMoE(nn.Module):
 
     def expert_weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` of this rank, unpacked."""
+        if self.kernel == "gguf":
+            return self.gguf.dequantized()
         if self.kernel == "packed":
             return (moe_cpu.unpack_gate_up(self.w13, self.local_inter).float(),   # the kernel is float32
                     moe_cpu.unpack_down(self.w2, self.config.hidden_size, self.local_inter).float())
         return self.w13, self.w2
 
+    def serve_gguf(self, experts: nn.Module) -> None:
+        """Serve every expert from a GGUF file's blocks (``gguf_moe.GGUFExperts``);
+        the float expert weights are dropped."""
+        if self.local_experts != self.config.num_experts or self.local_inter != self.config.intermediate_size:
+            raise ValueError("GGUF experts are served on one rank: use tensor_parallel_size=1")
+        self.gguf, self.kernel = experts, "gguf"
+        self.w13, self.w2 = self.w13.new_empty(0), self.w2.new_empty(0)
+        self._loaded |= {(f"{proj}.weight", e) for e in range(self.config.num_experts)
+                         for proj in ("gate", "up", "down")}
+
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights on this rank, as its kernel holds them."""
+        if self.kernel == "gguf":
+            return self.gguf.expert_bytes()
         return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
 
     # ---- loading --------------------------------------------------------
@@ -306,6 +329,8 @@ def use_kernel(model: nn.Module, backend: str, device: torch.device, dtype: torc
     layers = experts_of(model)
     if not layers:
         return None
+    if all(layer.kernel == "gguf" for layer in layers):
+        return "gguf"
     kernel = select_kernel(backend, device, dtype)
     for layer in layers:
         layer.use_kernel(kernel)

@@ -1,25 +1,30 @@
-"""GGUF files as a model source: tiny random checkpoints of the families,
-written as Q8_0, Q4_0 and Q4_K_M GGUF files (and Q4_1, Q5_K_M, and the
+"""GGUF files as a model source: tiny random checkpoints of the families
+(Qwen3-MoE's experts included), written as Q8_0, Q4_0 and Q4_K_M GGUF files (and Q4_1, Q5_K_M, and the
 unquantised F16 and BF16 files a conversion writes), generate
 greedily what transformers generates when it loads the same file (it
 dequantises every block to float32), batched, with prefix caching and under
-preemption; the blocks are multiplied as the file holds them. A truncated
-file or one with hostile tensor shapes is refused with a clear error."""
+preemption; the blocks are multiplied as the file holds them, an expert's
+blocks per expert. A truncated file or one with hostile tensor shapes is
+refused with a clear error."""
 import struct
 
 import numpy as np
 import pytest
 import torch
 
-from loadtest.tiny_gguf import VOCAB, build_tiny_gguf, load_hf_gguf, quantize
+from loadtest.tiny_gguf import VOCAB, build_tiny_gguf, load_hf_gguf, quantize, tiny_checkpoint, write_gguf
 from pagedbackend import LLM, SamplingParams
+from pagedbackend.kernels.moe_ref import fused_experts_torch
 from pagedbackend.models.gguf_file import GGUFError, GGUFFile
 from pagedbackend.models.gguf_linear import GGUFLinear
+from pagedbackend.models.gguf_moe import GGUFExperts
 
 NEW_TOKENS = 10
-CASES = [(family, scheme) for family in ("llama", "qwen2", "qwen3") for scheme in ("Q8_0", "Q4_0", "Q4_K_M")]
+CASES = [(family, scheme) for family in ("llama", "qwen2", "qwen3", "qwen3_moe")
+         for scheme in ("Q8_0", "Q4_0", "Q4_K_M")]
 CASES += [("gemma3", "Q8_0"), ("gemma3", "Q4_K_M"), ("phi3", "Q8_0"), ("phi3", "Q4_K_M"),
-          ("mistral", "Q4_K_M"), ("llama", "Q4_1"), ("qwen2", "Q5_K_M"), ("llama", "F16"), ("qwen3", "BF16")]
+          ("mistral", "Q4_K_M"), ("llama", "Q4_1"), ("qwen2", "Q5_K_M"), ("llama", "F16"), ("qwen3", "BF16"),
+          ("qwen3_moe", "F16")]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +72,27 @@ def test_a_merged_layer_mixes_types_and_reads_rows_through_a_map():
         GGUFLinear([torch.from_numpy(qa)], ["Q4_K"], 512)
 
 
+@pytest.mark.parametrize("kinds", [("Q8_0", "Q8_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q4_1", "Q5_K")])
+def test_experts_multiply_their_own_blocks_as_the_reference_loop_does(kinds):
+    import gguf
+    rng = np.random.default_rng(3)
+    experts, hidden, inter = 4, 256, 512
+    floats = [0.05 * rng.normal(size=(experts, rows, cols)).astype(np.float32)
+              for rows, cols in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    blocks = [quantize(w, kind) for w, kind in zip(floats, kinds)]
+    widened = [torch.from_numpy(gguf.quants.dequantize(b, gguf.GGMLQuantizationType[kind]).copy())
+               for b, kind in zip(blocks, kinds)]
+    layer = GGUFExperts(*(torch.from_numpy(b) for b in blocks), list(kinds), hidden, inter)
+    w13, w2 = layer.dequantized()
+    assert torch.equal(w13, torch.cat(widened[:2], dim=1)) and torch.equal(w2, widened[2])
+    x = torch.randn(7, hidden)
+    ids = torch.tensor([[0, 2], [2, 3], [1, 0], [3, 2], [0, 1], [2, 0], [3, 1]], dtype=torch.int32)
+    weights = torch.rand(7, 2)
+    torch.testing.assert_close(layer(x, ids, weights), fused_experts_torch(x, ids, weights, w13, w2),
+                               rtol=1e-5, atol=1e-4)
+    assert layer.expert_bytes() == sum(b[0].nbytes for b in blocks)
+
+
 def prompts_for(seed=7):
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(3, VOCAB, (36,), generator=g).tolist()
@@ -101,6 +127,7 @@ def test_engine_generates_what_transformers_generates_from_the_same_file(gguf_fi
         stats = llm.engine.get_stats()
         types = llm.engine.runner.model.gguf_types
         windows = llm.engine.runner.model.layer_windows
+        moe_kernel = llm.engine.runner.moe_kernel
     assert first[0].outputs[0].token_ids == expected[0]
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert stats.prefix_cache_hits > 0
@@ -111,6 +138,8 @@ def test_engine_generates_what_transformers_generates_from_the_same_file(gguf_fi
         served -= {"Q6_K"} if scheme in ("Q4_0", "Q4_1") else set()
     assert set(types) == served
     assert windows == ([16, 16] if family == "gemma3" else [None, None])   # sequences run past three windows
+    if family == "qwen3_moe":   # quantised experts from their blocks; float ones by the float kernel
+        assert moe_kernel == ("packed" if scheme == "F16" else "gguf")
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_file(gguf_files):
@@ -175,6 +204,19 @@ def test_offsets_counts_and_lengths_past_the_file_are_refused(tmp_path):
     path.write_bytes(b"GGML" + b"\0" * 40)
     with pytest.raises(GGUFError, match="not a GGUF file"):
         GGUFFile(path)
+
+
+@pytest.mark.parametrize("tensor, keep, message", [
+    ("model.layers.1.mlp.experts.down_proj", 3, r"ffn_down_exps.weight of shape \[768, 256, 3\] holds 3 experts; "
+                                                r"the metadata \(expert_count\) says 4"),
+    ("model.layers.0.mlp.gate.weight", 5, r"ffn_gate_inp.weight has shape \[256, 5\]"),
+], ids=["experts", "router"])
+def test_expert_tensors_disagreeing_with_the_expert_count_are_refused(tmp_path, tensor, keep, message):
+    state, cfg, arch = tiny_checkpoint("qwen3_moe")
+    state[tensor] = torch.cat([state[tensor]] * 2)[:keep]   # a hostile expert count, the metadata unchanged
+    path = write_gguf(tmp_path / "hostile-moe.gguf", state, cfg, arch, "Q8_0")
+    with pytest.raises(GGUFError, match=message):
+        LLM(model=str(path), compile=False, num_kv_blocks=16)
 
 
 def test_a_truncated_file_is_refused(gguf_files, tmp_path):
