@@ -35,6 +35,7 @@ BENCHMARKS = {
     "moe": "mixture of experts: decode and prefill tok/s beside HF, a dense model and vLLM; expert bytes read",
     "lora": "multi-LoRA at 32 streams: 0, 1, 4, 16 adapters of rank 8 and 64 against the base model",
     "models": "per model family: decode-batch step time, ours against Hugging Face's forward",
+    "vision": "LLaVA ~0.5 B with images: TTFT and tok/s at 1, 8, 32 requests vs HF generate; encoder and prefix caches",
 }
 NEEDS_CUDA = {"gpu"}
 # Each installs a client of its own from PyPI on first use: run them by name only.
