@@ -225,6 +225,7 @@ def main(argv=None):
               kv_cache_bytes=int(args.kv_cache_gib * 2 ** 30))
     print(f"{shape['words']}\nmachine: {machine}, {torch.get_num_threads()} torch threads; our step "
           f"{'compiled' if llm.engine.runner.compiled_step else 'eager'}, HF eager", flush=True)
+    load_before = os.getloadavg()[:1]   # other processes on the machine: the figures are beside them
     seed = iter(range(args.seed * 1_000_000, (args.seed + 1) * 1_000_000))
     warm = [next(seed)]
     run_ours(llm, warm, QUESTIONS[0], 2), run_hf(hf, processor, warm, QUESTIONS[0], 2)   # warm-up
@@ -248,13 +249,15 @@ def main(argv=None):
                   + " / ".join(f"{1000 * encoder[-1][k]['ttft_s']:.0f}" for k in ("cold", "encoder", "prefix"))
                   + " ms", flush=True)
     llm.shutdown()
+    load = [round(x, 1) for x in (load_before + os.getloadavg()[:1])]
     result = {"model": args.model, "shape": shape, "cpu_model": machine, "compiled": args.compile,
+              "load_average_1min_before_after": load,
               "max_tokens": args.max_tokens, "rounds": args.rounds, "pairs": args.pairs,
               "prompt_tokens": pairs[concurrency[0]][0]["ours"]["prompt_tokens"],
               **summarise(pairs, encoder), "vllm": vllm_status(),
               "seconds": round(time.perf_counter() - started, 1)}
     print(f"\n{shape['words']}; {result['prompt_tokens']}-token prompts, {args.max_tokens} out, "
-          f"{args.rounds} rounds x {args.pairs} pairs; {machine}\n{table(result)}\nvLLM's CPU build: {result['vllm']}")
+          f"{args.rounds} rounds x {args.pairs} pairs; {machine}, load average {load[0]} -> {load[1]}\n{table(result)}\nvLLM's CPU build: {result['vllm']}")
     print(f"wrote {write_result(args.out, 'vision', result)}")
     return result
 
