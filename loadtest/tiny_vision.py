@@ -28,21 +28,25 @@ CHAT_TEMPLATE = (
 TEXT_SMALL = dict(TEXT, max_position_embeddings=1024)
 
 
-def _llava(path, tokenizer, seed):
+def _llava(path, tokenizer, seed, text=None, vision=None, std=0.15):
+    """``text`` and ``vision``: settings over the tiny ones (the bench's
+    wider model); the processor crops to the vision tower's ``image_size``."""
     from transformers import AutoConfig, CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_token = tokenizer.convert_tokens_to_ids("<image>")
+    vision = dict(dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14,
+                       projection_dim=32, hidden_act="quick_gelu"), **(vision or {}))
     config = AutoConfig.for_model(
         "llava", text_config=dict(TEXT_SMALL, model_type="llama", vocab_size=len(tokenizer),
-                                  tie_word_embeddings=False),
-        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14,
-                           projection_dim=32, hidden_act="quick_gelu"),
+                                  tie_word_embeddings=False, **(text or {})),
+        vision_config=vision,
         image_token_index=image_token, vision_feature_layer=-2, vision_feature_select_strategy="default",
         projector_hidden_act="gelu", tie_word_embeddings=False)
-    model = _seeded(LlavaForConditionalGeneration, config, seed)
+    model = _seeded(LlavaForConditionalGeneration, config, seed, std)
+    side = vision["image_size"]
     processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+        image_processor=CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}),
         tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default", image_token="<image>",
         num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE.replace("{{ IMAGE }}", "<image>"))
     return model, processor
@@ -115,15 +119,16 @@ def _seeded(cls, config, seed: int, std: float = 0.15):
     return model
 
 
-def build_tiny_vision(path, case: str, seed: int = 0) -> pathlib.Path:
-    """Write the checkpoint, processor and tokenizer of ``case`` (a key of ``CASES``) into ``path``."""
+def build_tiny_vision(path, case: str, seed: int = 0, **shape) -> pathlib.Path:
+    """Write the checkpoint, processor and tokenizer of ``case`` (a key of ``CASES``) into ``path``;
+    ``shape``: the builder's own settings (LLaVA's ``text``, ``vision`` and ``std``)."""
     from transformers import AutoTokenizer
 
     from pagedbackend.models.default_model import resolve_model_path
 
     path = pathlib.Path(path)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))
-    model, processor = CASES[case](path, tokenizer, seed)
+    model, processor = CASES[case](path, tokenizer, seed, **shape)
     model.save_pretrained(path, safe_serialization=True)
     processor.save_pretrained(path)
     return path

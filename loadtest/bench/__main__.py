@@ -37,6 +37,7 @@ BENCHMARKS = {
     "models": "per model family: decode-batch step time, ours against Hugging Face's forward",
     "embed": "embeddings: sentences/s on 256 mixed-length texts and single-request latency, ours against "
              "sentence-transformers (and vLLM's CPU build where given)",
+    "vision": "LLaVA ~0.5 B with images: TTFT and tok/s at 1, 8, 32 requests vs HF generate; encoder and prefix caches",
 }
 NEEDS_CUDA = {"gpu"}
 # Each installs a client of its own from PyPI on first use: run them by name only.
