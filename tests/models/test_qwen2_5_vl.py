@@ -91,3 +91,26 @@ def test_the_image_changes_the_tokens(ref):
     text = ref.chat("what is this?", 1)
     assert ref.greedy(text, (1,)) != ref.greedy(text, (5,))
     assert image(5).size == image(1).size
+
+
+def test_both_checkpoint_layouts_load_alike(ref):
+    """transformers 5's names (``model.language_model.``, ``model.visual.``)
+    load as the original ones the tiny checkpoint holds (``model.layers.``, ``visual.``)."""
+    import json
+
+    from pagedbackend.models import model_args, model_class
+    from pagedbackend.worker.loader import read_safetensors
+    args = model_args(json.loads((ref.folder / "config.json").read_text()))
+    original, renamed = (model_class("qwen2_5_vl")(args, torch.float32) for _ in range(2))
+
+    def new_name(name):
+        if name.startswith("visual."):
+            return "model." + name
+        return name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+    original.load_weights(read_safetensors(ref.folder))
+    names = [name for name, _ in read_safetensors(ref.folder)]
+    assert any(n.startswith("visual.") for n in names) and any(n.startswith("model.layers.") for n in names)
+    renamed.load_weights((new_name(name), t) for name, t in read_safetensors(ref.folder))
+    theirs = dict(renamed.named_parameters())
+    for name, param in original.named_parameters():
+        assert torch.equal(param, theirs[name]), name
