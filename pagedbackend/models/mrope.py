@@ -62,12 +62,24 @@ def sequence_positions(items: Sequence, start: int, end: int, merge: int) -> tor
     return out
 
 
-def step_positions(entries: Sequence, merge: int) -> torch.Tensor:
+def step_positions(entries: Sequence, merge: int, positions: torch.Tensor) -> torch.Tensor:
     """int64 ``[3, tokens]`` for a step's entries (``start_pos``,
-    ``token_ids``, ``mm_items``: the sequence's images), back to back."""
-    parts: List[torch.Tensor] = [sequence_positions(getattr(e, "mm_items", ()), e.start_pos,
-                                                    e.start_pos + len(e.token_ids), merge) for e in entries]
-    return torch.cat(parts, dim=1)
+    ``token_ids``, ``mm_items``: the sequence's images) from their token
+    positions ``[tokens]``: a sequence without images keeps them in all
+    three streams, one past its images (a decode) adds its delta, and only a
+    chunk that reaches into an image's span computes its streams in full."""
+    out = positions.expand(STREAMS, -1).clone()
+    row = 0
+    for entry in entries:
+        n, items = len(entry.token_ids), getattr(entry, "mm_items", ())
+        if items:
+            start = entry.start_pos
+            if start >= max(item.end for item in items):
+                out[:, row:row + n] += rope_delta(items, merge)
+            else:
+                out[:, row:row + n] = sequence_positions(items, start, start + n, merge)
+        row += n
+    return out
 
 
 class MRotaryEmbedding(RotaryEmbedding):

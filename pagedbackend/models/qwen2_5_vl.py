@@ -64,9 +64,10 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                                                      max_positions or args.served_positions, dtype)
                                     for params in args.ropes)
 
-    def step_positions(self, entries) -> torch.Tensor:
-        """int64 ``[3, tokens]``: the M-RoPE positions of a step's entries."""
-        return step_positions(entries, self.vision.merge)
+    def step_positions(self, entries, positions: torch.Tensor) -> torch.Tensor:
+        """int64 ``[3, tokens]``: the M-RoPE positions of a step's entries
+        (``positions``: their token positions, ``[tokens]``)."""
+        return step_positions(entries, self.vision.merge, positions)
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor):
         part = name.removeprefix("model.")

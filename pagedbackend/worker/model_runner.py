@@ -256,7 +256,7 @@ class ModelRunner:
         batch = build_step_batch(entries, self.block_size, self.max_model_len, self.vocab_size,
                                  self.num_kv_blocks, len(self.kv_layout.groups))
         if self.positions_of is not None:
-            batch.positions = self.positions_of(entries)
+            batch.positions = self.positions_of(entries, batch.positions)
         return batch
 
     def plan(self, batch: StepBatch) -> None:

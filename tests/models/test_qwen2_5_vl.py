@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedbackend import LLM
-from pagedbackend.models.mrope import rope_delta, sequence_positions
+from pagedbackend.models.mrope import rope_delta, sequence_positions, step_positions
 from pagedbackend.models.vision.qwen2_5_vl import window_order
 from pagedbackend.multimodal.processor import items_at_placeholders
 from qwen_vl_reference import GREEDY, QwenReference, image, request, tokens_of
@@ -72,6 +72,22 @@ def test_mrope_positions_are_transformers_get_rope_index(ref, seeds):
         chunk = sequence_positions(items, start, end, 2)
         whole = expected[:, start:end] if end <= n else torch.arange(start, end).expand(3, -1) + delta
         assert torch.equal(chunk, whole)
+
+
+def test_step_positions_of_mixed_entries(ref):
+    """A step of a chunk inside an image, a decode past two images and a
+    text-only sequence: each entry's rows are its own sequence's positions."""
+    from pagedbackend.core.scheduled import SeqEntry
+    _, one = items_of(ref, ref.chat("a", 1), (1,))
+    inputs, two = items_of(ref, ref.chat("b", 2), (2, 3))
+    n = inputs["input_ids"].shape[1]
+    entries = [SeqEntry([0] * 6, one[0].offset + 3, [], mm_items=tuple(one)),
+               SeqEntry([0], n + 4, [], mm_items=tuple(two)), SeqEntry([0] * 3, 10, [])]
+    flat = torch.tensor([*range(one[0].offset + 3, one[0].offset + 9), n + 4, 10, 11, 12])
+    expected = torch.cat([sequence_positions(one, one[0].offset + 3, one[0].offset + 9, 2),
+                          sequence_positions(two, n + 4, n + 5, 2), torch.arange(10, 13).expand(3, -1)], dim=1)
+    assert torch.equal(step_positions(entries, 2, flat), expected)
+    assert not torch.equal(expected, flat.expand(3, -1))
 
 
 def test_greedy_tokens_are_transformers_generate(ref, llm):
