@@ -8,7 +8,7 @@ from image_files import b64, encoded
 from loadtest.harness.triton import TritonServer
 from pagedbackend.serving.repository import make_model_repository
 from qwen_vl_reference import NEW_TOKENS, QwenReference, image
-from test_images_llava_server import MAX_TOKENS, SETTINGS, triton_tokens
+from triton_images import MAX_TOKENS, SETTINGS, triton_tokens
 
 pytestmark = pytest.mark.slow
 
