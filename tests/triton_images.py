@@ -24,18 +24,25 @@ def triton_tokens(triton, text: str, images) -> tuple:
         tensor = grpcclient.InferInput(name, list(value.shape), "BYTES" if value.dtype == np.object_ else "BOOL")
         tensor.set_data_from_numpy(value)
         inputs.append(tensor)
-    results = []
-    client = grpcclient.InferenceServerClient(triton.grpc_url)
-    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    result, error = first_reply(triton.grpc_url, inputs, 120, enable_empty_final_response=True)
+    assert error is None, error
+    ids = [t for t in result.as_numpy("output_ids").reshape(-1).tolist() if t >= 0]
+    return ids, int(result.as_numpy("num_input_tokens")[0])
+
+
+def first_reply(grpc_url: str, inputs, timeout_s: float, **options) -> tuple:
+    """``(result, error)`` of the first reply on a gRPC stream to ``paged_llm``
+    (``(None, None)`` when none comes within ``timeout_s``)."""
+    import tritonclient.grpc as grpcclient
+    replies = []
+    client = grpcclient.InferenceServerClient(grpc_url)
+    client.start_stream(callback=lambda result, error: replies.append((result, error)))
     try:
-        client.async_stream_infer("paged_llm", inputs, enable_empty_final_response=True)
-        deadline = time.monotonic() + 120
-        while not results and time.monotonic() < deadline:
+        client.async_stream_infer("paged_llm", inputs, **options)
+        deadline = time.monotonic() + timeout_s
+        while not replies and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:
         client.stop_stream()
         client.close()
-    result, error = results[0]
-    assert error is None, error
-    ids = [t for t in result.as_numpy("output_ids").reshape(-1).tolist() if t >= 0]
-    return ids, int(result.as_numpy("num_input_tokens")[0])
+    return replies[0] if replies else (None, None)
