@@ -101,8 +101,48 @@ def _gemma3_vision(path, tokenizer, seed):
     return model, processor
 
 
+QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def _qwen2_5_vl(path, tokenizer, seed):
+    """Qwen2.5-VL with patches of 8 pixels merged 2 x 2 into one token, windows
+    of 32 pixels (2 x 2 merged tokens) in its first vision block and full
+    attention in its second, so an image of 64 x 48 (4 x 3 tokens) spans four
+    windows, one of them partial; 1 to 25 tokens an image (min/max pixels).
+    M-RoPE sections [2, 3, 3] over the text heads' 16 dimensions.
+
+    The image processor is transformers' PIL one (``Qwen2VLImageProcessorPil``):
+    the default one needs torchvision, which this environment may lack; the
+    processor is the images-only one the engine loads
+    (``multimodal.qwen2_5_vl``: transformers' ``Qwen2_5_VLProcessor`` wants a
+    video processor, and those need torchvision). Its config names
+    ``Qwen2_5_VLProcessor``, as a real checkpoint's does."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from pagedbackend.multimodal.qwen2_5_vl import images_processor_class
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VISION_TOKENS})
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_VISION_TOKENS}
+    config = AutoConfig.for_model(
+        "qwen2_5_vl", text_config=dict(TEXT_SMALL, model_type="qwen2_5_vl_text", vocab_size=len(tokenizer),
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "mrope_section": [2, 3, 3]}),
+        vision_config=dict(model_type="qwen2_5_vl_vision", depth=2, hidden_size=32, intermediate_size=64,
+                           num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
+                           window_size=32, fullatt_block_indexes=[1], out_hidden_size=TEXT_SMALL["hidden_size"]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False)
+    model = _seeded(Qwen2_5_VLForConditionalGeneration, config, seed)
+    images = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                                      min_pixels=16 * 16, max_pixels=80 * 80)
+    processor = images_processor_class()(image_processor=images, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE.replace(
+        "{{ IMAGE }}", "<|vision_start|><|image_pad|><|vision_end|>"))
+    return model, processor
+
+
 # name -> builder(path, tokenizer, seed) -> (model, processor)
-CASES = {"llava": _llava, "idefics3": _idefics3, "gemma3_vision": _gemma3_vision}
+CASES = {"llava": _llava, "idefics3": _idefics3, "gemma3_vision": _gemma3_vision, "qwen2_5_vl": _qwen2_5_vl}
 
 
 def _seeded(cls, config, seed: int, std: float = 0.15):
@@ -131,6 +171,9 @@ def build_tiny_vision(path, case: str, seed: int = 0, **shape) -> pathlib.Path:
     model, processor = CASES[case](path, tokenizer, seed, **shape)
     model.save_pretrained(path, safe_serialization=True)
     processor.save_pretrained(path)
+    if case == "qwen2_5_vl":   # as a real checkpoint names it (multimodal.qwen2_5_vl loads it images-only)
+        config = path / "processor_config.json"
+        config.write_text(config.read_text().replace("Qwen2_5_VLImagesProcessor", "Qwen2_5_VLProcessor"))
     return path
 
 

@@ -197,7 +197,7 @@ class Scheduler:
             # A pooling request samples nothing: it takes its rows' hidden states.
             item.return_hidden = item.group.pooling is not None
             item.token_type_start = item.group.token_type_start
-            item.mm_items = tuple(item.group.mm_items) if item.start_pos < seq.num_prompt_tokens else ()
+            item.mm_items = tuple(item.group.mm_items)   # image rows; M-RoPE positions (decodes too)
             item.need_logits = item.start_pos + item.num_new_tokens == seq.num_tokens and not item.return_hidden
             item.prompt_logits = item.group.needs_prompt_logits and item.start_pos < seq.num_prompt_tokens
         return out

@@ -18,6 +18,7 @@ FAMILIES = {
     "mistral": "llama:LlamaForCausalLM",
     "idefics3": "idefics3:Idefics3ForConditionalGeneration",
     "qwen2": "llama:LlamaForCausalLM",
+    "qwen2_5_vl": "qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     "qwen3": "qwen3:Qwen3ForCausalLM",
     "gemma3_text": "gemma3:Gemma3ForCausalLM",
     "gemma3": "gemma3:Gemma3ForConditionalGeneration",

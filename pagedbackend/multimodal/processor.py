@@ -7,7 +7,7 @@ per processor, since a fast tokenizer may not be shared between threads."""
 import logging
 import pathlib
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,10 +25,12 @@ class MultiModalProcessor:
     ``vision`` is a ``models.vision.VisionEncoder`` and whose placeholder
     token is ``image_token_id``."""
 
-    def __init__(self, folder, vision, image_token_id: int, limits: Optional[Dict[str, int]] = None):
+    def __init__(self, folder, vision, image_token_id: int, limits: Optional[Dict[str, int]] = None,
+                 load: Optional[Callable] = None):
+        """``load(folder)``: the family's own processor loader (None: transformers' ``AutoProcessor``)."""
         from transformers import AutoProcessor
         try:
-            self.processor = AutoProcessor.from_pretrained(str(folder))
+            self.processor = (load or AutoProcessor.from_pretrained)(str(folder))
         except (OSError, ValueError, TypeError) as exc:
             raise ValueError(f"{folder}: a vision-language model needs its processor "
                              f"(processor_config.json / preprocessor_config.json): {exc}") from exc
@@ -95,4 +97,5 @@ def processor_for(runner, config, folder) -> Optional[MultiModalProcessor]:
         logger.warning("pagedbackend: %s has no image processor (%s): it serves text only, images are "
                        "refused", folder, " / ".join(PROCESSOR_FILES))
         return None
-    return MultiModalProcessor(folder, vision, model.image_token_id, config.limit_mm_per_prompt)
+    return MultiModalProcessor(folder, vision, model.image_token_id, config.limit_mm_per_prompt,
+                               getattr(model, "load_processor", None))

@@ -234,6 +234,9 @@ def draft_runner(config, target, compile_in_background: bool = False):
     its KV cache mirrors ``target``'s blocks one for one."""
     from pagedbackend.worker.model_runner import ModelRunner
     runner = ModelRunner(config, compile_in_background=compile_in_background)
+    if runner.positions_of is not None:
+        raise ValueError(f"speculative_config: a draft model with multimodal RoPE ({type(runner.model).__name__}) "
+                         "is not served as a draft (its draft steps carry no images); speculate with ngram or suffix")
     if runner.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config: the draft model's vocabulary ({runner.vocab_size} tokens) "
                          f"differs from the target's ({target.vocab_size}); the draft must share its tokenizer")

@@ -61,7 +61,7 @@ class _Buffers:
     wide as the largest captured size; cache slots and block tables once per
     KV group."""
     input_ids: torch.Tensor     # int64 [M]
-    positions: torch.Tensor     # int64 [M]
+    positions: torch.Tensor     # int64 [M], or [3, M] for M-RoPE (runner.position_rows)
     slot_mapping: List[torch.Tensor]  # per KV group: int64 [M]
     seq_lens: torch.Tensor      # int32 [M]
     block_tables: List[torch.Tensor]  # per KV group: int32 [M, W]
@@ -96,7 +96,7 @@ class DecodeGraphs:
         groups = len(runner.kv_layout.groups)
         self.buffers = b = _Buffers(
             input_ids=torch.zeros(largest, dtype=torch.long, device=device),
-            positions=torch.zeros(largest, dtype=torch.long, device=device),
+            positions=torch.zeros((*runner.position_rows, largest), dtype=torch.long, device=device),
             slot_mapping=[torch.full((largest,), -1, dtype=torch.long, device=device) for _ in range(groups)],
             seq_lens=torch.ones(largest, **ints),
             block_tables=[torch.zeros((largest, width), **ints) for _ in range(groups)],
@@ -126,7 +126,7 @@ class DecodeGraphs:
                 num_kv_heads=runner.model.num_kv_heads, device=runner.device, window=window)
             metas.append(meta)
         forward, logits_of = runner.step_functions()
-        ids, positions, out = b.input_ids[:size], b.positions[:size], b.logits[:size]
+        ids, positions, out = b.input_ids[:size], b.positions[..., :size], b.logits[:size]
 
         def step() -> None:
             with torch.inference_mode(), step_context(runner.kv_caches, metas, runner.attention_ops,
@@ -162,7 +162,7 @@ class DecodeGraphs:
         b = self.buffers
         width = batch.meta.block_tables.shape[1]
         b.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        b.positions[:n].copy_(batch.positions, non_blocking=True)
+        b.positions[..., :n].copy_(batch.positions, non_blocking=True)
         b.seq_lens[:n].copy_(batch.meta.seq_lens, non_blocking=True)
         for meta, slots, tables in zip(batch.metas, b.slot_mapping, b.block_tables):   # per KV group
             slots[:n].copy_(meta.slot_mapping, non_blocking=True)
@@ -171,7 +171,7 @@ class DecodeGraphs:
                 slots[n:size].fill_(-1)
         if size > n:   # padding rows: token 0 at position 0, no cache write, one key
             b.input_ids[n:size].zero_()
-            b.positions[n:size].zero_()
+            b.positions[..., n:size].zero_()
             b.seq_lens[n:size].fill_(1)
         self._steps[size]()
         self.replays[size] += 1

@@ -53,6 +53,9 @@ class ModelRunner:
         loaded = load_model(config, self.device, tp_rank, tp_size, reduce)
         self.model_path, self.model, self.max_model_len = loaded.path, loaded.model, loaded.max_model_len
         args = loaded.args
+        # A model with multimodal RoPE (Qwen2.5-VL) computes its own [3, tokens] positions (models.mrope).
+        self.positions_of = getattr(self.model, "step_positions", None)
+        self.position_rows = () if self.positions_of is None else (3,)
         self.vocab_size = args.vocab_size
         self.hidden_size = args.hidden_size   # an embedding's length (pooling)
         self.num_labels = args.num_labels     # a sequence classifier's: pooled rows are its scores' logits
@@ -250,8 +253,11 @@ class ModelRunner:
 
     def _flat_batch(self, entries: Sequence[SeqEntry]) -> StepBatch:
         """The checked flat batch of ``entries`` as host tensors, not yet planned."""
-        return build_step_batch(entries, self.block_size, self.max_model_len, self.vocab_size,
-                                self.num_kv_blocks, len(self.kv_layout.groups))
+        batch = build_step_batch(entries, self.block_size, self.max_model_len, self.vocab_size,
+                                 self.num_kv_blocks, len(self.kv_layout.groups))
+        if self.positions_of is not None:
+            batch.positions = self.positions_of(entries, batch.positions)
+        return batch
 
     def plan(self, batch: StepBatch) -> None:
         """Lay out the step for the attention kernels, once for the layers of

@@ -50,7 +50,8 @@ def build(config: EngineConfig, threads: int) -> pathlib.Path:
     started = time.perf_counter()
     with torch.inference_mode(), step_context(runner.kv_caches, batch.meta, runner.attention_ops):
         program = torch.export.export(_Forward(runner.model).eval(), (batch.input_ids, batch.positions),
-                                      dynamic_shapes={"input_ids": {0: tokens}, "positions": {0: tokens}},
+                                      dynamic_shapes={"input_ids": {0: tokens},   # positions: [tokens] or M-RoPE's [3, tokens]
+                                                      "positions": {batch.positions.dim() - 1: tokens}},
                                       strict=False)
     scratch = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")   # aoti wants the suffix; renamed once whole
     torch._inductor.aoti_compile_and_package(

@@ -16,6 +16,7 @@ import pytest
 
 from client import ServerError, generate, grpc_stream
 from image_files import animated_gif, b64, encoded, huge_blank_png, pixels
+from triton_images import first_reply
 from loadtest.harness.openai import OpenAIServer
 from loadtest.harness.triton import TritonServer
 from pagedbackend.serving.repository import make_model_repository
@@ -154,19 +155,9 @@ def test_images_with_token_ids_are_refused_by_name(triton):
     ids.set_data_from_numpy(np.array([1, 2, 3], dtype=np.int64))
     image = grpcclient.InferInput("image", [1], "BYTES")
     image.set_data_from_numpy(np.array([png_base64(5).encode()], dtype=np.object_))
-    client = grpcclient.InferenceServerClient(triton.grpc_url)
-    errors = []
-    client.start_stream(callback=lambda result, error: errors.append(error))
-    try:
-        client.async_stream_infer("paged_llm", [ids, image])
-        deadline = time.monotonic() + 30
-        while not errors and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        client.stop_stream()
-        client.close()
+    _, error = first_reply(triton.grpc_url, [ids, image], 30)
 
-    assert errors and errors[0] is not None and "a prompt of token ids takes none" in errors[0].message()
+    assert error is not None and "a prompt of token ids takes none" in error.message()
 
 
 @pytest.mark.timeout(120)
