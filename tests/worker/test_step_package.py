@@ -3,6 +3,7 @@ a runner without one serves eager steps while a lowest-priority process
 builds it, then serves it with Hugging Face's greedy tokens; a restart
 serves it from its first step; the key follows what the generated code
 depends on; a damaged package is set aside, not trusted."""
+import os
 import pathlib
 import time
 
@@ -39,12 +40,17 @@ def config(folder, **overrides) -> EngineConfig:
 
 
 def _niceness_of_builders() -> list:
-    """The niceness of every running package build (field 19 of /proc/PID/stat)."""
+    """The niceness (field 19 of /proc/PID/stat) of every package build this
+    process started: builds of other test workers, which may run at another
+    priority, are not ours to count."""
     found = []
     for proc in pathlib.Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and b"pagedbackend.worker.step_build" in (proc / "cmdline").read_bytes():
-                found.append(int((proc / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+            if not proc.name.isdigit() or b"pagedbackend.worker.step_build" not in (proc / "cmdline").read_bytes():
+                continue
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == os.getpid():   # field 4: the parent
+                found.append(int(fields[16]))
         except OSError:
             continue
     return found
