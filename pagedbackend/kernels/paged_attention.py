@@ -222,11 +222,15 @@ def _paged_attention_kernel(
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k_row = phys * stride_kb + slot * stride_ks + kv_head * stride_kh
         v_row = phys * stride_vb + slot * stride_vs + kv_head * stride_vh
-        # No `other`: the interpreter cannot make an fp8 fill value; masked lanes become 0 after widening.
-        k = tl.load(k_cache_ptr + k_row[:, None] + d[None, :] * stride_kd, mask=kv_mask).to(tl.float32)
-        v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :] * stride_vd, mask=kv_mask).to(tl.float32)
-        k = tl.where(kv_mask, k, 0.0)
-        v = tl.where(kv_mask, v, 0.0)
+        if k_cache_ptr.dtype.element_ty.is_fp8():
+            # No `other`: the interpreter cannot make an fp8 fill value; masked lanes become 0 after widening.
+            k = tl.load(k_cache_ptr + k_row[:, None] + d[None, :] * stride_kd, mask=kv_mask).to(tl.float32)
+            v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :] * stride_vd, mask=kv_mask).to(tl.float32)
+            k = tl.where(kv_mask, k, 0.0)
+            v = tl.where(kv_mask, v, 0.0)
+        else:
+            k = tl.load(k_cache_ptr + k_row[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0).to(tl.float32)
+            v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0).to(tl.float32)
         if QUANT:   # int8 rows: a float32 scale per 32 channels follows the values
             scale_col = (head_dim + 4 * (d[None, :] // 32)) // 4   # in float32s from the row's start
             k = k * tl.load(k_scale_ptr + k_row[:, None] // 4 + scale_col, mask=kv_mask, other=0.0)
