@@ -89,7 +89,7 @@ def paged_attention(dim: int, group: int, rows: int, dtype: str, sinks: bool,
     when it is not the model's."""
     if block_n is None:
         from pagedbackend.kernels.paged_attention import tiling
-        shape = tiling(dim, dtype != "fp32", kv == "i8")
+        shape = tiling(dim, dtype != "fp32", kv not in (None, dtype))
         rows = min(rows, max(group, shape.max_rows))
         block_n, options = shape.block_n, {"num_warps": shape.num_warps, "num_stages": shape.num_stages}
     heads = KV_HEADS * group

@@ -131,14 +131,19 @@ class Tiling:
     num_stages: int
 
 
-def tiling(dim: int, lowp_dot: bool, quant: bool = False) -> Tiling:
+def tiling(dim: int, lowp_dot: bool, converted: bool = False) -> Tiling:
     """The tiling for a padded head dim ``dim`` and dot precision, chosen from
     ``python -m pagedbackend.kernels.gpu_report`` (docs/gpu.md) so that no
     launch spills on sm_80, sm_90 or sm_100: fewer query rows per program as
     the head dim grows, and fp32 (IEEE dots on FMA units, far more held per
-    thread) fewer still. Which is fastest awaits a GPU run."""
-    if lowp_dot:   # fp16/bf16 tensor-core dots; an int8 cache's scales take registers too
-        return Tiling(_MAX_ROWS, 32, 4, 3) if dim <= 128 else Tiling(32, 16 if quant else 32, 4, 2)
+    thread) fewer still. ``converted``: the cache is held in another dtype
+    than the model's (bf16, int8 or fp8), whose widening (and an int8 cache's
+    scales) takes registers of its own: key tiles of 16 and fewer rows past
+    head dim 64. Which is fastest awaits a GPU run."""
+    if lowp_dot:   # fp16/bf16 tensor-core dots
+        if converted and dim > 64:
+            return Tiling(32, 16, 4, 3) if dim <= 128 else Tiling(16, 16, 4, 2)
+        return Tiling(_MAX_ROWS, 32, 4, 3) if dim <= 128 else Tiling(32, 32, 4, 2)
     if dim <= 64:
         return Tiling(_MAX_ROWS, 16, 4, 3)
     return Tiling(32, 16, 4, 3) if dim <= 128 else Tiling(16, 16, 8, 3)
@@ -340,7 +345,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     dim, group_pad, lowp = max(16, triton.next_power_of_2(head_dim)), triton.next_power_of_2(group), \
         _half_precision_dot(q)
-    shape = tiling(dim, lowp, k_cache.dtype == torch.int8)
+    shape = tiling(dim, lowp, k_cache.dtype != q.dtype)
     block_q = min(plan.block_q, max(1, shape.max_rows // group_pad))
     grid = (len(plan.tile_seq), num_kv_heads, plan.block_q // block_q)
     quant = k_cache.dtype == torch.int8
