@@ -33,6 +33,11 @@ class TierSave(NamedTuple):
     salt: bytes
     reported: bool   # its pool events were published (so are its disk ones)
 
+    @classmethod
+    def of(cls, block) -> "TierSave":
+        """A cached block's save (before its hash is dropped)."""
+        return cls(block.block_id, block.block_hash, block.parent_hash, block.token_ids, block.salt, block.reported)
+
 
 class TierMoves:
     """One scheduling pass's block moves between the pool and the tier."""
@@ -53,8 +58,7 @@ class TierMoves:
         if block.block_id in self._fresh:
             self.loads.pop(block.block_id, None)
         elif not self.tier.contains(block.block_hash):
-            self.saves[block.block_id] = TierSave(block.block_id, block.block_hash, block.parent_hash,
-                                                  block.token_ids, block.salt, block.reported)
+            self.saves[block.block_id] = TierSave.of(block)
 
     def stage(self, keys: Sequence[bytes]) -> bool:
         """Read and check one logical block's payload of every KV group; all or none."""

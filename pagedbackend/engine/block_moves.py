@@ -2,12 +2,16 @@
 that keeps every byte: the disk tier's saves first (host copies of evicted
 blocks that this step may overwrite), swap-out, swap-in, copy-on-write,
 then the disk tier's loads into blocks registered for them (``core/tier_moves.py``);
-and the disk tier's setup (``kv_offload_dir``, ``engine/kv_tier.py``)."""
+and the disk tier's setup (``kv_offload_dir``, ``engine/kv_tier.py``) with
+its save of the pool's cached blocks at shutdown."""
 import hashlib
 import pathlib
 from typing import Optional
 
+from ..core.tier_moves import TierSave
 from .kv_tier import GiB, DiskTier
+
+SHUTDOWN_CHUNK = 64   # blocks copied to the host at a time when the pool is saved at shutdown
 
 
 def run_block_moves(runner, sched, tier: Optional[DiskTier]) -> None:
@@ -26,6 +30,16 @@ def run_block_moves(runner, sched, tier: Optional[DiskTier]) -> None:
                             [tier.take_staged(key) for _, key in sched.tier_loads])
     if tier is not None:
         tier.discard_staged()
+
+
+def save_cached_blocks(runner, pool, tier: DiskTier) -> None:
+    """Queue every block the prefix cache holds and the tier lacks (at
+    shutdown: no step runs), waiting for room in the write queue."""
+    blocks = [b for b in pool.cached.values() if not tier.contains(b.block_hash)]
+    for i in range(0, len(blocks), SHUTDOWN_CHUNK):
+        chunk = blocks[i:i + SHUTDOWN_CHUNK]
+        for block, payload in zip(chunk, runner.read_blocks([b.block_id for b in chunk])):
+            tier.save(TierSave.of(block), payload, wait=True)
 
 
 def model_identity(model_path: pathlib.Path) -> str:
@@ -52,5 +66,6 @@ def make_kv_tier(config, runner, model_key: bytes, block_manager, relay) -> Opti
     block_bytes = runner.kv_cache[:, :, 0].numel() * runner.kv_cache.element_size()
     tier = DiskTier(config.kv_offload_dir, int(config.kv_offloading_size * GiB), layout, block_bytes)
     block_manager.attach_tier(tier)
-    relay.tier = tier
+    relay.tier = tier   # its events published, and closed at shutdown after saving the pool's blocks
+    tier.before_close = lambda: save_cached_blocks(runner, block_manager.pool, tier)
     return tier

@@ -14,6 +14,8 @@ KV block, named by its prefix-cache key, bounded by ``kv_offloading_size``.
   name, then ``os.replace``: a crash never leaves half a file under a real name.
 - Least recently used files go first when a write would pass the bound; a
   read makes a file recent (and touches it, so the order survives a restart).
+- At shutdown the pool's cached blocks are written too (``before_close``),
+  so a restart finds every prefix the engine held.
 - At start the folder is indexed (oldest first by modification time);
   replicas sharing it may add and remove files at any time: a file found
   that the index lacks is adopted, one gone is a miss.
@@ -78,6 +80,7 @@ class DiskTier:
         self._reported: Dict[str, bytes] = {}   # name -> key of a reported block written here
         self.events: collections.deque = collections.deque()
         self._queue: "queue.Queue" = queue.Queue(maxsize=queue_blocks)
+        self.before_close = None   # called by close() first (engine/block_moves.py: save the pool's blocks)
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
@@ -219,9 +222,10 @@ class DiskTier:
         return None
 
     # ------------------------------------------------------------ writing
-    def save(self, record, payload: bytes) -> None:
+    def save(self, record, payload: bytes, wait: bool = False) -> None:
         """Queue a block for writing (``record``: its ``TierSave``); dropped
-        and counted when the queue is full or the block can never fit."""
+        and counted when the queue is full (unless ``wait``) or the block can
+        never fit."""
         name = self.name(record.key)
         with self._lock:
             if name in self._index or name in self._pending:
@@ -229,12 +233,13 @@ class DiskTier:
             if self._file_size(record.key, payload) > self.max_bytes:
                 self.stats.dropped += 1
                 return
-            try:
-                self._queue.put_nowait((name, record, payload))
-            except queue.Full:
-                self.stats.dropped += 1
-                return
             self._pending[name] = payload
+        try:
+            self._queue.put((name, record, payload), block=wait)
+        except queue.Full:
+            with self._lock:
+                self._pending.pop(name, None)
+            self.stats.dropped += 1
 
     def _file_size(self, key: bytes, payload: bytes) -> int:
         """The file's size (the header's checksum is as long as any)."""
@@ -292,8 +297,11 @@ class DiskTier:
         return True
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer (idempotent)."""
+        """Write what is queued (and first what ``before_close`` saves: the
+        pool's cached blocks), then stop the writer (idempotent)."""
         if self._writer.is_alive():
+            if self.before_close is not None:
+                self.before_close()
             self._queue.put(None)
             self._writer.join()
 

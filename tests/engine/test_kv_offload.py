@@ -99,6 +99,16 @@ def test_a_fresh_engine_on_the_same_folder_loads_the_prefix(tiny_model_dir, tmp_
     llm.shutdown()
 
 
+def test_a_restart_finds_the_prefixes_the_pool_held_at_shutdown(tiny_model_dir, tmp_path, hf_tokens):
+    llm = tiered(tiny_model_dir, tmp_path)
+    run(llm)
+    assert llm.engine.get_stats().kv_offload_saved == 0   # nothing evicted: all of it still in the pool
+    llm.shutdown()   # the pool's cached blocks are written
+    fresh = tiered(tiny_model_dir, tmp_path)
+    assert run(fresh) == hf_tokens and loaded(fresh) == FULL_BLOCKS
+    fresh.shutdown()
+
+
 def _flip_payload_byte(data: bytes) -> bytes:
     return data[:-5] + bytes([data[-5] ^ 0x40]) + data[-4:]
 
