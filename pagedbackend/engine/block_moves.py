@@ -5,12 +5,14 @@ then the disk tier's loads into blocks registered for them (``core/tier_moves.py
 and the disk tier's setup (``kv_offload_dir``, ``engine/kv_tier.py``) with
 its save of the pool's cached blocks at shutdown."""
 import hashlib
+import logging
 import pathlib
 from typing import Optional
 
 from ..core.tier_moves import TierSave
 from .kv_tier import GiB, DiskTier
 
+logger = logging.getLogger("pagedbackend")
 SHUTDOWN_CHUNK = 64   # blocks copied to the host at a time when the pool is saved at shutdown
 
 
@@ -61,6 +63,10 @@ def make_kv_tier(config, runner, model_key: bytes, block_manager, relay) -> Opti
     if not hasattr(runner, "read_blocks") or getattr(runner, "kv_cache", None) is None:
         raise ValueError(f"kv_offload_dir needs a KV cache in this process; {type(runner).__name__} has none "
                          "(an encoder, or tensor parallelism)")
+    if any(window is not None for window in runner.kv_layout.windows):
+        logger.warning("kv_offload_dir is off: a model with sliding-window KV groups keeps no whole prefix "
+                       "in its blocks (disable_hybrid_kv_cache_manager=True keeps every block)")
+        return None
     layout = {**runner.kv_block_layout(), "model": model_key.decode("utf-8", "backslashreplace"),
               "weights": model_identity(pathlib.Path(config.model))}
     block_bytes = runner.kv_cache[:, :, 0].numel() * runner.kv_cache.element_size()
