@@ -47,6 +47,19 @@ def write_saves(bm, tier):
     return saves, loads
 
 
+PROMPT = list(range(10, 10 + 3 * BS + 1))   # three full blocks and a token
+
+
+def prompt_on_disk(tier, num_blocks=8, salt=b""):
+    """A block manager whose pool computed PROMPT, then evicted its blocks to the tier."""
+    bm = manager(tier, num_blocks)
+    compute_and_free(bm, 1, PROMPT, salt)
+    bm.allocate(2, list(range(100, 100 + num_blocks * BS)))
+    write_saves(bm, tier)
+    bm.free(2)
+    return bm
+
+
 def test_an_evicted_cached_block_is_saved_under_its_prefix_key(tier):
     bm = manager(tier)
     prompt = list(range(10, 10 + 3 * BS))
@@ -62,12 +75,7 @@ def test_an_evicted_cached_block_is_saved_under_its_prefix_key(tier):
 
 
 def test_a_prompt_that_misses_the_pool_loads_its_blocks_from_disk(tier):
-    bm = manager(tier)
-    prompt = list(range(10, 10 + 3 * BS + 1))
-    compute_and_free(bm, 1, prompt)
-    bm.allocate(2, list(range(100, 100 + 8 * BS)))
-    write_saves(bm, tier)
-    bm.free(2)
+    bm, prompt = prompt_on_disk(tier), PROMPT
     computed = bm.allocate(3, prompt)
     assert computed == 3 * BS   # every full block; the last token is computed
     saves, loads = bm.take_tier_moves()
@@ -80,23 +88,13 @@ def test_a_prompt_that_misses_the_pool_loads_its_blocks_from_disk(tier):
 
 
 def test_another_salt_finds_nothing_on_disk(tier):
-    bm = manager(tier)
-    prompt = list(range(10, 10 + 3 * BS + 1))
-    compute_and_free(bm, 1, prompt, b"tenant-a")
-    bm.allocate(2, list(range(100, 100 + 8 * BS)))
-    write_saves(bm, tier)
-    bm.free(2)
+    bm, prompt = prompt_on_disk(tier, salt=b"tenant-a"), PROMPT
     assert bm.allocate(3, prompt, salt=b"tenant-b") == 0 and bm.allocate(4, prompt) == 0
     assert bm.take_tier_moves()[1] == []
 
 
 def test_a_block_taken_twice_in_one_pass_is_neither_saved_nor_loaded(tier):
-    bm = manager(tier, num_blocks=4)
-    prompt = list(range(10, 10 + 3 * BS + 1))
-    compute_and_free(bm, 1, prompt)
-    bm.allocate(2, list(range(100, 100 + 4 * BS)))
-    write_saves(bm, tier)
-    bm.free(2)
+    bm, prompt = prompt_on_disk(tier, num_blocks=4), PROMPT
     assert bm.allocate(3, prompt) == 3 * BS   # three blocks loaded into fresh blocks ...
     bm.free(3)
     bm.allocate(4, list(range(200, 200 + 4 * BS)))   # ... and taken again before the step ran
@@ -105,12 +103,7 @@ def test_a_block_taken_twice_in_one_pass_is_neither_saved_nor_loaded(tier):
 
 
 def test_a_file_gone_under_the_tier_is_a_miss(tier, tmp_path):
-    bm = manager(tier)
-    prompt = list(range(10, 10 + 3 * BS + 1))
-    compute_and_free(bm, 1, prompt)
-    bm.allocate(2, list(range(100, 100 + 8 * BS)))
-    write_saves(bm, tier)
-    bm.free(2)
+    bm, prompt = prompt_on_disk(tier), PROMPT
     hashes = block_hashes(prompt, BS, bm._key(b""))
     (tmp_path / tier.name(hashes[1])).unlink()   # another replica's bound removed it
     assert bm.allocate(3, prompt) == BS   # block 0 from disk, the rest computed
