@@ -1,7 +1,7 @@
 """The disk tier below the prefix cache (``kv_offload_dir``) in a real
 engine on the tiny random Llama: a long prompt evicted from a small pool
-comes back from disk, in the same engine and in a fresh one on the same
-folder, with Hugging Face's greedy tokens; a torn, corrupt or mismatching
+comes back from disk, in the same engine, in a fresh one on the same
+folder and in a replica sharing it, with Hugging Face's greedy tokens; a torn, corrupt or mismatching
 file is refused and its block recomputed; the folder never holds more than
 ``kv_offloading_size``; an int8 cache's bytes (scales included) round-trip;
 a cache salt or an adapter never reads another's blocks; KV events name
@@ -14,7 +14,7 @@ import torch
 from kv_router_view import Subscriber
 from loadtest.harness.triton import free_port
 from pagedbackend import LLM, LoRARequest, SamplingParams
-from pagedbackend.config import EngineConfig
+from pagedbackend.config import EngineConfig, engine_config
 from pagedbackend.core.kv_events import BlockRemoved, BlockStored, external_hash
 from pagedbackend.core.prefix_cache import block_hashes
 from peft_reference import save_random_adapter
@@ -107,6 +107,17 @@ def test_a_restart_finds_the_prefixes_the_pool_held_at_shutdown(tiny_model_dir, 
     fresh = tiered(tiny_model_dir, tmp_path)
     assert run(fresh) == hf_tokens and loaded(fresh) == FULL_BLOCKS
     fresh.shutdown()
+
+
+def test_a_replica_sharing_the_folder_reads_blocks_another_wrote_after_it_started(tiny_model_dir, tmp_path,
+                                                                                 hf_tokens):
+    reader = tiered(tiny_model_dir, tmp_path)   # indexed an empty folder
+    writer = tiered(tiny_model_dir, tmp_path)
+    run(writer)
+    evict(writer)
+    assert run(reader) == hf_tokens and loaded(reader) == FULL_BLOCKS
+    writer.shutdown()
+    reader.shutdown()
 
 
 def _flip_payload_byte(data: bytes) -> bytes:
@@ -221,6 +232,13 @@ def test_events_name_the_pool_and_the_disk_as_their_medium(tiny_model_dir, tmp_p
 def test_bad_tier_settings_are_refused_by_name(settings, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**settings)
+
+
+def test_config_pbtxt_strings_become_the_tier_settings(tmp_path):
+    config = engine_config({"kv_offload_dir": {"string_value": str(tmp_path / "new")},
+                            "kv_offloading_size": {"string_value": "0.5"}}, environ={})
+    assert (config.kv_offload_dir, config.kv_offloading_size) == (str(tmp_path / "new"), 0.5)
+    assert (tmp_path / "new").is_dir()
 
 
 def test_a_file_in_place_of_the_folder_is_refused(tmp_path):
