@@ -1,12 +1,12 @@
 """Engine configuration: one dataclass, the same names as ``LLM(...)`` and the
 ``parameters`` of ``config.pbtxt``."""
-import json
 import os
 import pathlib
 import typing
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
+from .config_checks import check_kv_offload, check_lora, check_multimodal
 from .config_coerce import coerce
 from .kv_events_config import KVEventsConfig
 from .spec_decode.config import SpeculativeConfig  # noqa: F401  (a field of EngineConfig; callers import it here)
@@ -92,6 +92,14 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     # Host (CPU) blocks available to swapped-out groups.
     swap_space_blocks: int = 0
+    # vLLM's name: a folder for the disk tier below the prefix cache
+    # (docs/kv_offload.md). A full cached block evicted from the pool is
+    # written there, by its prefix hash, off the step; a later prompt that
+    # misses the pool reads it back instead of recomputing it, also after a
+    # restart. Replicas may share it. None: off.
+    kv_offload_dir: Optional[str] = None
+    # vLLM's name: the disk tier's bound in GiB (least recently used files go).
+    kv_offloading_size: float = 4.0
     # Weights, activations and KV cache dtype: float32, float16, bfloat16, or
     # "auto" (vLLM's): a bfloat16 checkpoint in bfloat16 where the device
     # multiplies bfloat16 natively (GPU; CPU with AVX512-BF16 or AMX), float32
@@ -312,59 +320,15 @@ class EngineConfig:
             raise ValueError(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
-        self._check_lora()
-        self._check_multimodal()
+        check_lora(self)
+        check_multimodal(self)
+        check_kv_offload(self)
         self.speculative_config = SpeculativeConfig.build(self.speculative_config)
         self.kv_events_config = KVEventsConfig.build(self.kv_events_config)
         spec = self.speculative_config
         if spec is not None and spec.method not in ("ngram", "suffix") and self.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config.method {spec.method} does not support tensor_parallel_size > 1 "
                              "(ngram and suffix do)")
-
-    def _check_lora(self) -> None:
-        if isinstance(self.enable_lora, str):   # vllm_backend's model.json gives "true" or true
-            self.enable_lora = coerce("enable_lora", bool, self.enable_lora)
-        if not isinstance(self.enable_lora, bool):
-            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.max_cpu_loras is not None and (isinstance(self.max_cpu_loras, bool) or not isinstance(
-                self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer >= max_loras "
-                             f"({self.max_loras}), or None")
-        if not self.enable_lora:
-            return
-        if self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora does not support tensor_parallel_size > 1: adapters are served "
-                             "on one rank; use tensor_parallel_size=1")
-        if self.quantization == "w8a8":
-            raise ValueError("enable_lora does not combine with quantization=w8a8 (its smoothing rescales the "
-                             "projections' inputs that LoRA reads); use none, int8 or int4")
-
-    def _check_multimodal(self) -> None:
-        if isinstance(self.hf_overrides, str):
-            try:
-                self.hf_overrides = json.loads(self.hf_overrides)
-            except ValueError as exc:
-                raise ValueError(f"hf_overrides must be a JSON object: {exc}") from None
-        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
-            raise ValueError(f"hf_overrides must be a dict of config.json fields, got {self.hf_overrides!r}")
-        limits = self.limit_mm_per_prompt
-        if isinstance(limits, str):
-            try:
-                limits = json.loads(limits)
-            except ValueError as exc:
-                raise ValueError(f"limit_mm_per_prompt must be JSON like {{\"image\": 2}}: {exc}") from None
-        if limits is not None and not (isinstance(limits, dict) and all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values())):
-            raise ValueError(f"limit_mm_per_prompt must map modalities to counts >= 0, got {limits!r}")
-        self.limit_mm_per_prompt = limits
-        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
-            raise ValueError(f"max_num_encoder_input_tokens must be >= 1, got {self.max_num_encoder_input_tokens}")
-        if self.encoder_cache_bytes < 0:
-            raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -31,8 +31,11 @@ class RouterView:
         self.blocks = {}
 
     def apply(self, events) -> None:
+        """The pool's events ("DISK" ones, the disk tier's, are another view)."""
         bs = self.block_size
         for event in events:
+            if getattr(event, "medium", None) == "DISK":
+                continue
             if isinstance(event, BlockStored):
                 assert event.block_size == bs and len(event.token_ids) == bs * len(event.block_hashes)
                 parent = event.parent_block_hash

@@ -12,6 +12,12 @@ the model's float32 one, on SmolLM2-135M (docs/kv_cache_dtype.md).
   by the float32 cache, 512 tokens) scored as prompt log-probabilities in
   chunks of 32, so that each chunk reads the earlier ones through the cache.
 - ``capacity``: the tokens ``kv_cache_bytes`` holds per dtype.
+- ``offload`` (not in the default parts): time to first token of a prompt
+  whose ~4,000-token prefix is in the pool, in the disk tier
+  (``kv_offload_dir``; the same engine after another prompt evicted it, and
+  a fresh engine on the folder), or recomputed (no tier); medians of
+  ``--rounds``, eager steps, the model's default dtype and cache. The files
+  are read back from the OS page cache as much as it holds them.
 """
 import argparse
 import math
@@ -106,6 +112,51 @@ def bench_quality(prompts: List[str], max_tokens: int, text_tokens: int, names=Q
     return result
 
 
+def bench_offload(prefix_len: int, rounds: int, seed: int) -> dict:
+    import statistics
+    import tempfile
+    import time
+    from pagedbackend import LLM, SamplingParams
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(seed)
+    # Two prompts that each fill most of the pool: running one evicts the other.
+    prompts = [torch.randint(100, 40000, (prefix_len + 7,), generator=gen).tolist() for _ in range(2)]
+    blocks = -(-(prefix_len + 8) // 16) + 8
+    settings = dict(model="default", compile=False, num_kv_blocks=blocks, max_model_len=16 * blocks)
+
+    def ttft(llm, prompt):
+        start = time.perf_counter()
+        llm.generate([prompt], first)
+        return time.perf_counter() - start
+
+    times = {"pool": [], "disk": [], "disk_fresh_engine": [], "recomputed": []}
+    with tempfile.TemporaryDirectory(prefix="kv_tier_") as folder:
+        with LLM(kv_offload_dir=folder, kv_offloading_size=4.0, **settings) as llm:
+            for prompt in prompts:   # both computed once; the second evicts the first to disk
+                llm.generate([prompt], first)
+            for i in range(rounds):
+                prompt = prompts[i % 2]   # on disk: the other one evicted it
+                assert llm.engine.kv_tier.flush()
+                loaded = llm.engine.get_stats().kv_offload_loaded
+                times["disk"].append(ttft(llm, prompt))
+                assert llm.engine.get_stats().kv_offload_loaded > loaded, "the prefix did not come from disk"
+                times["pool"].append(ttft(llm, prompt))
+            stats = llm.engine.get_stats()
+        for _ in range(rounds):
+            with LLM(kv_offload_dir=folder, kv_offloading_size=4.0, **settings) as fresh:
+                times["disk_fresh_engine"].append(ttft(fresh, prompts[0]))
+                assert fresh.engine.get_stats().kv_offload_loaded > 0
+    with LLM(**settings) as plain:
+        for i in range(rounds + 1):
+            seconds = ttft(plain, prompts[i % 2])   # the other prompt evicted it: computed again
+            if i:
+                times["recomputed"].append(seconds)
+    result = {name: {"median_s": statistics.median(t), "runs_s": t} for name, t in times.items()}
+    result.update(prefix_tokens=prefix_len, blocks_on_disk_per_prompt=prefix_len // 16,
+                  block_bytes=stats.kv_offload_bytes // max(1, stats.kv_offload_saved), saved=stats.kv_offload_saved)
+    return result
+
+
 def capacity(kv_cache_bytes: int) -> dict:
     from types import SimpleNamespace
     from pagedbackend.worker.loader import kv_block_bytes
@@ -122,6 +173,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4, help="layers' caches the kernel part walks in turn")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--quality-dtypes", default=",".join(QUALITY), help="kv_cache_dtypes of the quality part")
+    ap.add_argument("--prefix-tokens", type=int, default=4000, help="the prefix of the offload part")
     add_common_args(ap, threads=2)
     args = ap.parse_args(argv)
     if args.quick:
@@ -144,6 +196,11 @@ def main(argv=None):
                 print(f"{name}: {row['prompts_equal']}/{row['prompts']} prompts, {row['tokens_equal']}/"
                       f"{row['tokens']} tokens equal; perplexity {row['perplexity']:.4f} "
                       f"({row['perplexity_change_pct']:+.2f} %)")
+    if "offload" in parts:
+        result["offload"] = bench_offload(512 if args.quick else args.prefix_tokens, args.rounds, args.seed)
+        print(f"TTFT of a {result['offload']['prefix_tokens']}-token prefix (medians): " + ", ".join(
+            f"{name} {row['median_s'] * 1e3:.0f} ms" for name, row in result["offload"].items()
+            if isinstance(row, dict)))
     if "capacity" in parts:
         result["capacity_tokens_256mib"] = capacity(256 * 2 ** 20)
         print("tokens in 256 MiB:", result["capacity_tokens_256mib"])

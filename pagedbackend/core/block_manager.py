@@ -12,6 +12,8 @@ lists of ``(src, dst)`` block ids for the model runner to carry out.
   hash chain; a new sequence maps the cached blocks its prompt starts with.
 - ``swap_out`` / ``swap_in`` move a whole sequence group to and from a bounded
   host pool, all or nothing (``block_swap.py``).
+- A disk tier (``tier_moves.py``, ``attach_tier``) takes evicted cached
+  blocks and gives a prompt's next blocks back when the pool misses them.
 - ``truncate`` gives back the slots of speculative tokens that were rejected:
   positions past the verified ones, and blocks that only they used.
 - KV groups (``kv_groups.py``): a model's layers grouped by attention kind,
@@ -31,6 +33,7 @@ from .block_swap import SwapMixin
 from .group_manager import FullAttentionManager, GroupTable, make_managers
 from .kv_groups import cdiv, skipped_blocks, step_blocks
 from .prefix_cache import CachedPrefix, HashFn, block_hashes, hash_block, longest_cached_prefix
+from .tier_moves import TierMixin
 
 BlockMapping = List[Tuple[int, int]]
 
@@ -62,7 +65,7 @@ class _SeqBlocks:
     num_computed: int = 0        # positions whose K/V are computed (mark_computed)
 
 
-class BlockManager(SwapMixin):
+class BlockManager(SwapMixin, TierMixin):
     def __init__(self, num_blocks: int, block_size: int = 16, num_swap_blocks: int = 0,
                  enable_prefix_caching: bool = True, watermark: float = 0.01,
                  cache_salt: bytes = b"", hash_fn: HashFn = hash_block,
@@ -257,6 +260,7 @@ class BlockManager(SwapMixin):
         if needed > self.pool.num_free:
             raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} free blocks, {self.pool.num_free} left")
         cached = hit.blocks * self.block_size
+        loaded = self._tier_prefix(token_ids, salt, reuse, block_keys, hit)   # read now, loaded by the step
         for mapped in hit.mapped:   # every group's hits first: a new block must not evict one
             for block in mapped:
                 self.pool.incref(block)
@@ -266,12 +270,14 @@ class BlockManager(SwapMixin):
             table = GroupTable(blocks, hit.blocks - len(mapped), cached)
             manager.fill(table, min(n, manager.admission_target(n, cached, self.step_tokens)))
             tables.append(table)
-        self._seqs[seq_id] = _SeqBlocks(tables, n, hit.hashes, salt=salt, block_keys=block_keys,
-                                        num_computed=cached)
+        state = self._seqs[seq_id] = _SeqBlocks(tables, n, hit.hashes + loaded, salt=salt, block_keys=block_keys,
+                                                num_computed=cached + len(loaded) * self.block_size)
+        if loaded:
+            self._load_from_tier(state, token_ids, hit.blocks, loaded)
         if self.enable_prefix_caching:
             self.prefix_queries += n
-            self.prefix_hits += cached
-        return cached
+            self.prefix_hits += state.num_computed
+        return state.num_computed
 
     def blocks_to_append(self, seq_id: int, num_tokens: int, step_end: Optional[int] = None) -> int:
         """Free blocks ``append_slots(seq_id, num_tokens, step_end)`` would take

@@ -12,7 +12,10 @@ lookup walks from the first block, so they could not be found anyway). With
 ``events`` set (a ``KVEventLog``), blocks entering the prefix cache
 (``register``) and leaving it (eviction, reset) are reported there, each block
 before its parent, for routers that route by what the engine holds
-(``kv_events.py``).
+(``kv_events.py``). With ``moves`` set (``tier_moves.TierMoves``: the disk
+tier is on), every cached block an allocation evicts, and each block
+allocated, is told to it, so the evicted content can be saved before the
+step overwrites it.
 """
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -119,6 +122,8 @@ class BlockPool:
         self.num_evictions = 0
         # Set by the engine when KV-cache events are on (None: nothing reported).
         self.events: Optional[KVEventLog] = None
+        # Set when the disk tier is on (tier_moves.TierMoves; None: evicted content is dropped).
+        self.moves = None
 
     @property
     def num_free(self) -> int:
@@ -128,9 +133,11 @@ class BlockPool:
         """Take the least recently freed block; evict its cached hash if it has one."""
         block = self.free_queue.popleft()
         if block.block_hash is not None:
-            self._uncache(block)
+            self._uncache(block, spill=self.moves is not None)
             self.num_cached_free -= 1
             self.num_evictions += 1
+        if self.moves is not None:
+            self.moves.allocated(block)
         block.ref_cnt = 1
         block.num_tokens = 0
         return block
@@ -184,9 +191,10 @@ class BlockPool:
             self.events.stored(block_hash, parent_hash, block.token_ids, salt)
         return True
 
-    def _uncache(self, block: KVBlock, report: bool = True) -> None:
+    def _uncache(self, block: KVBlock, report: bool = True, spill: bool = False) -> None:
         """Drop the block's hash, and before it those of its cached reported
-        descendants (deepest first; those still free no longer count as cached)."""
+        descendants (deepest first; those still free no longer count as cached).
+        ``spill``: each one's content goes to the disk tier (``moves``)."""
         subtree, stack = [], [block]
         while stack:
             node = stack.pop()
@@ -202,6 +210,8 @@ class BlockPool:
                     del self.children[node.parent_hash]
             if report and node.reported:
                 self.events.removed(node.block_hash)
+            if spill:
+                self.moves.evicted(node)
             node.block_hash = node.parent_hash = node.token_ids = None
             node.salt, node.reported = b"", False
 

@@ -27,7 +27,7 @@ class BlockStored:
     token_ids: List[int]           # every block's tokens, concatenated
     block_size: int
     lora_id: Optional[int] = None      # vLLM's deprecated adapter id (always None here)
-    medium: Optional[str] = None       # None: the engine's own KV pool (not an offload tier)
+    medium: Optional[str] = None       # vLLM's: "GPU" / "CPU" (the engine's pool), "DISK" (kv_offload_dir)
     lora_name: Optional[str] = None    # the adapter the blocks were computed with, if any
     # Per block, the keys besides the tokens that went into its hash (the
     # request's cache salt), or None when there are none for any block.
@@ -64,36 +64,47 @@ def salt_key(salt: bytes) -> Optional[tuple]:
     return (salt.decode("utf-8", "backslashreplace"),) if salt else None
 
 
+# vLLM's ``medium`` values: where a block is held (its pool is the GPU's, or
+# the CPU's when the engine runs there), and the disk tier (``kv_offload_dir``).
+MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK = "GPU", "CPU", "DISK"
+
+
 class KVEventLog:
     """Where the block pool appends events; the engine ``take``s them once a
-    step. Consecutive stores of one chain (same salt and adapter) merge into
-    one ``BlockStored``, consecutive removals into one ``BlockRemoved``."""
+    step. Consecutive stores of one chain (same salt, adapter and medium)
+    merge into one ``BlockStored``, consecutive removals (same medium) into
+    one ``BlockRemoved``. ``medium``: the pool's (None: not named)."""
 
-    def __init__(self):
+    def __init__(self, medium: Optional[str] = None):
         self.events: list = []
+        self.medium = medium
 
     def stored(self, block_hash: bytes, parent_hash: Optional[bytes], token_ids: Sequence[int],
-               salt: bytes = b"", lora_name: Optional[str] = None) -> None:
+               salt: bytes = b"", lora_name: Optional[str] = None, medium: Optional[str] = None) -> None:
+        """``medium``: where the block is held (None: the pool)."""
+        medium = medium or self.medium
         h = external_hash(block_hash)
         parent = None if parent_hash is None else external_hash(parent_hash)
         key = salt_key(salt)
         last = self.events[-1] if self.events else None
         if (isinstance(last, BlockStored) and last.block_hashes[-1] == parent and last.lora_name == lora_name
+                and last.medium == medium
                 and last.block_size == len(token_ids) and (last.extra_keys or [None])[-1] == key):
             last.block_hashes.append(h)
             last.token_ids.extend(token_ids)
             if last.extra_keys is not None:
                 last.extra_keys.append(key)
             return
-        self.events.append(BlockStored([h], parent, list(token_ids), len(token_ids), lora_name=lora_name,
-                                       extra_keys=None if key is None else [key]))
+        self.events.append(BlockStored([h], parent, list(token_ids), len(token_ids), medium=medium,
+                                       lora_name=lora_name, extra_keys=None if key is None else [key]))
 
-    def removed(self, block_hash: bytes) -> None:
+    def removed(self, block_hash: bytes, medium: Optional[str] = None) -> None:
+        medium = medium or self.medium
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.block_hashes.append(external_hash(block_hash))
         else:
-            self.events.append(BlockRemoved([external_hash(block_hash)]))
+            self.events.append(BlockRemoved([external_hash(block_hash)], medium))
 
     def cleared(self) -> None:
         """Everything cached is gone: earlier events of this step no longer matter."""

@@ -76,6 +76,10 @@ class SchedulerOutput:
     copy_pairs: BlockMapping = field(default_factory=list)
     swap_out_pairs: BlockMapping = field(default_factory=list)
     swap_in_pairs: BlockMapping = field(default_factory=list)
+    # The disk tier (core/tier_moves.py): blocks to copy out before anything
+    # overwrites them (TierSave), and (block id, key) payloads to load into blocks.
+    tier_saves: list = field(default_factory=list)
+    tier_loads: List[Tuple[int, bytes]] = field(default_factory=list)
     preempted: List[SequenceGroup] = field(default_factory=list)
     rejected: List[Tuple[SequenceGroup, str]] = field(default_factory=list)
     num_batched_tokens: int = 0       # verified tokens plus the slots held for speculative ones

@@ -35,9 +35,9 @@ Fairness, so that one request cannot hold up every newcomer:
   admitted after the older ones are done, never starved.
 
 A preempted group is either swapped to the host pool or, in recompute mode
-(or when host space is short), stripped of its blocks and sent back to the
-waiting queue in arrival order, to be prefilled again from its prompt and
-generated tokens, reusing whatever prefix blocks are still cached.
+(or when host space is short), stripped of its blocks and sent back to the waiting
+queue in arrival order, to be prefilled again from its prompt and generated
+tokens, reusing whatever prefix blocks are still cached (or on disk).
 """
 import bisect
 import time
@@ -145,8 +145,7 @@ class Scheduler:
         (free, or free but still cached) and no sequence may hold a table;
         returns what is not so."""
         bm, leaks = self.bm, []
-        queued = len(self.waiting) + len(self.running) + len(self.swapped)
-        if queued:
+        if queued := len(self.waiting) + len(self.running) + len(self.swapped):
             leaks.append(f"{queued} group(s) still queued")
         if bm.num_used_blocks:
             leaks.append(f"{bm.num_used_blocks} KV block(s) still in use")
@@ -184,6 +183,7 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, room, crowded)
         out.num_batched_tokens = self.config.max_num_batched_tokens - room.tokens
+        out.tier_saves, out.tier_loads = self.bm.take_tier_moves()   # the disk tier's (tier_moves)
         now = time.time()
         for item in out.scheduled:   # what the model runner reads
             seq = item.seq

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Optional
 
-from ..core.kv_events import KVEventLog
+from ..core.kv_events import MEDIUM_DISK, KVEventLog
 from ..kv_events_config import KVEventsConfig
 
 logger = logging.getLogger("pagedbackend")
@@ -156,25 +156,38 @@ def make_publisher(config: Optional[KVEventsConfig], dp_rank: int = 0):
 
 class KVEventRelay:
     """The engine's end of ``kv_events_config``: the block pool records its
-    events in a log, and ``flush`` (once per engine step) hands them to the
-    publisher as one batch."""
+    events in a log (``medium``: the pool's, vLLM's "GPU" or "CPU"), and
+    ``flush`` (once per engine step) hands them to the publisher as one
+    batch, with the disk tier's (``tier``, medium "DISK") after them."""
 
-    def __init__(self, config: Optional[KVEventsConfig], prefix_caching: bool, pool):
+    def __init__(self, config: Optional[KVEventsConfig], prefix_caching: bool, pool, medium: Optional[str] = None):
         self.publisher = make_publisher(config)
         self.pool = pool
+        self.tier = None   # the disk tier (engine/kv_tier.py), when kv_offload_dir is set
         if config is not None and config.publishes:
             if prefix_caching:
-                pool.events = KVEventLog()
+                pool.events = KVEventLog(medium)
             else:
                 logger.warning("kv_events_config is on but enable_prefix_caching is off: no block enters "
                                "the prefix cache, so no event is published")
 
     def flush(self) -> None:
-        """Publish what the block pool recorded since the last flush."""
+        """Publish what the block pool and the disk tier recorded since the last flush."""
         log = self.pool.events
+        if self.tier is not None:
+            for kind, what in self.tier.take_events():
+                if log is None:
+                    continue
+                if kind == "stored":
+                    log.stored(what.key, what.parent_key, what.token_ids, what.salt, medium=MEDIUM_DISK)
+                else:
+                    log.removed(what, medium=MEDIUM_DISK)
         if log is not None and log.events:
             self.publisher.publish(log.take())
 
     def shutdown(self) -> None:
-        """Send what is queued, then close the publisher's sockets."""
+        """Send what is queued, then close the publisher's sockets; the disk
+        tier writes what it has queued."""
         self.publisher.shutdown()
+        if self.tier is not None:
+            self.tier.close()

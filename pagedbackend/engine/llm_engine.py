@@ -1,10 +1,11 @@
 """The engine: scheduler, model runner and sampler, one step at a time.
 
 ``core_step()`` asks the scheduler for a batch, has the runner carry out its
-swap and copy mappings and run the model once, samples, applies the tokens
-(``token_updates``: forks, beams, stop tokens, the length), hands the outcome
-to the scheduler (``update_from_output``: the only place blocks change after
-a step) and reports each changed request (``CoreOutput``). The output
+block moves (``block_moves``: disk tier, swap, copy) and run the model once,
+samples, applies the tokens (``token_updates``: forks, beams, stop tokens,
+the length), hands the outcome to the scheduler (``update_from_output``: the
+only place blocks change after a step) and reports each changed request
+(``CoreOutput``). The output
 processor makes text, stop strings, log-probabilities and deltas of the
 reports off the step (``output_processor``), in this thread (``step()``) or
 another (``AsyncLLMEngine``); sequences a stop string ends come back to
@@ -28,6 +29,7 @@ from ..sample import Sampler
 from ..sampling_params import InvalidRequestError, SamplingParams
 from ..spec_decode.speculator import make_speculator
 from ..structured.queue import StructuredQueue
+from .block_moves import make_kv_tier, run_block_moves
 from .adapters import AdapterMethods, lora_manager, resolve_adapter, with_adapter
 from .input_processor import PROMPT_CHARS_PER_TOKEN, InputProcessor, Prompt, fit_max_model_len, processor_for
 from .core_outputs import CoreOutput, SeqFinish
@@ -71,8 +73,9 @@ class LLMEngine(AdapterMethods):
             adapter_room=self.lora.fits if self.lora is not None else None)
         self.scheduler = Scheduler(config, runner.num_kv_blocks, self.max_model_len, cache_salt=model_key,
                                    kv_windows=windows, inputs=inputs)
-        self.kv_events = KVEventRelay(config.kv_events_config, config.enable_prefix_caching,
-                                      self.block_manager.pool)
+        self.kv_events = KVEventRelay(config.kv_events_config, config.enable_prefix_caching, self.block_manager.pool,
+                                      "GPU" if runner.device.type == "cuda" else "CPU")
+        self.kv_tier = make_kv_tier(config, runner, model_key, self.block_manager, self.kv_events)   # kv_offload_dir
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
         self.groups: Dict[str, SequenceGroup] = {}
         self.structured = StructuredQueue(config, self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -195,13 +198,7 @@ class LLMEngine(AdapterMethods):
         sched = self.scheduler.schedule()
         self.last_schedule_seconds = time.perf_counter() - start
         outputs += [self._end_with_error(group, msg, ran=False) for group, msg in sched.rejected]
-        # Order matters: a block swapped out may be handed to someone else in this step.
-        if sched.swap_out_pairs:
-            self.runner.swap_out(sched.swap_out_pairs)
-        if sched.swap_in_pairs:
-            self.runner.swap_in(sched.swap_in_pairs)
-        if sched.copy_pairs:
-            self.runner.copy_blocks(sched.copy_pairs)
+        run_block_moves(self.runner, sched, self.kv_tier)   # disk saves, swaps, copies, disk loads
         self._adapters_for_step(sched.scheduled)
         if self.speculator is not None:   # drafts proposed into the scheduled entries
             self.speculator.before_forward(sched, self.stats)

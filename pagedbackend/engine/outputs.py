@@ -131,6 +131,16 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: List[int] = field(default_factory=list)
     propose_seconds: float = 0.0     # of the step time, proposing speculative tokens
+    # The disk tier (kv_offload_dir): blocks written to disk and read back into
+    # the pool, saves dropped (its write queue full), files refused on reading
+    # (torn, corrupt, another layout: recomputed) and removed to stay under the
+    # bound, and the bytes of its files.
+    kv_offload_saved: int = 0
+    kv_offload_loaded: int = 0
+    kv_offload_dropped: int = 0
+    kv_offload_refused: int = 0
+    kv_offload_evicted: int = 0
+    kv_offload_bytes: int = 0
     # Adapters (enable_lora): those the running and the waiting requests use
     # (vLLM's lora_requests_info), the device pool's size in adapters of
     # max_lora_rank, requests admitted per adapter name, adapter folders read,

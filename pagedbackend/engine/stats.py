@@ -35,6 +35,9 @@ def engine_stats(engine) -> EngineStats:
     if engine.speculator is not None:
         engine.speculator.stats.copy_to(st)
     st.cpu_contended = engine.runner.cpu_contended
+    if engine.kv_tier is not None:
+        engine.kv_tier.stats.copy_to(st)
+        st.kv_offload_bytes = engine.kv_tier.num_bytes
     if engine.lora is not None:
         lora_stats(engine.lora, sch, engine.compiling, st)
     return EngineStats(**st.__dict__)

@@ -293,6 +293,29 @@ class ModelRunner:
             src, dst = _pair_index(pairs, self._swap_blocks(), self.num_kv_blocks, self.device)
             self.kv_cache[:, :, dst] = self.swap_cache[:, :, src.cpu()].to(self.device, non_blocking=True)
 
+    def read_blocks(self, ids: Sequence[int]) -> List[bytes]:
+        """Device blocks ``ids`` copied to the host, each as its bytes exactly
+        as stored (K and V of every layer; an int8 cache's scales in its rows):
+        the disk tier's saves, before the step overwrites them."""
+        index = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        blocks = self.kv_cache[:, :, index].movedim(2, 0).contiguous().cpu()
+        rows = blocks.view(len(ids), -1).view(torch.uint8)
+        return [row.numpy().tobytes() for row in rows]
+
+    def write_blocks(self, ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Bytes from ``read_blocks`` (the disk tier's loads) into device blocks ``ids``."""
+        shape = (len(ids), 2, self.kv_cache.shape[1], *self.kv_cache.shape[3:])
+        rows = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        blocks = rows.view(self.kv_cache.dtype).view(shape).movedim(0, 2)
+        _pair_index([(i, i) for i in ids], self.num_kv_blocks, self.num_kv_blocks, "cpu")   # checks the ids
+        self.kv_cache[:, :, torch.tensor(list(ids), device=self.device)] = blocks.to(self.device)
+
+    def kv_block_layout(self) -> Dict[str, object]:
+        """What a block's bytes mean (the disk tier refuses a file written for another)."""
+        return {"kv_shape": [2, *self.kv_cache.shape[1:2], *self.kv_cache.shape[3:]], "block_size": self.block_size,
+                "cache_dtype": str(self.kv_cache.dtype), "kv_cache_dtype": self.config.kv_cache_dtype,
+                "layers": self.kv_layout.slots, "groups": len(self.kv_layout.groups)}
+
     def _swap_blocks(self) -> int:
         if self.swap_cache is None:
             raise ValueError("no swap space: set swap_space_blocks > 0 to swap blocks to the host")

@@ -67,6 +67,15 @@ FAMILIES: Dict[Tuple[str, str], tuple] = {
                                                   "Prompt tokens found in the prefix cache.", None),
     ("pagedbackend", "prefix_cache_queries_total"): (COUNTER, "prefix_cache_queries",
                                                      "Prompt tokens looked up in the prefix cache.", None),
+    ("pagedbackend", "kv_offload_blocks_saved_total"): (COUNTER, "kv_offload_saved",
+                                                        "KV blocks written to the disk tier (kv_offload_dir).", None),
+    ("pagedbackend", "kv_offload_blocks_loaded_total"): (COUNTER, "kv_offload_loaded",
+                                                         "KV blocks read back from the disk tier.", None),
+    ("pagedbackend", "kv_offload_blocks_dropped_total"): (COUNTER, "kv_offload_dropped",
+                                                          "Disk-tier saves dropped (write queue full).", None),
+    ("pagedbackend", "kv_offload_blocks_refused_total"): (
+        COUNTER, "kv_offload_refused", "Disk-tier files refused on reading (torn, corrupt, another layout).", None),
+    ("pagedbackend", "kv_offload_bytes"): (GAUGE, "kv_offload_bytes", "Bytes of the disk tier's files.", None),
     ("pagedbackend", "request_failures_total"): (COUNTER, "failed_requests",
                                                  "Requests ended by an error while handling them alone.", None),
     ("pagedbackend", "idle_leak_checks_failed_total"): (
