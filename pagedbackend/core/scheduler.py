@@ -1,43 +1,37 @@
-"""Iteration-level (continuous) batching with first-come-first-served
-preemption (PagedAttention, section 4.5), in one loop under one token budget.
+"""Iteration-level (continuous) batching with first-come-first-served preemption (PagedAttention,
+section 4.5), in one loop under one token budget.
 
-Every sequence's ``num_computed_tokens`` chases its token count: a step gives
-each scheduled sequence the tokens it has not computed yet (a decode: one; a
-prompt: a chunk of it), plus, for a decode, slots for the speculative tokens
-the engine will propose (``lookahead``). The same code schedules running
-groups (decoding groups first, so a burst of prompts never delays a token of
-a running stream), swapped-out groups coming back, and newly admitted ones:
+Every sequence's ``num_computed_tokens`` chases its token count: a step gives each scheduled
+sequence the tokens it has not computed yet (a decode: one; a prompt: a chunk of it), plus, for a
+decode, slots for the speculative tokens the engine will propose (``lookahead``). The same code
+schedules running groups (decoding groups first, so a burst of prompts never delays a token of a
+running stream), swapped-out groups coming back, and newly admitted ones:
 
-- running groups, in scheduling order; when blocks run out, the newest
-  running group is preempted (all its sequences at once) until the older one
-  fits (a group first gives up its speculative slots);
-- swapped-out groups come back, first in order first, when nothing was
-  preempted in this step;
-- waiting groups are admitted in order when nothing was preempted (so a
-  victim is not re-admitted at once).
+- running groups, in scheduling order; when blocks run out, the newest running group is preempted
+  (all its sequences at once) until the older one fits (first giving up its speculative slots);
+- swapped-out groups come back, first in order first, when nothing was preempted in this step;
+- waiting groups are admitted in order when nothing was preempted (a victim is not re-admitted at once).
 
 Fairness, so that one request cannot hold up every newcomer:
 
-- a prompt is computed at most ``long_prefill_token_threshold`` tokens per
-  step, which bounds every step and leaves budget for newcomers;
-- an encoder's input (``SequenceGroup.whole_prompt``) is never chunked, nor
-  is an image whose tokens attend to each other (``whole_spans``, Gemma 3):
-  it waits for the first step with room for all of it;
-- while other requests are present, one request's parallel samples decode at
-  most half of ``max_num_seqs`` per step (the least advanced first; beams,
-  which advance together, are exempt); it is admitted on those slots too;
-- the oldest group that cannot be admitted or swapped back in (the blocker)
-  does not stop younger groups that fit now, as long as the eventual needs
-  (prompt plus ``max_tokens`` for every candidate) of every running group
-  younger than the blocker, of the newcomer and of the blocker itself fit the
-  pool and the sequence cap together. Older running groups finish and free
-  their blocks, and younger ones can never hold what the blocker needs: it is
-  admitted after the older ones are done, never starved.
+- a prompt is computed at most ``long_prefill_token_threshold`` tokens per step, which bounds every
+  step and leaves budget for newcomers;
+- an encoder's input (``SequenceGroup.whole_prompt``) is never chunked, nor is an image whose tokens
+  attend to each other (``whole_spans``, Gemma 3): it waits for a step with room for all of it;
+- while other requests are present, one request's parallel samples decode at most half of
+  ``max_num_seqs`` per step (the least advanced first; beams, which advance together, are exempt);
+  it is admitted on those slots too;
+- the oldest group that cannot be admitted or swapped back in (the blocker) does not stop younger
+  groups that fit now, as long as the eventual needs (prompt plus ``max_tokens`` for every
+  candidate) of every running group younger than the blocker, of the newcomer and of the blocker
+  itself fit the pool and the sequence cap together. Older running groups finish and free their
+  blocks, and younger ones can never hold what the blocker needs: it is admitted after the older
+  ones are done, never starved.
 
-A preempted group is either swapped to the host pool or, in recompute mode
-(or when host space is short), stripped of its blocks and sent back to the waiting
-queue in arrival order, to be prefilled again from its prompt and generated
-tokens, reusing whatever prefix blocks are still cached (or on disk).
+A preempted group is either swapped to the host pool or, in recompute mode (or when host space is
+short), stripped of its blocks and sent back to the waiting queue in arrival order, to be prefilled
+again from its prompt and generated tokens, reusing whatever prefix blocks are still cached (or on
+disk).
 """
 import bisect
 import time
@@ -47,6 +41,7 @@ from ..config import EngineConfig
 from ..sampling_params import InvalidRequestError
 from .block_manager import AllocStatus, BlockManager
 from .capacity import Capacity
+from .group_alloc import allocate_group
 from .prefill_share import MIN_CHUNK
 from .request_queue import RequestQueue
 from .scheduled import ScheduledSeq, SchedulerInputs, SchedulerOutput, StepUpdate
@@ -340,9 +335,14 @@ class Scheduler:
                 passed.append(group)
                 tried += blocker is not group
                 continue
-            for seq in group.seqs:
-                seq.num_computed_tokens = self.bm.allocate(seq.seq_id, seq.token_ids, reserve, group.cache_salt,
-                                                           reuse, group.block_keys)
+            computed = allocate_group(self.bm, [s.seq_id for s in group.seqs], token_lists, reserve,
+                                      group.cache_salt, reuse, group.block_keys)
+            if computed is None:   # a sibling's new blocks evicted a prefix block counted on (group_alloc)
+                blocker = blocker or group
+                passed.append(group)
+                continue
+            for seq, cached in zip(group.seqs, computed):
+                seq.num_computed_tokens = cached
             if group.metrics.num_cached_prompt_tokens == 0:
                 group.metrics.num_cached_prompt_tokens = group.seqs[0].num_computed_tokens
             self._run(group)

@@ -271,3 +271,15 @@ def test_allocate_and_free_cost_per_block_stays_in_microseconds():
     per_block = (time.perf_counter() - start) / (256 * 16)
     print(f"allocate+free per block: {per_block * 1e6:.2f} us")
     assert bm.num_free_blocks == 4096
+
+
+def test_a_group_gets_its_blocks_together_or_gives_back_what_it_took():
+    from pagedbackend.core.group_alloc import allocate_group
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate(9, tokens(12, 100))                 # 3 blocks in use elsewhere
+    free = bm.num_free_blocks
+    assert allocate_group(bm, [1, 2], [tokens(12), tokens(12, 50)]) is None   # 3 fit, 6 do not
+    assert bm.num_free_blocks == free and not bm.has_seq(1) and not bm.has_seq(2)
+    bm.check_invariants()
+    assert allocate_group(bm, [1, 2], [tokens(8), tokens(8, 50)]) == [0, 0]
+    assert bm.has_seq(1) and bm.has_seq(2) and bm.num_free_blocks == free - 4

@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedbackend.core.block_manager import AllocStatus, BlockManager, NoFreeBlocksError
 from pagedbackend.core.kv_groups import skipped_blocks
+from pagedbackend.core.group_alloc import allocate_group
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -78,9 +79,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
             del self.tokens[seq_id]
 
     def _admit(self, group):
-        """Allocate and prefill every sequence of a group; it is dropped when the pool runs out."""
-        for seq_id in self.groups[group]:
-            cached = self.bm.allocate(seq_id, self.tokens[seq_id])
+        """Allocate every sequence of a group together, as the scheduler does
+        (``allocate_group``: all or none, even when a sibling's new blocks evict
+        a prefix block another counted on), then prefill each; the group is
+        dropped when the pool runs out."""
+        seqs, free = self.groups[group], self.bm.num_free_blocks
+        computed = allocate_group(self.bm, seqs, [self.tokens[s] for s in seqs])
+        if computed is None:
+            assert self.bm.num_free_blocks == free and not any(self.bm.has_seq(s) for s in seqs)
+            self._drop(group)
+            return
+        for seq_id, cached in zip(seqs, computed):
             assert cached % BLOCK_SIZE == 0 and cached < len(self.tokens[seq_id])
             if not self._compute(seq_id, cached, len(self.tokens[seq_id])):
                 self._drop(group)
