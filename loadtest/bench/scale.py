@@ -147,7 +147,8 @@ def bandwidth_gbs(gib: float, repeats: int = 5) -> float:
 def engine_settings(setting: str, folder: pathlib.Path, args) -> Dict[str, object]:
     kind, extra = SETTINGS[setting]
     model = folder / ("bf16" if kind == "bf16" else f"bench-{kind}.gguf")
-    blocks = max(args.streams) * (math.ceil((args.prompt_tokens + args.long) / 16) + 1)
+    # Every stream's prompt and output in blocks of 16, with room to spare: no preemption, no cut context.
+    blocks = max(args.streams) * (math.ceil((args.prompt_tokens + args.long) / 16) + 2) + 4
     return {"model": str(model), "max_num_seqs": max(args.streams), "enable_prefix_caching": False,
             "num_kv_blocks": blocks, "compile": args.compile, **extra}
 
@@ -163,9 +164,11 @@ def timed(llm, prompts: List[List[int]], tokens: int) -> float:
     return seconds
 
 
-def rounds(engines: Dict[str, object], stream_prompts: Dict[int, List[List[int]]], args) -> Dict[str, dict]:
-    """Paired rounds: per round, every stream count of every setting; decode tok/s per run."""
+def rounds(engines: Dict[str, object], stream_prompts: Dict[int, List[List[int]]], args) -> Tuple[dict, dict]:
+    """Paired rounds: per round, every stream count of every setting: decode
+    tok/s per run, and the seconds of its long and short runs."""
     rates = {name: {n: [] for n in stream_prompts} for name in engines}
+    seconds = {name: {n: [] for n in stream_prompts} for name in engines}
     # Warm-up: first-time kernels and allocations, at every stream count (short prompts: little prefill).
     for llm in engines.values():
         for prompts in stream_prompts.values():
@@ -176,9 +179,11 @@ def rounds(engines: Dict[str, object], stream_prompts: Dict[int, List[List[int]]
                 t_long, t_short = timed(llm, prompts, args.long), timed(llm, prompts, args.short)
                 rate = decode_rate(streams, args.long, t_long, t_short, args.short)
                 rates[name][streams].append(rate)
+                seconds[name][streams].append((round(t_long, 2), round(t_short, 2)))
                 print(f"round {r + 1} {name}: {streams} streams "
-                      f"{'-' if rate is None else f'{rate:.1f}'} tok/s", flush=True)
-    return rates
+                      f"{'-' if rate is None else f'{rate:.1f}'} tok/s ({args.long} tokens in {t_long:.1f} s, "
+                      f"{args.short} in {t_short:.1f} s)", flush=True)
+    return rates, seconds
 
 
 def startup(setting: str, folder: pathlib.Path, args) -> dict:
@@ -363,7 +368,7 @@ def main(argv=None):
         first_build[name] = round(time.perf_counter() - start, 1)
         dtypes[name] = engines[name].engine.config.dtype
         print(f"{name}: engine built in {first_build[name]} s, dtype {dtypes[name]}", flush=True)
-    rates = rounds(engines, stream_prompts, args)
+    rates, run_seconds = rounds(engines, stream_prompts, args)
     for llm in engines.values():
         llm.shutdown()
     engines = None
@@ -391,6 +396,8 @@ def main(argv=None):
         for n in args.streams:
             row[f"tok_s_{n}"] = median(per_streams[n])
             row[f"tok_s_{n}_rounds"] = per_streams[n]
+            if ours:
+                row[f"seconds_long_short_{n}"] = run_seconds[name][n]
             if n > 1 and row[f"tok_s_{n}"]:
                 row[f"gflops_{n}"] = 2 * shape["parameters_without_embedding"] * row[f"tok_s_{n}"] / 1e9
         if 1 in args.streams and row["tok_s_1"]:
