@@ -38,6 +38,8 @@ BENCHMARKS = {
     "embed": "embeddings: sentences/s on 256 mixed-length texts and single-request latency, ours against "
              "sentence-transformers (and vLLM's CPU build where given)",
     "vision": "LLaVA ~0.5 B with images: TTFT and tok/s at 1, 8, 32 requests vs HF generate; encoder and prefix caches",
+    "scale": "a Llama-3.2-1B-shaped model in bf16 and as GGUF Q8_0/Q4_0/Q4_K_M: decode tok/s at 1 and 32 streams "
+             "against the memory and compute rooflines, start-up, beside vLLM and llama.cpp",
 }
 NEEDS_CUDA = {"gpu"}
 # Each installs a client of its own from PyPI on first use: run them by name only.
@@ -53,6 +55,7 @@ QUICK_ARGS = {
     "fairness": ["--quick", "--model", "tiny"],
     "fleet": ["--quick"],
     "models": ["--quick", "--hidden", "64", "--layers", "2"],
+    "scale": ["--quick", "--eager", "--startup-settings", "Q4_0"],
 }
 
 

@@ -47,13 +47,14 @@ def bench_model(model: str, cache_dir: str = None) -> str:
     return str(path)
 
 
-def built_once(path: pathlib.Path, build) -> pathlib.Path:
+def built_once(path: pathlib.Path, build, marker: str = "config.json") -> pathlib.Path:
     """``path``, made by ``build(scratch)`` in a scratch folder beside it and
-    renamed into place unless it exists: processes building it at the same
-    time (parallel tests, two benchmarks) never see a half-written folder."""
+    renamed into place unless it exists (holds ``marker``): processes building
+    it at the same time (parallel tests, two benchmarks) never see a
+    half-written folder."""
     import shutil
     import tempfile
-    if (path / "config.json").exists():
+    if (path / marker).exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = pathlib.Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
@@ -62,7 +63,7 @@ def built_once(path: pathlib.Path, build) -> pathlib.Path:
         try:
             os.replace(scratch, path)
         except OSError:   # another process put its build there first
-            if not (path / "config.json").exists():
+            if not (path / marker).exists():
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -130,10 +130,10 @@ class HuggingFace:
         self.model = None
 
 
-def decode_rate(streams: int, tokens: int, t_n: float, t_1: float) -> Optional[float]:
-    """Decode tok/s: a run of ``tokens`` minus a run of one (None when noise
-    made the longer run no slower)."""
-    return streams * (tokens - 1) / (t_n - t_1) if t_n > t_1 else None
+def decode_rate(streams: int, tokens: int, t_n: float, t_short: float, short: int = 1) -> Optional[float]:
+    """Decode tok/s: a run of ``tokens`` minus a run of ``short`` (None when
+    noise made the longer run no slower)."""
+    return streams * (tokens - short) / (t_n - t_short) if t_n > t_short else None
 
 
 def run_in_process(systems, stream_prompts: Dict[int, List[List[int]]], prefill: List[int], tokens: int,
@@ -167,11 +167,15 @@ def run_in_process(systems, stream_prompts: Dict[int, List[List[int]]], prefill:
 
 
 def run_vllm(python: str, env_file: Optional[str], folder: pathlib.Path, stream_prompts, prefill, tokens: int,
-             rounds: int, threads: int, timeout_s: float) -> Dict[str, object]:
+             rounds: int, threads: int, timeout_s: float, short: int = 1,
+             dtype: str = "float32") -> Dict[str, object]:
+    """vLLM's rounds in its own process (``vllm_timing.py``): decode tok/s per
+    stream count (a run of ``tokens`` minus one of ``short``) and, where
+    ``prefill`` is given, prefill tok/s."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as job:
         json.dump({"model": str(folder), "streams": {str(k): v for k, v in stream_prompts.items()},
-                   "prefill": prefill, "decode_tokens": tokens, "rounds": rounds, "max_model_len": 2048,
-                   "max_num_seqs": max(stream_prompts)}, job)
+                   "prefill": prefill, "decode_tokens": tokens, "short_tokens": short, "dtype": dtype,
+                   "rounds": rounds, "max_model_len": 2048, "max_num_seqs": max(stream_prompts)}, job)
     try:
         done = subprocess.run([python, VLLM_SCRIPT, job.name], capture_output=True, text=True,
                               env=peer_servers.vllm_env(threads, env_file, offline=True), timeout=timeout_s)
@@ -192,7 +196,7 @@ def run_vllm(python: str, env_file: Optional[str], folder: pathlib.Path, stream_
         pair[run["tokens"]] = run["seconds"]
         if len(pair) == 2:
             result["decode"][run["streams"]].append(
-                decode_rate(run["streams"], tokens, pair[tokens], pair[1]))
+                decode_rate(run["streams"], tokens, pair[tokens], pair[short], short))
             by_streams.pop(run["streams"])
     return result
 

@@ -3,9 +3,11 @@ loadtest.bench moe``, measured as that benchmark measures every system.
 
 Run by vLLM's own Python (a separate environment), never imported by the
 project: ``VLLM_PYTHON vllm_timing.py JOB.json``. The job holds the model
-folder, the prompts (token ids) per stream count, the decode length, the
-prefill prompt and the rounds; the last line printed is a JSON object with
-the seconds of each run. Greedy, EOS ignored, every request queued at once.
+folder, the prompts (token ids) per stream count, the decode length and
+the shorter run's (``short_tokens``, 1 unless given), the prefill prompt
+(optional), the rounds and the dtype (float32 unless given); the last line
+printed is a JSON object with the seconds of each run. Greedy, EOS ignored,
+every request queued at once.
 """
 import json
 import os
@@ -21,7 +23,7 @@ def main(job_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     started = time.perf_counter()
-    llm = LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"],
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=job["max_model_len"],
               max_num_seqs=job["max_num_seqs"], seed=0, enable_prefix_caching=False)
     init_s = time.perf_counter() - started
 
@@ -37,8 +39,10 @@ def main(job_path: str) -> None:
         for streams, prompts in job["streams"].items():
             runs.append({"streams": int(streams), "tokens": job["decode_tokens"],
                          "seconds": timed(prompts, job["decode_tokens"])})
-            runs.append({"streams": int(streams), "tokens": 1, "seconds": timed(prompts, 1)})
-        runs.append({"prefill": len(job["prefill"]), "seconds": timed([job["prefill"]], 1)})
+            short = job.get("short_tokens", 1)
+            runs.append({"streams": int(streams), "tokens": short, "seconds": timed(prompts, short)})
+        if job.get("prefill"):
+            runs.append({"prefill": len(job["prefill"]), "seconds": timed([job["prefill"]], 1)})
     print(json.dumps({"init_s": init_s, "runs": runs}), flush=True)
 
 

@@ -1,0 +1,43 @@
+"""``loadtest.bench scale`` on a tiny Llama shape, one round: every setting's
+row (the GGUF files load and decode), the rooflines' inputs, one start-up
+measured in a process of its own, the checkpoint built once."""
+import json
+
+from loadtest.bench import scale
+
+SETTINGS = ["ours auto", "ours float32", "ours int8", "ours Q8_0", "ours Q4_0", "ours Q4_K_M"]
+
+
+def test_scale_bench_one_round_on_a_tiny_llama(tmp_path, capsys):
+    workdir = tmp_path / "checkpoints"
+    result = scale.main(["--hidden", "256", "--layers", "2", "--intermediate", "512", "--streams", "1,3",
+                         "--prompt-tokens", "16", "--short", "2", "--long", "6", "--rounds", "1",
+                         "--bandwidth-gib", "0.05", "--eager", "--threads", "1", "--startup-settings", "Q4_0",
+                         "--workdir", str(workdir), "--out", str(tmp_path), "--json", str(tmp_path / "r.json")])
+
+    rows = {r["setting"]: r for r in result["rows"]}
+    assert list(rows) == SETTINGS   # no peer given: ours alone
+    for r in rows.values():
+        assert r["tok_s_1"] > 0 and r["tok_s_3"] > 0, r
+        assert 0 < r["roofline_fraction"] and r["roofline_tok_s"] > 0 and r["gflops_3"] > 0, r
+    params = result["shape"]["parameters_without_embedding"]
+    assert rows["ours float32"]["weights"] == "float32" and rows["ours float32"]["step_bytes"] == 4 * params
+    assert rows["ours auto"]["step_bytes"] in (2 * params, 4 * params)   # bfloat16 where the CPU multiplies it
+    # The files' own blocks: Q4_0 about half of Q8_0's bytes, both well under float32's.
+    assert rows["ours Q4_0"]["step_bytes"] < 0.6 * rows["ours Q8_0"]["step_bytes"] < 0.3 * 4 * params
+    assert rows["ours Q4_K_M"]["weights"] == "Q4_K_M"
+    assert rows["ours Q4_0"]["ready_s"] > 0 and rows["ours Q4_0"]["rss_mib"] > 100
+    assert "ready_s" not in rows["ours auto"]   # its start-up was not asked for
+    assert len(result["bandwidth_gbs"]) == 2 and min(result["bandwidth_gbs"]) > 0
+    assert any(s.startswith("vLLM") for s in result["skipped"])
+    assert any(s.startswith("llama.cpp") for s in result["skipped"])
+    printed = capsys.readouterr().out
+    assert "| ours Q4_K_M | Q4_K_M |" in printed and result["machine_named"]["cpu_model"] in printed
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+    assert json.loads((tmp_path / "scale.json").read_text())["table"] == result["table"]
+
+    # A second run finds the checkpoint where the first left it.
+    before = (workdir / "llama-h256-l2-i512" / "shape.json").stat().st_mtime_ns
+    assert scale.checkpoint(str(workdir), 256, 2, 512) == workdir / "llama-h256-l2-i512"
+    assert (workdir / "llama-h256-l2-i512" / "shape.json").stat().st_mtime_ns == before
+    assert "building" not in capsys.readouterr().out
