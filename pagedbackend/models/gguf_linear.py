@@ -60,6 +60,12 @@ def _check_weight(weight: torch.Tensor, type_id: int, cols: int) -> None:
                          f"{tuple(weight.shape)}")
 
 
+# From this many rows a step widens the weight's blocks once and multiplies in
+# float32 (the same values, summed by torch's GEMM) instead of widening them
+# again for every tile of rows: 0.56-0.65x the time at 512 rows of a 8192 x 2048
+# Q4_K / Q8_0 weight, 1.4-1.6x at 128 (2 threads, AMD Zen 4).
+WIDEN_ROWS = 256
+
 _ops = torch.library.Library("pagedbackend", "FRAGMENT")
 _ops.define("gguf_linear(Tensor x, Tensor[] weights, Tensor[] row_maps, int[] types, int out_features) -> Tensor")
 _ops.define("gguf_embedding(Tensor ids, Tensor weight, int type, int cols) -> Tensor")
@@ -80,6 +86,11 @@ def _gguf_linear_cpu(x, weights, row_maps, types, out_features):
     if sum(sizes) != out_features:
         raise ValueError(f"gguf_linear weights have {sum(sizes)} rows, not {out_features}")
     xf = x.to(torch.float32).contiguous()
+    if rows >= WIDEN_ROWS:   # a long prefill chunk: widen each block once, then one float32 GEMM
+        widened = [_gguf_embedding_cpu(m if m.numel() else torch.arange(w.shape[0]), w, t, cols)
+                   for w, m, t in zip(weights, row_maps, types)]
+        y = xf @ torch.cat(widened).T
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
     y = torch.empty((rows, out_features), dtype=torch.float32)
     if rows:
         lib = load_library()

@@ -16,7 +16,7 @@ from loadtest.tiny_gguf import VOCAB, build_tiny_gguf, load_hf_gguf, quantize, t
 from pagedbackend import LLM, SamplingParams
 from pagedbackend.kernels.moe_ref import fused_experts_torch
 from pagedbackend.models.gguf_file import GGUFError, GGUFFile
-from pagedbackend.models.gguf_linear import GGUFLinear
+from pagedbackend.models.gguf_linear import WIDEN_ROWS, GGUFLinear
 from pagedbackend.models.gguf_moe import GGUFExperts
 
 NEW_TOKENS = 10
@@ -48,7 +48,7 @@ def test_blocks_widen_to_the_reference_values_and_multiply_in_any_dtype(kind):
     reference = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]).copy())
     layer = GGUFLinear([torch.from_numpy(blocks)], [kind], 512)
     assert torch.equal(layer.dequantized(), reference)   # bit for bit: no second rounding
-    for rows in (1, 3, 9, 20):
+    for rows in (1, 3, 9, 20, WIDEN_ROWS):   # the last: a long prefill chunk, widened once
         x = torch.randn(rows, 512)
         torch.testing.assert_close(layer(x), x @ reference.T, rtol=1e-5, atol=1e-4)
     x = torch.randn(5, 512).bfloat16()
