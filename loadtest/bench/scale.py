@@ -22,8 +22,9 @@ Rooflines: the memory bandwidth is read in the same run (the best of a few
 ``torch.sum`` over a ``--bandwidth-gib`` float32 tensor, same threads, before
 and after the rounds); a one-stream step reads every weight but the embedding
 table once, so its roofline is the faster bandwidth reading over those bytes
-(in the setting's storage: 2 bytes a weight in bfloat16, 4 in float32, 1 plus
-a float32 scale per row in int8, the GGUF file's own blocks), and each
+(as the engine holds them: the bytes of its tensors but the embedding table,
+which for ``dtype=float32`` on a bfloat16 checkpoint are bfloat16; for GGUF the
+file's own blocks; for a peer by the format's arithmetic), and each
 one-stream figure is shown as a fraction of it. Above one stream the GFLOP/s
 achieved is ``2 x parameters (embedding table excluded) x tok/s``.
 
@@ -120,8 +121,26 @@ def gguf_bytes_without_embedding(path: pathlib.Path) -> int:
     return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors if t.name != "token_embd.weight")
 
 
+def held_weights(llm):
+    """Bytes of the weights an engine holds, as it holds them (a float32 run of a
+    bfloat16 checkpoint keeps bfloat16 weights in the packed layers), but the
+    embedding table (a step reads one row of it); and the dtype most of them are in."""
+    model = llm.engine.runner.model
+    skip = {id(t) for name, m in model.named_modules() if name.endswith("embed_tokens")
+            for t in list(m.parameters()) + list(m.buffers())}
+    seen, by_dtype = set(), {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith(("cos", "sin", "inv_freq")):   # rotary tables: a step reads its positions' rows
+            continue
+        if id(t) not in skip and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel() * t.element_size()
+    return sum(by_dtype.values()), str(max(by_dtype, key=by_dtype.get)).replace("torch.", "")
+
+
 def step_bytes(setting: str, dtype: str, shape: dict, folder: pathlib.Path) -> int:
-    """Bytes of weights a one-stream decode step reads in ``setting`` (run in ``dtype``)."""
+    """Bytes of weights a one-stream decode step reads in ``setting`` (run in
+    ``dtype``) by the format's arithmetic (peers; ours is ``held_bytes``)."""
     params = shape["parameters_without_embedding"]
     kind = SETTINGS[setting][0]
     if kind != "bf16":
@@ -368,6 +387,7 @@ def main(argv=None):
         first_build[name] = round(time.perf_counter() - start, 1)
         dtypes[name] = engines[name].engine.config.dtype
         print(f"{name}: engine built in {first_build[name]} s, dtype {dtypes[name]}", flush=True)
+    held = {name: held_weights(llm) for name, llm in engines.items() if SETTINGS[name][0] == "bf16"}
     rates, run_seconds = rounds(engines, stream_prompts, args)
     for llm in engines.values():
         llm.shutdown()
@@ -385,10 +405,10 @@ def main(argv=None):
         ours = name in SETTINGS
         if ours:
             kind, extra = SETTINGS[name]
-            weights = kind if kind != "bf16" else \
-                f"int8 ({dtypes[name]} activations)" if extra.get("quantization") else dtypes[name]
+            held_bytes, held_dtype = held.get(name, (None, kind))
+            weights = kind if kind != "bf16" else f"{held_dtype} ({dtypes[name]} activations)"
             row = {"setting": f"ours {name}", "weights": weights,
-                   "step_bytes": step_bytes(name, dtypes[name], shape, folder)}
+                   "step_bytes": held_bytes or step_bytes(name, dtypes[name], shape, folder)}
         else:   # vLLM in bfloat16 on the folder, llama.cpp on the GGUF named last
             kind = name.split()[-1] if name.startswith("llama.cpp") else "auto"
             row = {"setting": name, "weights": kind if kind != "auto" else "bfloat16",
