@@ -3,13 +3,20 @@
 A model run in bfloat16 (``dtype="bfloat16"``, or ``"auto"`` for a bfloat16
 checkpoint on a CPU that multiplies bfloat16 natively) multiplies its
 bfloat16 activations by its bfloat16 weights. ``kernels/csrc/bf16_gemm.c``
-does so on the weight as loaded (row-major ``[N, K]``, no second copy): AMX
-tiles where the CPU has AMX-BF16 (Sapphire and Emerald Rapids), AVX512-BF16
-dot products (``vdpbf16ps``) or widened FMAs elsewhere. torch's GEMM
-(oneDNN) multiplies the same weight where it is the faster of the two: on a
-CPU without tiles, above ``DOT_MAX_ROWS`` rows, and with tiles above
-``AMX_MAX_ROWS`` (long prefills). Measured per shape, paired, at Llama-3.2-1B's
-widths: BENCHMARKS.md, "cpu_kernels" (``bf16`` rows).
+multiplies them, holding one copy of each weight:
+
+- with AVX512-BF16 and no tiles (AMD Zen 4, Intel Cooper Lake), in the
+  kernel's paired layout (``pair``: each output's k two by two, as
+  ``vdpbf16ps`` takes them), at every row count: at Llama-3.2-1B's widths
+  on a Zen 4 it ran 32-row steps at 384-443 GFLOP/s where torch's GEMM
+  (oneDNN) on the loaded layout ran 294-319, and matched it at 128-2048 rows;
+- with AMX-BF16 tiles (Sapphire and Emerald Rapids), as loaded (row-major
+  ``[N, K]``): the tiles up to ``AMX_MAX_ROWS`` rows, torch's GEMM above
+  (long prefills);
+- elsewhere (widened FMAs, or an odd K), as loaded: the kernel up to
+  ``DOT_MAX_ROWS`` rows, torch's GEMM above.
+
+Measured per shape, paired: BENCHMARKS.md, "cpu_kernels" (``bf16`` rows).
 
 The call is a ``torch.library`` operator, so a compiled step keeps it as one
 opaque call, as it keeps torch's own GEMM.
@@ -47,6 +54,9 @@ def load_library() -> ctypes.CDLL:
             library.bf16_gemm_set_amx_rows.argtypes = [ctypes.c_int]
             library.bf16_gemm_set_amx_rows.restype = ctypes.c_int
             library.bf16_gemm_isa.restype = ctypes.c_int
+            library.bf16_gemm_paired.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+            library.bf16_gemm_paired.restype = ctypes.c_int
+            library.bf16_gemm_paired_available.restype = ctypes.c_int
             library.bf16_gemm_set_amx_rows(AMX_MIN_ROWS)
             _library = library
     return library
@@ -60,6 +70,31 @@ def isa() -> str:
 def kernel_max_rows() -> int:
     """Rows up to which the kernel serves a step here (torch's GEMM above)."""
     return AMX_MAX_ROWS if isa() == "amx" else DOT_MAX_ROWS
+
+
+def pairs() -> bool:
+    """Whether layers hold their weights paired here (AVX512-BF16 without tiles)."""
+    library = load_library()
+    return bool(library.bf16_gemm_paired_available()) and library.bf16_gemm_isa() == 1
+
+
+PAIR = 16   # outputs per block of the paired layout
+
+
+def pair(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` (K even) as ``[ceil(N / 16), K / 2, 16, 2]``: each block of 16
+    outputs, two k at a time (rows past N zero)."""
+    n, k = weight.shape
+    padded = -(-n // PAIR) * PAIR
+    if padded != n:
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    return weight.reshape(padded // PAIR, PAIR, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpair(paired: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``pair``'s inverse: the ``[N, K]`` weight."""
+    blocks, half, _, _ = paired.shape
+    return paired.transpose(1, 2).reshape(blocks * PAIR, half * 2)[:out_features]
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> Optional[str]:
@@ -105,8 +140,35 @@ def _bf16_linear_fake(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> t
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+_ops.define("bf16_linear_paired(Tensor x, Tensor paired, int out_features) -> Tensor")
+
+
+def _bf16_linear_paired_cpu(x: torch.Tensor, paired: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ W^T`` for 2-D bfloat16 ``x`` and ``W`` held as ``pair(W)``, in bfloat16 (float32 sums)."""
+    rows, k = x.shape
+    if x.dtype != torch.bfloat16 or paired.shape[1] * 2 != k:
+        raise ValueError(f"bf16_linear takes bfloat16 [rows, {paired.shape[1] * 2}] inputs for this "
+                         f"weight; got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    y = x.new_empty((rows, out_features))
+    library = _library or load_library()
+    if library.bf16_gemm_paired(x.data_ptr(), paired.data_ptr(), y.data_ptr(), 1, rows, k, out_features,
+                                torch.get_num_threads()):
+        raise RuntimeError("bf16_linear: this build has no paired kernel")
+    return y
+
+
+_ops.impl("bf16_linear_paired", _bf16_linear_paired_cpu, "CPU")
+
+
+@torch.library.register_fake("pagedbackend::bf16_linear_paired")
+def _bf16_linear_paired_fake(x: torch.Tensor, paired: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
 class Bf16Linear(nn.Module):
-    """``x W^T`` (no bias: the caller adds it) for bfloat16 x and W, W held as loaded."""
+    """``x W^T`` (no bias: the caller adds it) for bfloat16 x and W: W held
+    paired where ``pairs()`` (every row count in the kernel), else as loaded."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -114,14 +176,19 @@ class Bf16Linear(nn.Module):
             raise ValueError(f"Bf16Linear takes a 2-D bfloat16 CPU weight; got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight.detach().contiguous())
+        self.paired = self.in_features % 2 == 0 and pairs()
+        self.register_buffer("weight", pair(weight.detach()) if self.paired else weight.detach().contiguous())
         self.max_rows = kernel_max_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        y = torch.ops.pagedbackend.bf16_linear(flat, self.weight, self.max_rows)
+        if self.paired:
+            y = torch.ops.pagedbackend.bf16_linear_paired(flat, self.weight, self.out_features)
+        else:
+            y = torch.ops.pagedbackend.bf16_linear(flat, self.weight, self.max_rows)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight (same name as the quantised layers' for tests)."""
-        return self.weight.float()
+        weight = unpair(self.weight, self.out_features) if self.paired else self.weight
+        return weight.float()

@@ -39,10 +39,16 @@ def check_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert excess.max().item() <= 0, f"largest excess over the bound {excess.max().item():.3g}"
 
 
-@pytest.fixture(params=["default", "no_tiles"])
+PAIRED = bool(bf16_linear.load_library().bf16_gemm_paired_available())
+
+
+@pytest.fixture(params=["default", "no_tiles", "paired"])
 def path(request):
-    """The kernel as it serves here, and with the AMX tiles switched off (the
-    dot products; the same path where the CPU has no tiles)."""
+    """The kernel on the loaded layout as it serves here, with the AMX tiles
+    switched off (the dot products; the same path where the CPU has no
+    tiles), and on the paired layout (where the CPU has AVX512-BF16)."""
+    if request.param == "paired" and not PAIRED:
+        pytest.skip("the paired layout needs AVX512-BF16, which this CPU lacks")
     library = bf16_linear.load_library()
     before = library.bf16_gemm_set_amx_rows(-1)
     if request.param == "no_tiles":
@@ -51,25 +57,49 @@ def path(request):
     library.bf16_gemm_set_amx_rows(before if before else bf16_linear.AMX_MIN_ROWS)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 16, 17, 32, 33, 64])
-@pytest.mark.parametrize("out_features, in_features", [(64, 64), (96, 256), (37, 100), (80, 96)])
+# (rows, K) past the paired kernel's slices of 256 k and passes of 64 rows, and N
+# past its panels of 48 outputs, with last blocks of 5 and 16 outputs
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 16, 17, 32, 33, 64, 65, 130])
+@pytest.mark.parametrize("out_features, in_features", [(64, 64), (96, 256), (37, 100), (80, 96), (112, 530)])
 def test_kernel_computes_x_w_transposed_for_every_shape(rows, out_features, in_features, path):
     g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     library = bf16_linear.load_library()
+    held = bf16_linear.pair(w) if path == "paired" else w
+    gemm = library.bf16_gemm_paired if path == "paired" else library.bf16_gemm
     for out_dtype in (torch.float32, torch.bfloat16):
-        y = torch.empty(rows, out_features, dtype=out_dtype)
-        assert library.bf16_gemm(x.data_ptr(), w.data_ptr(), y.data_ptr(), int(out_dtype == torch.bfloat16),
-                                 rows, in_features, out_features, torch.get_num_threads()) == 0
+        y = torch.full((rows, out_features), float("nan"), dtype=out_dtype)
+        assert gemm(x.data_ptr(), held.data_ptr(), y.data_ptr(), int(out_dtype == torch.bfloat16),
+                    rows, in_features, out_features, torch.get_num_threads()) == 0
         check_product(y, x, w)
 
 
-def test_layer_serves_small_steps_in_the_kernel_and_long_ones_in_torch():
+def test_paired_layout_round_trips_and_refuses_an_odd_k():
+    w = torch.randn(37, 100).bfloat16()
+    paired = bf16_linear.pair(w)
+    assert paired.shape == (3, 50, 16, 2) and paired[2, :, 5:].abs().sum() == 0   # rows 37..47 zero
+    assert torch.equal(bf16_linear.unpair(paired, 37), w)
+    if PAIRED:
+        x = torch.randn(2, 99).bfloat16()
+        y = torch.empty(2, 37, dtype=torch.bfloat16)
+        assert bf16_linear.load_library().bf16_gemm_paired(x.data_ptr(), paired.data_ptr(), y.data_ptr(),
+                                                           1, 2, 99, 37, 1) == -1
+
+
+def test_layer_holds_one_copy_and_serves_every_step():
+    """Paired where the CPU has AVX512-BF16 without tiles (the kernel at every
+    row count), else the weight as loaded, not a copy (the kernel for small
+    steps, torch's GEMM for long ones)."""
     w = torch.randn(48, 64).bfloat16()
     layer = bf16_linear.Bf16Linear(w)
-    assert layer.weight.data_ptr() == w.data_ptr()   # the weight as loaded, not a copy
-    for rows in (1, 5, layer.max_rows, layer.max_rows + 1):
+    assert layer.paired == bf16_linear.pairs()
+    if layer.paired:
+        assert layer.weight.shape == (3, 32, 16, 2)
+    else:
+        assert layer.weight.data_ptr() == w.data_ptr()
+    assert torch.equal(layer.dequantized(), w.float())
+    for rows in (1, 5, layer.max_rows, layer.max_rows + 1, 300):
         x = torch.randn(2, rows, 64).bfloat16()
         y = layer(x)
         assert y.shape == (2, rows, 48) and y.dtype == torch.bfloat16

@@ -178,6 +178,129 @@ static void dot_columns(const uint16_t *x, const uint16_t *w, void *y, int out_b
     }
 }
 
+/* ------------------------------------------------------- the paired layout */
+
+/* With AVX512-BF16 and no tiles, a layer can hold its weight paired instead:
+ * wp[ceil(N / 16)][K / 2][16][2] (K even; the last block's missing rows zero),
+ * the two k of each output side by side, as VDPBF16PS takes them. One load
+ * is then 16 outputs' next two k, and a pair of x broadcast to all lanes
+ * multiplies it: every lane is one output's own sum, so no horizontal sums,
+ * and a tile of PMR rows by PNB blocks keeps PMR x PNB accumulators (24 of
+ * the 32 registers) in use. K goes in slices of KC (a slice of a panel is
+ * PNB x KC x 32 bytes, L1-resident while each PMR-row chunk of x multiplies
+ * it); the sums between slices wait in a per-thread float scratch. Panels of
+ * PNB blocks are split evenly over the threads. */
+#if HAVE_DPBF16
+#define PAIRED 1
+#define PMR 8
+#define PNB 3
+#define KC 256        /* k per slice (even) */
+#define MC 64         /* rows of x per pass over a slice */
+#define PF_PAIRS 16   /* k pairs (64-byte lines of a block) prefetched ahead */
+
+/* s[r][j * 16 ..] += rows r of x times blocks j of w over kc k (kc even) */
+INLINE void paired_tile(const uint16_t *x, int K, const uint16_t *w, size_t wstride, int kc, float *s,
+                        int m, int nb, int first) {
+    __m512 acc[PMR][PNB];
+    for (int r = 0; r < PMR; r++)
+        for (int j = 0; j < PNB; j++)
+            if (r < m && j < nb)
+                acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(s + (size_t)r * PNB * 16 + j * 16);
+    for (int k = 0; k < kc; k += 2) {
+        __m512bh wv[PNB];
+#pragma GCC unroll 3
+        for (int j = 0; j < PNB; j++)
+            if (j < nb) {
+                const uint16_t *p = w + j * wstride + (size_t)k * 16;
+                __builtin_prefetch(p + PF_PAIRS * 32, 0, 3);
+                wv[j] = (__m512bh)_mm512_loadu_si512(p);
+            }
+#pragma GCC unroll 8
+        for (int r = 0; r < PMR; r++)
+            if (r < m) {
+                int32_t pair;
+                memcpy(&pair, x + (size_t)r * K + k, sizeof pair);
+                __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 3
+                for (int j = 0; j < PNB; j++)
+                    if (j < nb) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+            }
+    }
+    for (int r = 0; r < PMR; r++)
+        for (int j = 0; j < PNB; j++)
+            if (r < m && j < nb) _mm512_storeu_ps(s + (size_t)r * PNB * 16 + j * 16, acc[r][j]);
+}
+
+/* One tile with constant counts, so that its accumulators stay in registers. */
+static void paired_tile_any(const uint16_t *x, int K, const uint16_t *w, size_t wstride, int kc, float *s,
+                            int m, int nb, int first) {
+    switch (nb * 16 + m) {
+#define TILE(b, r) case b * 16 + r: paired_tile(x, K, w, wstride, kc, s, r, b, first); break;
+#define TILES(b) TILE(b, 1) TILE(b, 2) TILE(b, 3) TILE(b, 4) TILE(b, 5) TILE(b, 6) TILE(b, 7) TILE(b, 8)
+    TILES(1) TILES(2) TILES(3)
+#undef TILES
+#undef TILE
+    }
+}
+
+/* Panels p0..p1-1 (PNB blocks of 16 outputs each) of every row. */
+static void paired_panels(const uint16_t *x, const uint16_t *wp, void *y, int out_bf16, int M, int K, int N,
+                          int p0, int p1) {
+    float s[MC * PNB * 16] __attribute__((aligned(64)));
+    int blocks = (N + 15) / 16;
+    size_t wstride = (size_t)K * 16;
+    for (int p = p0; p < p1; p++) {
+        int b0 = p * PNB, nb = blocks - b0 < PNB ? blocks - b0 : PNB;
+        const uint16_t *w = wp + (size_t)b0 * wstride;
+        for (int m0 = 0; m0 < M; m0 += MC) {
+            int mc = M - m0 < MC ? M - m0 : MC;
+            for (int k0 = 0; k0 < K; k0 += KC) {
+                int kc = K - k0 < KC ? K - k0 : KC;
+                for (int r = 0; r < mc; r += PMR)
+                    paired_tile_any(x + (size_t)(m0 + r) * K + k0, K, w + (size_t)k0 * 16, wstride, kc,
+                                    s + (size_t)r * PNB * 16, mc - r < PMR ? mc - r : PMR, nb, k0 == 0);
+            }
+            int n0 = b0 * 16, cols = N - n0 < nb * 16 ? N - n0 : nb * 16;
+            for (int r = 0; r < mc; r++)
+                for (int c = 0; c < cols; c++)
+                    store_out(y, out_bf16, (size_t)(m0 + r) * N + n0 + c, s[(size_t)r * PNB * 16 + c]);
+        }
+    }
+}
+#else
+#define PAIRED 0
+#endif
+
+/* 1 where bf16_gemm_paired runs (AVX512-BF16), else 0. */
+int bf16_gemm_paired_available(void) { return PAIRED; }
+
+/* y = x . W^T with W in the paired layout above (K even); out_bf16 as
+ * bf16_gemm's. Returns 0, or -1 where there is no paired path or K is odd. */
+int bf16_gemm_paired(const uint16_t *x, const uint16_t *wp, void *y, int out_bf16, int M, int K, int N,
+                     int threads) {
+#if PAIRED
+    if (K % 2) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    if (threads < 1) threads = 1;
+    int panels = ((N + 15) / 16 + PNB - 1) / PNB;
+    if (threads > panels) threads = panels;
+#pragma omp parallel num_threads(threads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        paired_panels(x, wp, y, out_bf16, M, K, N, (int)((long)panels * t / nt),
+                      (int)((long)panels * (t + 1) / nt));
+    }
+    return 0;
+#else
+    (void)x; (void)wp; (void)y; (void)out_bf16; (void)M; (void)K; (void)N; (void)threads;
+    return -1;
+#endif
+}
+
 /* ---------------------------------------------------------------- AMX tiles */
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
