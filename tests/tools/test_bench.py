@@ -433,6 +433,19 @@ def test_every_registered_benchmark_has_a_main():
         assert callable(importlib.import_module(f"loadtest.bench.{name}").main), name
 
 
+def test_bf16_gemm_bench_times_every_path_this_cpu_has(tmp_path):
+    from pagedbackend.models import bf16_linear
+    if bf16_linear.unavailable(torch.device("cpu"), torch.bfloat16):
+        pytest.skip(f"no bfloat16 kernel here: {bf16_linear.unavailable(torch.device('cpu'), torch.bfloat16)}")
+    from loadtest.bench import bf16_gemm
+    result = bf16_gemm.main(["--quick", "--shapes", "o", "--threads", "1", "--out", str(tmp_path)])
+    assert [(r["shape"], r["m"]) for r in result["rows"]] == [("o", 1), ("o", 32)]
+    paths = {"torch", "kernel"} | ({"paired"} if bf16_linear.load_library().bf16_gemm_paired_available() else set())
+    for row in result["rows"]:   # the bench checked each path's product against torch's before timing it
+        assert {key for key in row if isinstance(row[key], dict)} == paths
+        assert row["torch"]["x_torch"] == 1 and all(row[p]["gflops"] > 0 for p in paths)
+
+
 def test_cpu_kernels_bench_times_each_kernel_beside_what_it_replaces(tmp_path):
     from pagedbackend.kernels import sdpa_attention as sa
     from pagedbackend.kernels import native
