@@ -73,9 +73,9 @@ def _tensor(dtype: str) -> str:
 def _cache(dim: int, dtype: str, kv: Optional[str]):
     """A KV cache's pointer type, its scales' and its row length: the model's
     ``dtype``, or ``kv`` ("bf16", an fp8 type, or "i8": rows of int8 values
-    and float32 scales, ``kv_cache_dtype.py``)."""
+    and float16 scales, ``kv_cache_dtype.py``)."""
     if kv == "i8":
-        return "*i8", "*fp32", dim + dim // 8
+        return "*i8", "*fp16", dim + dim // 8
     return _tensor(kv or dtype), _tensor(kv or dtype), dim
 
 

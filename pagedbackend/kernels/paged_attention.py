@@ -15,7 +15,7 @@ cached prefix blocks) and decodes (one query token). For sequence ``s``:
 
 Shapes: ``q`` and ``out`` ``[num_tokens, num_heads, head_dim]``; caches
 ``[num_blocks, block_size, num_kv_heads, row]`` (``row``: ``head_dim``, or
-``head_dim * 9 / 8`` for int8 rows with a scale per 32 channels,
+``head_dim * 9 / 8`` for int8 rows with a float16 scale per 16 channels,
 dequantised as they are read: ``kv_cache_dtype.py``); ``block_tables`` int32
 ``[num_seqs, max_blocks_per_seq]``; ``cu_seqlens_q`` int32 ``[num_seqs + 1]``;
 ``seq_lens`` int32 ``[num_seqs]``. ``num_heads`` is a multiple of
@@ -29,7 +29,7 @@ import torch
 
 from pagedbackend.kernels import interpret_without_gpu
 from pagedbackend.kernels.attention_sinks import softmax_with_sinks
-from pagedbackend.kernels.kv_cache_dtype import decode
+from pagedbackend.kernels.kv_cache_dtype import decode, scale_pointers
 
 interpret_without_gpu()   # before any kernel is defined
 import triton  # noqa: E402
@@ -236,10 +236,10 @@ def _paged_attention_kernel(
         else:
             k = tl.load(k_cache_ptr + k_row[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0).to(tl.float32)
             v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0).to(tl.float32)
-        if QUANT:   # int8 rows: a float32 scale per 32 channels follows the values
-            scale_col = (head_dim + 4 * (d[None, :] // 32)) // 4   # in float32s from the row's start
-            k = k * tl.load(k_scale_ptr + k_row[:, None] // 4 + scale_col, mask=kv_mask, other=0.0)
-            v = v * tl.load(v_scale_ptr + v_row[:, None] // 4 + scale_col, mask=kv_mask, other=0.0)
+        if QUANT:   # int8 rows: a float16 scale per 16 channels follows the values
+            scale_col = (head_dim + 2 * (d[None, :] // 16)) // 2   # in float16s from the row's start
+            k = k * tl.load(k_scale_ptr + k_row[:, None] // 2 + scale_col, mask=kv_mask, other=0.0).to(tl.float32)
+            v = v * tl.load(v_scale_ptr + v_row[:, None] // 2 + scale_col, mask=kv_mask, other=0.0).to(tl.float32)
         if LOWP_DOT:
             k = k.to(q_ptr.dtype.element_ty)
             v = v.to(q_ptr.dtype.element_ty)
@@ -349,7 +349,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = min(plan.block_q, max(1, shape.max_rows // group_pad))
     grid = (len(plan.tile_seq), num_kv_heads, plan.block_q // block_q)
     quant = k_cache.dtype == torch.int8
-    scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if quant else (k_cache, v_cache)
+    scales = scale_pointers(k_cache, v_cache)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, *scales, out,
         block_tables, cu_seqlens_q, seq_lens, plan.tile_seq, plan.tile_q_start,
