@@ -87,11 +87,12 @@ def paged_attention(dim: int, group: int, rows: int, dtype: str, sinks: bool,
     prefill), with the kernel's own ``tiling`` unless ``block_n`` and
     ``options`` replace it (``attention_sweep``); ``kv``: the cache's dtype
     when it is not the model's."""
+    from pagedbackend.kernels.paged_attention import QUANT_OPTIONS, tiling
     if block_n is None:
-        from pagedbackend.kernels.paged_attention import tiling
         shape = tiling(dim, dtype != "fp32", kv not in (None, dtype))
         rows = min(rows, max(group, shape.max_rows))
         block_n, options = shape.block_n, {"num_warps": shape.num_warps, "num_stages": shape.num_stages}
+    options = {**(options or {}), **(QUANT_OPTIONS if kv == "i8" else {})}
     heads = KV_HEADS * group
     q_strides = _contiguous(1024, heads, dim)
     cache, scales, row = _cache(dim, dtype, kv)

@@ -118,6 +118,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # Query tokens per plan tile are chosen so that (tokens x padded group) rows fill
 # at least the 16-row minimum of tl.dot and at most this many rows.
 _MAX_ROWS = 64
+# Launch options of an int8 cache's kernels: given .maxnreg 255, ptxas keeps
+# them without spills on sm_80, sm_90 and sm_100; left to its default it
+# chose 128 or 168 registers for some tiles and spilled 20-32 bytes
+# (``gpu_report``: head dim 64 on sm_100, 256 on sm_90).
+QUANT_OPTIONS = {"maxnreg": 255}
 
 
 @dataclass(frozen=True)
@@ -237,9 +242,14 @@ def _paged_attention_kernel(
             k = tl.load(k_cache_ptr + k_row[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0).to(tl.float32)
             v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0).to(tl.float32)
         if QUANT:   # int8 rows: a float16 scale per 16 channels follows the values
-            scale_col = (head_dim + 2 * (d[None, :] // 16)) // 2   # in float16s from the row's start
-            k = k * tl.load(k_scale_ptr + k_row[:, None] // 2 + scale_col, mask=kv_mask, other=0.0).to(tl.float32)
-            v = v * tl.load(v_scale_ptr + v_row[:, None] // 2 + scale_col, mask=kv_mask, other=0.0).to(tl.float32)
+            # A [BLOCK_N, DIM // 16] tile of scales (in float16s, a row's start at
+            # (row + head_dim) / 2), each multiplying its group of 16 channels.
+            gs = tl.arange(0, DIM // 16)
+            s_mask = pos_ok[:, None] & (gs[None, :] * 16 < head_dim)
+            k_s = tl.load(k_scale_ptr + ((k_row + head_dim) // 2)[:, None] + gs[None, :], mask=s_mask, other=0.0)
+            v_s = tl.load(v_scale_ptr + ((v_row + head_dim) // 2)[:, None] + gs[None, :], mask=s_mask, other=0.0)
+            k = tl.reshape(tl.reshape(k, [BLOCK_N, DIM // 16, 16]) * k_s.to(tl.float32)[:, :, None], [BLOCK_N, DIM])
+            v = tl.reshape(tl.reshape(v, [BLOCK_N, DIM // 16, 16]) * v_s.to(tl.float32)[:, :, None], [BLOCK_N, DIM])
         if LOWP_DOT:
             k = k.to(q_ptr.dtype.element_ty)
             v = v.to(q_ptr.dtype.element_ty)
@@ -359,6 +369,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0),
         BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=shape.block_n, DIM=dim, LOWP_DOT=lowp,
         HAS_SINKS=sinks is not None, QUANT=quant, num_warps=shape.num_warps, num_stages=shape.num_stages,
+        **(QUANT_OPTIONS if quant else {}),
     )
     return out
 
