@@ -113,7 +113,7 @@ def test_int8_scales_saturate_and_stay_positive_at_float16s_ends():
 
 @pytest.mark.parametrize("dtype", KINDS, ids=str)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(6, 2, 64, 8), (4, 4, 128, 16),
-                                                                        (8, 2, 96, 4)])
+                                                                        (8, 2, 96, 4), (4, 2, 48, 8)])
 def test_every_attention_path_matches_attention_over_the_dequantised_cache(dtype, num_heads, num_kv_heads,
                                                                            head_dim, block_size):
     batch = make_batch(MIXED, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
