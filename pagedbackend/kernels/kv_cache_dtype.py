@@ -47,6 +47,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # Channels per int8 scale; the scales (float16) follow a row's values.
 GROUP = 16
+# What an int8 row's bytes mean, for anything that keeps rows beyond this
+# process (the disk tier refuses rows written in another format).
+INT8_FORMAT = f"int8, float16 scale per {GROUP} channels"
 SCALE_MAX = 65504.0   # float16's largest finite value: scales saturate there
 
 
