@@ -21,6 +21,10 @@ from torch import nn
 
 from pagedbackend.kernels import packed_linear
 
+# Inputs PackedInt8Linear widens to float32 for its kernel (every value exact
+# there): a bfloat16 or float16 model's int8 layers run the float32-input kernel.
+WIDENED_INPUTS = (torch.bfloat16, torch.float16)
+
 # Rows of x up to which the int8 kernel beats widening q for F.linear (about
 # even between 32 and 128 rows here; loadtest.bench quant_kernels).
 INT8_KERNEL_MAX_ROWS = 64
@@ -85,12 +89,14 @@ class PackedInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        if flat.dtype in WIDENED_INPUTS:   # exact in float32; the result is rounded back
+            flat = flat.float()
         if self.ops.use_native_ops:
             y = torch.ops.pagedbackend.packed_linear_int8_native(flat, self.qpacked, self.scales,
                                                                  self.out_features)
         else:
             y = torch.ops.pagedbackend.packed_linear_int8(flat, self.qpacked, self.scales, self.out_features)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight ``q * scale`` (the reference of the kernel)."""
