@@ -10,8 +10,13 @@ fp32 ``F.linear`` for float32 ones (``loadtest.bench quant_kernels``;
 about one pass over the weight per row of x, so larger steps (prefills) compute
 ``(x q^T) * s`` with ``F.linear`` on ``q`` widened to float32 instead.
 ``PackedInt8Linear`` (the packed C kernel, ``kernels.packed_linear``) serves
-int8 on CPU wherever that kernel builds; its steps of ``INT8_BF16_ROWS`` rows
-or more round x to bfloat16 on AMD CPUs with AVX512_BF16, where that is faster.
+int8 on CPU wherever that kernel builds, in any model dtype: a bfloat16 or
+float16 model's rows are widened to float32 (exactly) and the result rounded
+back. Over Llama-3.2-1B's four layer shapes on an AMD Zen 4 (2 threads) that
+took 0.54x, 0.62x and 0.37x the time of torch's kernel on bfloat16 rows at 1,
+8 and 32 rows, and 1.03-1.04x that of float32 rows. Its steps of
+``INT8_BF16_ROWS`` rows or more round x to bfloat16 on AMD CPUs with
+AVX512_BF16, where that is faster (for a bfloat16 model, nothing is lost).
 """
 from typing import Tuple
 
