@@ -147,9 +147,10 @@ class EngineConfig:
     quantization: str = "none"
     # Kernel of the float32 and int8 linear layers: "packed" (weights packed at
     # load for a C kernel built on this machine, fastest at decode-sized steps;
-    # CPU, float32 activations, needs gcc), "torch" (F.linear, or torch's int8
-    # kernel) or "auto" (packed where it can run, else torch with one log
-    # line). See BENCHMARKS.md, "cpu_kernels" and "quant_kernels".
+    # CPU, float32 activations (int8 layers widen bfloat16 ones), needs gcc),
+    # "torch" (F.linear, or torch's int8 kernel) or "auto" (packed where it can
+    # run, else torch with one log line). See BENCHMARKS.md, "cpu_kernels" and
+    # "quant_kernels".
     linear_backend: str = "auto"
     # Kernel of the experts of a mixture-of-experts model (docs/moe.md):
     # "packed" (kernels/csrc/fused_moe.c: the step's tokens grouped by expert,
