@@ -106,7 +106,7 @@ class EngineConfig:
     # otherwise and for float32 checkpoints (pagedbackend.dtype_choice).
     dtype: str = "auto"
     # The KV cache's element format: "auto" (the model's dtype), "bfloat16" (a
-    # cast), "int8" (symmetric absmax, a float32 scale per 32 channels in the
+    # cast), "int8" (symmetric absmax, a float16 scale per 16 channels in the
     # row: kernels/kv_cache_dtype.py), "fp8_e4m3" (alias "fp8") or "fp8_e5m2"
     # (one byte a value, saturating, scale 1; checkpoint k_scale/v_scale refused).
     # kv_cache_bytes holds 2x float32's tokens in bfloat16, ~1.8x bfloat16's in
@@ -147,9 +147,10 @@ class EngineConfig:
     quantization: str = "none"
     # Kernel of the float32 and int8 linear layers: "packed" (weights packed at
     # load for a C kernel built on this machine, fastest at decode-sized steps;
-    # CPU, float32 activations, needs gcc), "torch" (F.linear, or torch's int8
-    # kernel) or "auto" (packed where it can run, else torch with one log
-    # line). See BENCHMARKS.md, "cpu_kernels" and "quant_kernels".
+    # CPU, float32 activations (int8 layers widen bfloat16 ones), needs gcc),
+    # "torch" (F.linear, or torch's int8 kernel) or "auto" (packed where it can
+    # run, else torch with one log line). See BENCHMARKS.md, "cpu_kernels" and
+    # "quant_kernels".
     linear_backend: str = "auto"
     # Kernel of the experts of a mixture-of-experts model (docs/moe.md):
     # "packed" (kernels/csrc/fused_moe.c: the step's tokens grouped by expert,

@@ -25,7 +25,7 @@ class KVModel:
     """The model dimensions that size one token's K and V state;
     ``layer_windows``: each layer's sliding window (None: full attention),
     empty when no layer has one; ``scale_bytes``: bytes beside each head's
-    row of one token (an int8 cache's float32 scale, ``kv_cache_dtype``)."""
+    row of one token (an int8 cache's float16 scales, ``kv_cache_dtype``)."""
 
     layers: int
     kv_heads: int

@@ -73,9 +73,9 @@ def _tensor(dtype: str) -> str:
 def _cache(dim: int, dtype: str, kv: Optional[str]):
     """A KV cache's pointer type, its scales' and its row length: the model's
     ``dtype``, or ``kv`` ("bf16", an fp8 type, or "i8": rows of int8 values
-    and float32 scales, ``kv_cache_dtype.py``)."""
+    and float16 scales, ``kv_cache_dtype.py``)."""
     if kv == "i8":
-        return "*i8", "*fp32", dim + dim // 8
+        return "*i8", "*fp16", dim + dim // 8
     return _tensor(kv or dtype), _tensor(kv or dtype), dim
 
 
@@ -87,11 +87,12 @@ def paged_attention(dim: int, group: int, rows: int, dtype: str, sinks: bool,
     prefill), with the kernel's own ``tiling`` unless ``block_n`` and
     ``options`` replace it (``attention_sweep``); ``kv``: the cache's dtype
     when it is not the model's."""
+    from pagedbackend.kernels.paged_attention import QUANT_OPTIONS, tiling
     if block_n is None:
-        from pagedbackend.kernels.paged_attention import tiling
         shape = tiling(dim, dtype != "fp32", kv not in (None, dtype))
         rows = min(rows, max(group, shape.max_rows))
         block_n, options = shape.block_n, {"num_warps": shape.num_warps, "num_stages": shape.num_stages}
+    options = {**(options or {}), **(QUANT_OPTIONS if kv == "i8" else {})}
     heads = KV_HEADS * group
     q_strides = _contiguous(1024, heads, dim)
     cache, scales, row = _cache(dim, dtype, kv)

@@ -2,7 +2,7 @@
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, row]`` for K and V,
 ``row`` being ``head_dim`` (the model's dtype, or bfloat16) or ``head_dim * 9 / 8``
-(int8 values and a float32 scale per 32 of them: ``kv_cache_dtype.py``), or
+(int8 values and a float16 scale per 16 of them: ``kv_cache_dtype.py``), or
 ``head_dim`` fp8 bytes (clamped to the format's range). A token's slot
 is ``physical_block * block_size + offset``; a negative slot means "do not
 store" (a padding token).
@@ -10,11 +10,29 @@ store" (a padding token).
 import torch
 
 from pagedbackend.kernels import interpret_without_gpu
-from pagedbackend.kernels.kv_cache_dtype import FP8_MAX, encode
+from pagedbackend.kernels.kv_cache_dtype import FP8_MAX, encode, scale_pointers
 
 interpret_without_gpu()   # before any kernel is defined
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _int8_scale(absmax):
+    """kv_cache_dtype.int8_scales in float32 arithmetic (the value of the
+    float16): the float16 nearest absmax / 127, found from its float32 bits
+    (or in whole steps of 2^-24 below float16's normals), and one step up
+    where 127 times it falls short of absmax (127 * s is exact in float32)."""
+    x = tl.minimum(absmax / 127.0, 65504.0)
+    bits = x.to(tl.int32, bitcast=True)
+    normal = (((bits + 0xFFF + ((bits >> 13) & 1)) >> 13) << 13).to(tl.float32, bitcast=True)
+    # 1.5 * 2**23 added and taken away: to the nearest integer, ties to even.
+    subnormal = ((x * 16777216.0 + 12582912.0) - 12582912.0) * 5.9604644775390625e-08
+    s = tl.where(x < 6.103515625e-05, subnormal, normal)
+    step_exp = tl.maximum((s.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 14) - 10
+    step = (step_exp << 23).to(tl.float32, bitcast=True)   # float16's step at s: 2^-24 at least
+    return tl.where((s * 127.0 < absmax) & (s < 65504.0), s + step, s)
+
 
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -61,26 +79,28 @@ def _write_kv_kernel(
     k_row = block * stride_kcb + offset * stride_kcs + hs * stride_kch
     v_row = block * stride_vcb + offset * stride_vcs + hs * stride_vch
     if QUANT:
-        # int8 with an absmax scale per 32 channels after the values (the
-        # scale pointers: the same caches viewed as float32).
-        k_max = tl.zeros([HEADS, DIM], dtype=tl.float32)   # each channel's group's absmax
-        v_max = tl.zeros([HEADS, DIM], dtype=tl.float32)
-        for g in tl.static_range(DIM // 32):
-            in_group = (d // 32 == g) & mask
-            k_top = tl.max(tl.where(in_group, tl.abs(k), 0.0), 1)
-            v_top = tl.max(tl.where(in_group, tl.abs(v), 0.0), 1)
-            k_max = tl.where(d // 32 == g, k_top[:, None], k_max)
-            v_max = tl.where(d // 32 == g, v_top[:, None], v_max)
-            stored = (hs < heads) & (hs * 0 + g * 32 < head_dim)
-            tl.store(k_scale_ptr + (k_row + head_dim + 4 * g) // 4, k_top / 127.0, mask=stored)
-            tl.store(v_scale_ptr + (v_row + head_dim + 4 * g) // 4, v_top / 127.0, mask=stored)
-        # Adding 1.5 * 2**23 and taking it away rounds an fp32 below 2**22 to
-        # the nearest integer, ties to even (torch.round's rule), in IEEE
-        # arithmetic on any device and in the interpreter.
-        k = (k * tl.where(k_max > 0, 127.0 / k_max, 0.0) + 12582912.0) - 12582912.0
-        v = (v * tl.where(v_max > 0, 127.0 / v_max, 0.0) + 12582912.0) - 12582912.0
-        k = tl.minimum(tl.maximum(k, -127.0), 127.0)
-        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+        # int8 with an absmax scale (float16) per 16 channels after the
+        # values (the scale pointers: the same caches viewed as float16).
+        k_scale = tl.zeros([HEADS, DIM], dtype=tl.float32)   # each channel's group's scale
+        v_scale = tl.zeros([HEADS, DIM], dtype=tl.float32)
+        for g in tl.static_range(DIM // 16):
+            in_group = (d // 16 == g) & mask
+            k_top = _int8_scale(tl.max(tl.where(in_group, tl.abs(k), 0.0), 1))
+            v_top = _int8_scale(tl.max(tl.where(in_group, tl.abs(v), 0.0), 1))
+            k_scale = tl.where(d // 16 == g, k_top[:, None], k_scale)
+            v_scale = tl.where(d // 16 == g, v_top[:, None], v_scale)
+            stored = (hs < heads) & (hs * 0 + g * 16 < head_dim)
+            tl.store(k_scale_ptr + (k_row + head_dim + 2 * g) // 2, k_top.to(tl.float16), mask=stored)
+            tl.store(v_scale_ptr + (v_row + head_dim + 2 * g) // 2, v_top.to(tl.float16), mask=stored)
+        # Clamped first (a group saturated at the largest scale can pass
+        # 2**22), then 1.5 * 2**23 added and taken away: the nearest integer,
+        # ties to even (torch.round's rule), in IEEE arithmetic on any device
+        # and in the interpreter.
+        # (A group of zeros has scale 0: its values divided by 1 instead.)
+        k = tl.minimum(tl.maximum(k * (1.0 / tl.where(k_scale > 0, k_scale, 1.0)), -127.0), 127.0)
+        v = tl.minimum(tl.maximum(v * (1.0 / tl.where(v_scale > 0, v_scale, 1.0)), -127.0), 127.0)
+        k = (k + 12582912.0) - 12582912.0
+        v = (v + 12582912.0) - 12582912.0
     if CLAMP > 0:
         # fp8: saturate at the format's largest finite value, then round to the
         # format's grid (to nearest even) in fp32, so that the conversion below
@@ -107,7 +127,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if num_tokens == 0:
         return
     quant = k_cache.dtype == torch.int8
-    scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if quant else (k_cache, v_cache)
+    scales = scale_pointers(k_cache, v_cache)
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, *scales, slot_mapping,
         num_kv_heads, head_dim, k_cache.shape[1],

@@ -15,7 +15,7 @@ cached prefix blocks) and decodes (one query token). For sequence ``s``:
 
 Shapes: ``q`` and ``out`` ``[num_tokens, num_heads, head_dim]``; caches
 ``[num_blocks, block_size, num_kv_heads, row]`` (``row``: ``head_dim``, or
-``head_dim * 9 / 8`` for int8 rows with a scale per 32 channels,
+``head_dim * 9 / 8`` for int8 rows with a float16 scale per 16 channels,
 dequantised as they are read: ``kv_cache_dtype.py``); ``block_tables`` int32
 ``[num_seqs, max_blocks_per_seq]``; ``cu_seqlens_q`` int32 ``[num_seqs + 1]``;
 ``seq_lens`` int32 ``[num_seqs]``. ``num_heads`` is a multiple of
@@ -29,7 +29,7 @@ import torch
 
 from pagedbackend.kernels import interpret_without_gpu
 from pagedbackend.kernels.attention_sinks import softmax_with_sinks
-from pagedbackend.kernels.kv_cache_dtype import decode
+from pagedbackend.kernels.kv_cache_dtype import decode, scale_pointers
 
 interpret_without_gpu()   # before any kernel is defined
 import triton  # noqa: E402
@@ -118,6 +118,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # Query tokens per plan tile are chosen so that (tokens x padded group) rows fill
 # at least the 16-row minimum of tl.dot and at most this many rows.
 _MAX_ROWS = 64
+# Launch options of an int8 cache's kernels: given .maxnreg 255, ptxas keeps
+# them without spills on sm_80, sm_90 and sm_100; left to its default it
+# chose 128 or 168 registers for some tiles and spilled 20-32 bytes
+# (``gpu_report``: head dim 64 on sm_100, 256 on sm_90).
+QUANT_OPTIONS = {"maxnreg": 255}
 
 
 @dataclass(frozen=True)
@@ -236,10 +241,15 @@ def _paged_attention_kernel(
         else:
             k = tl.load(k_cache_ptr + k_row[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0).to(tl.float32)
             v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0).to(tl.float32)
-        if QUANT:   # int8 rows: a float32 scale per 32 channels follows the values
-            scale_col = (head_dim + 4 * (d[None, :] // 32)) // 4   # in float32s from the row's start
-            k = k * tl.load(k_scale_ptr + k_row[:, None] // 4 + scale_col, mask=kv_mask, other=0.0)
-            v = v * tl.load(v_scale_ptr + v_row[:, None] // 4 + scale_col, mask=kv_mask, other=0.0)
+        if QUANT:   # int8 rows: a float16 scale per 16 channels follows the values
+            # A [BLOCK_N, DIM // 16] tile of scales (in float16s, a row's start at
+            # (row + head_dim) / 2), each multiplying its group of 16 channels.
+            gs = tl.arange(0, DIM // 16)
+            s_mask = pos_ok[:, None] & (gs[None, :] * 16 < head_dim)
+            k_s = tl.load(k_scale_ptr + ((k_row + head_dim) // 2)[:, None] + gs[None, :], mask=s_mask, other=0.0)
+            v_s = tl.load(v_scale_ptr + ((v_row + head_dim) // 2)[:, None] + gs[None, :], mask=s_mask, other=0.0)
+            k = tl.reshape(tl.reshape(k, [BLOCK_N, DIM // 16, 16]) * k_s.to(tl.float32)[:, :, None], [BLOCK_N, DIM])
+            v = tl.reshape(tl.reshape(v, [BLOCK_N, DIM // 16, 16]) * v_s.to(tl.float32)[:, :, None], [BLOCK_N, DIM])
         if LOWP_DOT:
             k = k.to(q_ptr.dtype.element_ty)
             v = v.to(q_ptr.dtype.element_ty)
@@ -349,7 +359,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = min(plan.block_q, max(1, shape.max_rows // group_pad))
     grid = (len(plan.tile_seq), num_kv_heads, plan.block_q // block_q)
     quant = k_cache.dtype == torch.int8
-    scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if quant else (k_cache, v_cache)
+    scales = scale_pointers(k_cache, v_cache)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, *scales, out,
         block_tables, cu_seqlens_q, seq_lens, plan.tile_seq, plan.tile_q_start,
@@ -359,6 +369,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0),
         BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=shape.block_n, DIM=dim, LOWP_DOT=lowp,
         HAS_SINKS=sinks is not None, QUANT=quant, num_warps=shape.num_warps, num_stages=shape.num_stages,
+        **(QUANT_OPTIONS if quant else {}),
     )
     return out
 

@@ -6,7 +6,8 @@ and what this machine can run.
   (``kernels.packed_linear``) where it runs and ``linear_backend`` allows,
   else torch's ``F.linear``; a bfloat16 model through ``models.bf16_linear``
   (bfloat16 products: AMX tiles, AVX512-BF16, or oneDNN where faster);
-- ``int8``: int8 weights (``int8``), packed the same way or in torch's kernel;
+- ``int8``: int8 weights (``int8``), packed the same way (in any model dtype:
+  the layer widens the rows of x to float32) or in torch's kernel;
 - ``int4``: int4 weights in groups (``int4``; the default model's shipped
   Q4_1 blocks), an int8 LM head, as the GGUF keeps it at 8 bits;
 - ``w8a8``: int8 weights and activations (``w8a8``) after smoothing
@@ -78,7 +79,8 @@ def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
     if mode == "none" and _bf16_usable(config, device, dtype):
         _serve_through(model, bf16_linear.Bf16Linear)
         return LinearPlan("bf16")   # the op picks torch's GEMM inside: no graph of its own
-    if _packed_usable(config, device, dtype):
+    # int8 layers widen a bfloat16 or float16 model's rows to float32 for the kernel
+    if _packed_usable(config, device, torch.float32 if mode == "int8" else dtype):
         _serve_through(model, PackedInt8Linear if mode == "int8" else packed_linear.PackedLinear)
         return LinearPlan("packed")
     if mode == "int8":

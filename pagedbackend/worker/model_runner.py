@@ -16,8 +16,8 @@ import torch
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_groups import kv_layout
 from pagedbackend.kernels import get_attention_ops
-from pagedbackend.kernels.kv_cache_dtype import (cache_dtype, check_head_dim, check_triton_cache, row_bytes,
-                                                 row_width)
+from pagedbackend.kernels.kv_cache_dtype import (INT8_FORMAT, cache_dtype, check_head_dim, check_triton_cache,
+                                                 row_bytes, row_width)
 from pagedbackend.models import ModelArgs
 from pagedbackend.models.attention import ImageBlock, step_context
 from pagedbackend.models.default_model import resolve_model_path
@@ -314,6 +314,7 @@ class ModelRunner:
         """What a block's bytes mean (the disk tier refuses a file written for another)."""
         return {"kv_shape": [2, *self.kv_cache.shape[1:2], *self.kv_cache.shape[3:]], "block_size": self.block_size,
                 "cache_dtype": str(self.kv_cache.dtype), "kv_cache_dtype": self.config.kv_cache_dtype,
+                "row_format": INT8_FORMAT if self.kv_cache.dtype == torch.int8 else "",
                 "layers": self.kv_layout.slots, "groups": len(self.kv_layout.groups)}
 
     def _swap_blocks(self) -> int:

@@ -202,7 +202,24 @@ def test_packed_int8_refuses_inputs_it_was_not_built_for(ops):
     with pytest.raises(ValueError, match=r"packed_linear_int8 takes float32 \[rows, 32\] inputs"):
         layer(torch.randn(3, 33))
     with pytest.raises(ValueError, match="packed_linear_int8 takes float32"):
-        layer(torch.randn(3, 32, dtype=torch.bfloat16))
+        layer(torch.randn(3, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match="packed_linear_int8 takes float32"):   # the operator does not widen
+        torch.ops.pagedbackend.packed_linear_int8(torch.randn(3, 32, dtype=torch.bfloat16), layer.qpacked,
+                                                  layer.scales, layer.out_features)
+
+
+# A bfloat16 (or float16) model's rows: widened to float32 for the kernel (exact),
+# the float32 result rounded back; a decode step's row counts and a prefill's.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 8, 32, packed_linear.KERNEL_MAX_ROWS + 1])
+def test_packed_int8_widens_half_precision_rows_and_rounds_the_result_back(rows, dtype, ops):
+    torch.manual_seed(rows)
+    layer = PackedInt8Linear(torch.randn(300, 200))
+    x = torch.randn(1, rows, 200).to(dtype)
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (1, rows, 300)
+    assert torch.equal(got, layer(x.float()).to(dtype))
+    assert relative_error(got.float(), F.linear(x.float(), layer.dequantized())) < 1e-2
 
 
 def test_packed_linear_keeps_leading_dimensions_and_reads_strided_input(ops):
@@ -365,6 +382,23 @@ def test_int8_runner_serves_every_layer_through_the_packed_kernel(tiny_untied_mo
     torch_int8 = runner(tiny_untied_model_dir, quantization="int8", linear_backend="torch")
     assert torch_int8.linear_backend == "torch"
     assert isinstance(torch_int8.model.lm_head_matmul, Int8Linear)
+
+
+def test_bfloat16_int8_runner_serves_through_the_packed_kernel(tiny_untied_model_dir):
+    """A bfloat16 model's int8 layers widen its rows for the packed kernel;
+    torch's int8 kernel (bfloat16 rows, bfloat16 results) holds the same int8 values."""
+    packed = runner(tiny_untied_model_dir, quantization="int8", dtype="bfloat16")
+    assert packed.linear_backend == "packed"
+    assert all(isinstance(layer.matmul, PackedInt8Linear) for layer in packed.model.projections())
+    assert isinstance(packed.model.lm_head_matmul, PackedInt8Linear)
+    plain = runner(tiny_untied_model_dir, quantization="int8", dtype="bfloat16", linear_backend="torch")
+    assert isinstance(plain.model.lm_head_matmul, Int8Linear)
+    assert torch.equal(packed.model.lm_head_matmul.dequantized(), plain.model.lm_head_matmul.dequantized())
+    prompt = [int(t) for t in torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(3))]
+    for entries in ([SeqEntry(prompt, 0, [1, 2, 3])], [SeqEntry([prompt[0]], 40, [1, 2, 3])]):
+        got, want = packed.execute_model(entries), plain.execute_model(entries)
+        assert got.dtype == want.dtype
+        assert relative_error(got.float(), want.float()) < 0.05   # bfloat16 roundings apart
 
 
 

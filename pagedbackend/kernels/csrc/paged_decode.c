@@ -3,7 +3,7 @@
  * (no gather into a padded copy). The cache holds float32, bfloat16, int8 or
  * fp8 rows (kind KV_F32, KV_BF16, KV_I8, KV_E4M3, KV_E5M2; kernels/kv_cache_dtype.py;
  * an fp8 byte is widened exactly, through float16 or a table): an int8
- * row is dim int8 values and then a float32 scale per GROUP of them,
+ * row is dim int8 values and then a float16 scale per GROUP of them,
  * dequantised in registers (a key group's scale multiplies its part of the
  * dot product, a value group's scale the softmax weight it is summed with),
  * so the cache is read at its own width.
@@ -36,12 +36,12 @@
 /* The cache's element kinds; each function below takes one as a constant
  * (every call is inlined with it), so each kind gets its own loops. */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
-#define GROUP 32   /* int8 channels per scale (dim a multiple of it) */
+#define GROUP 16   /* int8 channels per scale (dim a multiple of it) */
 #define IS_FP8(kind) ((kind) == KV_E4M3 || (kind) == KV_E5M2)
 
 /* Bytes of one cache row (one token, one KV head) of dim values. */
 static inline __attribute__((always_inline)) size_t row_bytes(int dim, int kind) {
-    return kind == KV_I8 ? (size_t)dim + (size_t)dim / GROUP * 4 : kind == KV_BF16 ? (size_t)dim * 2
+    return kind == KV_I8 ? (size_t)dim + (size_t)dim / GROUP * 2 : kind == KV_BF16 ? (size_t)dim * 2
            : IS_FP8(kind) ? (size_t)dim : (size_t)dim * 4;
 }
 
@@ -100,12 +100,52 @@ static inline __attribute__((always_inline)) float scalar_at(const char *row, in
     return (float)((const signed char *)row)[d];
 }
 
-/* The scale of channel d's group in a cache row: one of the float32s after
+/* A float16's bits as float32 (exact) for the finite, non-negative values
+ * an int8 row's scales hold: with F16C one vcvtph2ps; else a subnormal as
+ * its mantissa times 2^-24 (no float32 subnormal on the way), a normal by
+ * moving its exponent and mantissa into float32's places and re-biasing the
+ * exponent (127 - 15). */
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+static inline __attribute__((always_inline)) float half_to_float(unsigned short h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    if ((h & 0x7C00u) == 0) return (float)(h & 0x3FFu) * 0x1p-24f;
+    unsigned int bits = ((unsigned int)(h & 0x7FFFu) << 13) + (112u << 23);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* An int8 group's scale, as float16 bits: the smallest float16 s <= 65504
+ * with 127 * s >= absmax (kernels/kv_cache_dtype.py's int8_scales). The
+ * float16 nearest absmax / 127 is the candidate, one step short at most;
+ * 127 * s is exact in float32 (11 by 7 significant bits), so the test for
+ * that step does not hang on how absmax / 127 was rounded. */
+static inline unsigned short int8_scale(float absmax) {
+    float x = absmax / 127.f;
+    x = x < 65504.f ? x : 65504.f;
+    unsigned short h;
+    if (x < 0x1p-14f) {   /* subnormal: whole steps of 2^-24 (1024 steps: 2^-14, the smallest normal) */
+        h = (unsigned short)rintf(x * 0x1p24f);
+    } else {              /* to nearest even, dropping 13 of float32's mantissa bits */
+        unsigned int bits;
+        memcpy(&bits, &x, sizeof bits);
+        h = (unsigned short)((bits + 0xFFFu + ((bits >> 13) & 1u) - (112u << 23)) >> 13);
+    }
+    if (half_to_float(h) * 127.f < absmax && h < 0x7BFFu) h++;
+    return h;
+}
+
+/* The scale of channel d's group in a cache row: one of the float16s after
  * an int8 row's values, else 1. */
 static inline __attribute__((always_inline)) float scale_at(const char *row, int dim, int d, int kind) {
-    float s = 1.f;
-    if (kind == KV_I8) memcpy(&s, row + dim + (size_t)(d / GROUP) * 4, sizeof s);
-    return s;
+    if (kind != KV_I8) return 1.f;
+    unsigned short h;
+    memcpy(&h, row + dim + (size_t)(d / GROUP) * 2, sizeof h);
+    return half_to_float(h);
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -458,7 +498,8 @@ int paged_write(const float *key, const float *value, float *k_cache, float *v_c
 
 /* One head's dim floats as a cache row of `kind`: copied, rounded to
  * bfloat16 (to nearest even, as torch), or quantised to int8 with an absmax
- * scale per GROUP after the values (kernels/kv_cache_dtype.py's rule). */
+ * scale per GROUP after the values (kernels/kv_cache_dtype.py's rule: the
+ * float16 at or above absmax / 127, at most 65504). */
 static void encode_row(const float *x, char *row, int dim, int kind) {
     if (kind == KV_F32) {
         memcpy(row, x, sizeof(float) * (size_t)dim);
@@ -475,12 +516,14 @@ static void encode_row(const float *x, char *row, int dim, int kind) {
         for (int g = 0; g < dim; g += GROUP) {
             float absmax = 0.f;
             for (int d = g; d < g + GROUP; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
-            float inv = absmax > 0.f ? 127.f / absmax : 0.f, s = absmax / 127.f;
+            unsigned short h = int8_scale(absmax);
+            float s = half_to_float(h), inv = s > 0.f ? 1.f / s : 0.f;
             for (int d = g; d < g + GROUP; d++) {
-                float v = rintf(x[d] * inv);
-                row[d] = (signed char)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+                float v = x[d] * inv;
+                v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;   /* before rounding: a saturated group */
+                row[d] = (signed char)rintf(v);
             }
-            memcpy(row + dim + (size_t)(g / GROUP) * 4, &s, sizeof s);
+            memcpy(row + dim + (size_t)(g / GROUP) * 2, &h, sizeof h);
         }
     }
 }
