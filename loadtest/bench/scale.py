@@ -7,7 +7,9 @@ Q4_K_M files (``loadtest.tiny_gguf``). Built once into ``--workdir``;
 
 Settings (``--settings``): our engine with ``dtype=auto`` on the bfloat16
 folder (bfloat16 where the CPU multiplies bfloat16, else float32),
-``dtype=float32``, ``quantization=int8``, and on each GGUF file. Each runs
+``dtype=float32``, ``auto_torch`` (``dtype=auto`` with ``linear_backend=torch``:
+torch's GEMM, oneDNN, instead of our kernels; run only when named),
+``quantization=int8``, and on each GGUF file. Each runs
 ``--streams`` sequences at once (``--prompt-tokens`` random token ids each,
 greedy, EOS ignored, prefix caching off) through ``LLM.generate``; decode
 tok/s is ``streams x (long - short) / (t(long) - t(short))``: a run of
@@ -60,6 +62,7 @@ from .vision import cpu_model
 GGUF_SCHEMES = ("Q8_0", "Q4_0", "Q4_K_M")
 # setting -> (the file it loads: "bf16" or a GGUF scheme, engine settings)
 SETTINGS = {"auto": ("bf16", {"dtype": "auto"}), "float32": ("bf16", {"dtype": "float32"}),
+            "auto_torch": ("bf16", {"dtype": "auto", "linear_backend": "torch"}),
             "int8": ("bf16", {"quantization": "int8"}),
             **{scheme: (scheme, {}) for scheme in GGUF_SCHEMES}}
 HEAD_DIM = 64
@@ -323,7 +326,8 @@ def parse_args(argv=None):
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--intermediate", type=int, default=8192)
-    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    ap.add_argument("--settings", default=",".join(s for s in SETTINGS if s != "auto_torch"),
+                    help=f"comma-separated, of {', '.join(SETTINGS)}")
     ap.add_argument("--startup-settings", default=None,
                     help="settings whose start-up is measured in a fresh process (default: --settings; "
                          "'none': no start-up measured)")

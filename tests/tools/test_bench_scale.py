@@ -11,11 +11,12 @@ SETTINGS = ["ours auto", "ours float32", "ours int8", "ours Q8_0", "ours Q4_0", 
 def test_scale_bench_one_round_on_a_tiny_llama(tmp_path, capsys):
     workdir = tmp_path / "checkpoints"
     result = scale.main(["--hidden", "256", "--layers", "2", "--intermediate", "512", "--streams", "1,3",
-                         "--prompt-tokens", "16", "--short", "2", "--long", "6", "--rounds", "1",
+                         "--prompt-tokens", "16", "--short", "2", "--long", "14", "--rounds", "1",
                          "--bandwidth-gib", "0.05", "--eager", "--threads", "1", "--startup-settings", "Q4_0",
                          "--workdir", str(workdir), "--out", str(tmp_path), "--json", str(tmp_path / "r.json")])
 
     rows = {r["setting"]: r for r in result["rows"]}
+    # (12 more tokens in the long run than in the short one: a busy machine once made 4 come out no slower)
     assert list(rows) == SETTINGS   # no peer given: ours alone
     for r in rows.values():
         assert r["tok_s_1"] > 0 and r["tok_s_3"] > 0, r
