@@ -6,12 +6,19 @@ widening whole rows) and sums
 within float32's rounding of a float64 product, for 1..17 rows of x over K
 spanning several super-blocks, weight-row counts that are not a multiple of
 the rows decoded together, and a row map."""
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
 from loadtest.tiny_gguf import quantize
+from pagedbackend.kernels import native
 from pagedbackend.models.gguf_linear import GGUFLinear, load_library
 
 KINDS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
@@ -63,3 +70,20 @@ def test_merged_parts_of_two_types_read_through_a_row_map(path):
     assert torch.equal(layer(eye), reference[:, :: K // 16].T)
     x = torch.randn(11, K, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(layer(x).double(), x.double() @ reference.double().T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_builds_held_to_avx2_or_the_baseline_compute_the_same(capability):
+    """``ATEN_CPU_CAPABILITY`` builds the kernel for x86-64-v3 or -v2 alone (no
+    AVX-512 path, no runtime dispatch): the portable path passes the tests above
+    in a process held to it."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the instruction-set builds are x86-64's")
+    if capability == "avx2" and not {"avx2", "fma"} <= set(native._cpu_flags().split()):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}   # a build of its own: the flags key it
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                          "-n", "0", __file__, "-k", "not held_to", "-rs"], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=pathlib.Path(__file__).parents[2])
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "7 passed" in run.stdout and "lacks AVX-512" in run.stdout, run.stdout[-3000:]

@@ -8,9 +8,13 @@
 // group is multiplied into up to ROW_TILE rows of x before the next is read.
 // The output rows are split over OpenMP threads (torch's pool).
 //
-// On x86-64 the hot loop is built three times (AVX-512, AVX2 with FMA, and
-// baseline SSE2) and the CPU picks one when the library loads
-// (target_clones).
+// Where the CPU has AVX-512 (see the AVX-512 section) blocks decode straight
+// into registers and several weight rows run at once; elsewhere (and when
+// gguf_gemm_avx512(0) asks for it) the portable loop rows_tile runs, built
+// three times on x86-64 (AVX-512, AVX2 with FMA, and baseline SSE2) for the
+// CPU to pick one when the library loads (target_clones). Built with
+// -ffp-contract=off (native.EXTRA_FLAGS): no product of the dequantisation
+// fuses with its add or subtract.
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
