@@ -164,10 +164,12 @@ static void rows_tile(int type, const float *x, int64_t K, const uint8_t *w, con
 
 // ---------------------------------------------------------------- AVX-512
 // Where the CPU has AVX-512 (BW, VL) with F16C and FMA, each block is decoded
-// straight into registers, 16 values to a register: the quants widened to
-// int32 (vpmovsx/zxbd) and converted, then the reference's multiply (and add
-// or subtract) by the block's scales, each its own rounded operation (the file
-// is built with -ffp-contract=off, so none of them fuses into an FMA). fp16
+// straight into registers, 16 values to a register: Q8_0's and Q6_K's quants
+// widened to int32 (vpmovsxbd) and converted, then multiplied by the block's
+// scale; a 4-bit type's 16 (Q5_K: 32) possible weights of a group computed
+// from the scales, then looked up by each quant (vpermps). Every weight is the
+// reference's own operations (multiply, then add or subtract), each rounded
+// alone (the file is built with -ffp-contract=off: none fuses into an FMA). fp16
 // scales convert with F16C, which is exact (subnormals included). WR weight
 // rows are decoded together and each decoded register is multiplied into up
 // to R rows of x with FMAs into R x WR accumulators, summed across lanes once
@@ -187,9 +189,8 @@ INLINE512 float h2f(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-// float(q) for 16 signed / unsigned bytes.
+// float(q) for 16 signed bytes.
 INLINE512 __m512 i8_ps(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
-INLINE512 __m512 u8_ps(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
 
 // A block's (super-block's) scales that its groups share: for Q4_K/Q5_K the 8
 // d * sc and dmin * m of scale_min_k4; for Q6_K the 16 d * sc.
@@ -218,7 +219,10 @@ INLINE512 void block_scales(const int type, const uint8_t *b, scales_t *out) {
 
 // Values 0..15 (lo) and 16..31 (hi) of group g of block b, as widen() gives them.
 INLINE512 void decode(const int type, const uint8_t *b, const int g, const scales_t *sc, __m512 *lo, __m512 *hi) {
-    const __m128i low4 = _mm_set1_epi8(0x0f);
+    // 0..15: a 4-bit type's 16 possible weights are computed once per group,
+    // with the reference's operations, and each value looked up (vpermps reads
+    // the low 4 bits of each index, so no mask is needed).
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     switch (type) {
         case T_Q8_0: {
             const __m512 d = _mm512_set1_ps(h2f(b));
@@ -226,33 +230,39 @@ INLINE512 void decode(const int type, const uint8_t *b, const int g, const scale
             *hi = _mm512_mul_ps(i8_ps(_mm_loadu_si128((const __m128i *)(b + 18))), d);
             break;
         }
-        case T_Q4_0: {
-            const __m512 d = _mm512_set1_ps(h2f(b));
-            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), eight = _mm_set1_epi8(8);
-            *lo = _mm512_mul_ps(d, i8_ps(_mm_sub_epi8(_mm_and_si128(q, low4), eight)));
-            *hi = _mm512_mul_ps(d, i8_ps(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low4), eight)));
+        case T_Q4_0: {   // d * (q - 8)
+            const __m512 t = _mm512_mul_ps(_mm512_set1_ps(h2f(b)), _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2));
+            *lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q), t);
+            *hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(q, 4)), t);
             break;
         }
-        case T_Q4_1: {
-            const __m512 d = _mm512_set1_ps(h2f(b)), m = _mm512_set1_ps(h2f(b + 2));
+        case T_Q4_1: {   // d * q + m
+            const __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(h2f(b)), iota), _mm512_set1_ps(h2f(b + 2)));
             const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
-            *lo = _mm512_add_ps(_mm512_mul_ps(d, u8_ps(_mm_and_si128(q, low4))), m);
-            *hi = _mm512_add_ps(_mm512_mul_ps(d, u8_ps(_mm_and_si128(_mm_srli_epi16(q, 4), low4))), m);
+            *lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q), t);
+            *hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(q, 4)), t);
             break;
         }
-        case T_Q4_K:
-        case T_Q5_K: {
+        case T_Q4_K: {   // d * sc * q - dmin * m
+            const __m512 t = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(sc->s[g]), iota), _mm512_set1_ps(sc->m[g]));
+            __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (g >> 1)));
+            if (g & 1) v = _mm256_srli_epi16(v, 4);
+            *lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v)), t);
+            *hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1)), t);
+            break;
+        }
+        case T_Q5_K: {   // as Q4_K, bit g of qh is bit 4 of q: 32 values, two tables
             const __m512 ds = _mm512_set1_ps(sc->s[g]), dm = _mm512_set1_ps(sc->m[g]);
-            const uint8_t *q = b + (type == T_Q4_K ? 16 : 48) + 32 * (g >> 1);
-            __m256i v = _mm256_loadu_si256((const __m256i *)q);
+            const __m512 t0 = _mm512_sub_ps(_mm512_mul_ps(ds, iota), dm);
+            const __m512 t1 = _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_add_ps(iota, _mm512_set1_ps(16.0f))), dm);
+            __m256i v = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (g >> 1)));
             v = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0f));
-            if (type == T_Q5_K) {   // bit g of qh is bit 4 of the value
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)), bit = _mm256_set1_epi8(1 << g);
-                v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
-                                                        _mm256_set1_epi8(16)));
-            }
-            *lo = _mm512_sub_ps(_mm512_mul_ps(ds, u8_ps(_mm256_castsi256_si128(v))), dm);
-            *hi = _mm512_sub_ps(_mm512_mul_ps(ds, u8_ps(_mm256_extracti128_si256(v, 1))), dm);
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)), bit = _mm256_set1_epi8(1 << g);
+            v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
+                                                    _mm256_set1_epi8(16)));
+            *lo = _mm512_permutex2var_ps(t0, _mm512_cvtepu8_epi32(_mm256_castsi256_si128(v)), t1);
+            *hi = _mm512_permutex2var_ps(t0, _mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1)), t1);
             break;
         }
         case T_Q6_K: {
