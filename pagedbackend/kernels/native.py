@@ -44,7 +44,9 @@ CAPABILITY_ISA = {"avx2": "x86-64-v3", "default": "x86-64-v2"}
 # Compile flags of single kernels (said in their sources), after FLAGS. They
 # apply to compiling only: linked with -ffast-math, gcc would add
 # crtfastmath.o, which flushes subnormals to zero in the whole process.
-EXTRA_FLAGS = {"paged_decode": ["-ffast-math"]}
+# gguf_gemm's weights are the reference dequantisation's own roundings (d * q,
+# then + m or - dm), so none of its products may fuse into an FMA.
+EXTRA_FLAGS = {"paged_decode": ["-ffast-math"], "gguf_gemm": ["-ffp-contract=off"]}
 # Other files of csrc/ that a kernel's source includes: part of its build key,
 # so a change to one rebuilds the kernels that include it.
 INCLUDES = {"fused_moe": ["packed_gemm.c"]}

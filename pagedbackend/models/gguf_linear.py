@@ -44,6 +44,8 @@ def load_library() -> ctypes.CDLL:
             lib.gguf_get_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
             lib.gguf_get_rows.restype = ctypes.c_int
+            lib.gguf_gemm_avx512.argtypes = [ctypes.c_int]
+            lib.gguf_gemm_avx512.restype = ctypes.c_int
             _library = lib
         return _library
 
