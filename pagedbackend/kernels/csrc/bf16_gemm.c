@@ -58,6 +58,17 @@ INLINE void store_out(void *y, int out_bf16, size_t at, float v) {
     else ((float *)y)[at] = v;
 }
 
+/* This thread's even share [*lo, *hi) of count items (inside a parallel region). */
+INLINE void thread_share(int count, int *lo, int *hi) {
+    int t = 0, nt = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    *lo = (int)((long)count * t / nt);
+    *hi = (int)((long)count * (t + 1) / nt);
+}
+
 /* ---------------------------------------------------------------- dot products */
 
 #if defined(__AVX512BF16__)
@@ -286,13 +297,9 @@ int bf16_gemm_paired(const uint16_t *x, const uint16_t *wp, void *y, int out_bf1
     if (threads > panels) threads = panels;
 #pragma omp parallel num_threads(threads)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        paired_panels(x, wp, y, out_bf16, M, K, N, (int)((long)panels * t / nt),
-                      (int)((long)panels * (t + 1) / nt));
+        int p0, p1;
+        thread_share(panels, &p0, &p1);
+        paired_panels(x, wp, y, out_bf16, M, K, N, p0, p1);
     }
     return 0;
 #else
@@ -445,14 +452,10 @@ int bf16_gemm(const uint16_t *x, const uint16_t *w, void *y, int out_bf16, int M
         if (threads > strips) threads = strips;
 #pragma omp parallel num_threads(threads)
         {
-            int t = 0, nt = 1;
-#ifdef _OPENMP
-            t = omp_get_thread_num();
-            nt = omp_get_num_threads();
-#endif
+            int s0, s1;
+            thread_share(strips, &s0, &s1);
             load_tile_config();
-            amx_strips(xt, w, y, out_bf16, M, K, N, (int)((long)strips * t / nt),
-                       (int)((long)strips * (t + 1) / nt));
+            amx_strips(xt, w, y, out_bf16, M, K, N, s0, s1);
             _tile_release();
         }
         free(xt);
@@ -464,12 +467,8 @@ int bf16_gemm(const uint16_t *x, const uint16_t *w, void *y, int out_bf16, int M
     if (threads > groups) threads = groups;
 #pragma omp parallel num_threads(threads)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        int g0 = (int)((long)groups * t / nt), g1 = (int)((long)groups * (t + 1) / nt);
+        int g0, g1;
+        thread_share(groups, &g0, &g1);
         int n1 = g1 * NR < N ? g1 * NR : N;
         dot_columns(x, w, y, out_bf16, M, K, N, g0 * NR, n1);
     }
