@@ -38,7 +38,10 @@ Peers, run after our rounds on the same prompts and lengths: vLLM's CPU build
 (``--vllm-python``, ``dtype=bfloat16`` on the bfloat16 folder, its rounds in
 its own process, ``vllm_timing.py``) and llama.cpp's ``llama-server``
 (``--llama-server``, on each GGUF file, every stream's request posted at once
-to ``/completion``); each is skipped with a message when not given.
+to ``/completion``); each is skipped with a message when not given. With
+``--interleave``, vLLM runs one round (in a fresh process) right after each
+of ours instead, so a slow spell of a shared host falls on both, and each of
+our settings gets its ratio to vLLM round by round (medians reported).
 """
 import argparse
 import json
@@ -186,16 +189,21 @@ def timed(llm, prompts: List[List[int]], tokens: int) -> float:
     return seconds
 
 
-def rounds(engines: Dict[str, object], stream_prompts: Dict[int, List[List[int]]], args) -> Tuple[dict, dict]:
-    """Paired rounds: per round, every stream count of every setting: decode
-    tok/s per run, and the seconds of its long and short runs."""
-    rates = {name: {n: [] for n in stream_prompts} for name in engines}
-    seconds = {name: {n: [] for n in stream_prompts} for name in engines}
-    # Warm-up: first-time kernels and allocations, at every stream count (short prompts: little prefill).
-    for llm in engines.values():
+def rounds(engines: Dict[str, object], stream_prompts: Dict[int, List[List[int]]], args,
+           numbers: Optional[range] = None, rates: Optional[dict] = None,
+           seconds: Optional[dict] = None) -> Tuple[dict, dict]:
+    """Paired rounds (``numbers``, default all): per round, every stream count
+    of every setting: decode tok/s per run, and the seconds of its long and
+    short runs, added to ``rates``/``seconds`` where given."""
+    numbers = range(args.rounds) if numbers is None else numbers
+    rates = rates or {name: {n: [] for n in stream_prompts} for name in engines}
+    seconds = seconds or {name: {n: [] for n in stream_prompts} for name in engines}
+    # Warm-up before the first round: first-time kernels and allocations, at
+    # every stream count (short prompts: little prefill).
+    for llm in engines.values() if numbers.start == 0 else ():
         for prompts in stream_prompts.values():
             timed(llm, [p[:8] for p in prompts], 4)
-    for r in range(args.rounds):
+    for r in numbers:
         for streams, prompts in stream_prompts.items():
             for name, llm in engines.items():
                 t_long, t_short = timed(llm, prompts, args.long), timed(llm, prompts, args.short)
@@ -259,13 +267,42 @@ def run_llama(binary: str, gguf: pathlib.Path, stream_prompts, args) -> Dict[int
     return rates
 
 
-def peers(folder: pathlib.Path, stream_prompts, args) -> Tuple[Dict[str, dict], List[str]]:
-    found, skipped = {}, []
-    if args.vllm_python:
+VLLM = "vLLM CPU (bfloat16)"
+
+
+def vllm_rounds(folder: pathlib.Path, stream_prompts, args, count: int) -> Dict[int, List[Optional[float]]]:
+    """``count`` rounds of vLLM's CPU build (bfloat16, on the folder) in a process of its own."""
+    return run_vllm(args.vllm_python, args.vllm_env, folder / "bf16", stream_prompts, None, args.long,
+                    count, args.threads, args.peer_timeout, short=args.short, dtype="bfloat16")["decode"]
+
+
+def interleaved(engines, folder: pathlib.Path, stream_prompts, args) -> Tuple[dict, dict, dict, List[str]]:
+    """Our rounds with one round of vLLM after each (a fresh process each
+    time, its compile cache warm after the first), so that a slow spell of a
+    shared host falls on both."""
+    rates = seconds = None
+    theirs = {n: [] for n in stream_prompts}
+    skipped = []
+    for r in range(args.rounds):
+        rates, seconds = rounds(engines, stream_prompts, args, range(r, r + 1), rates, seconds)
         try:
-            res = run_vllm(args.vllm_python, args.vllm_env, folder / "bf16", stream_prompts, None, args.long,
-                           args.rounds, args.threads, args.peer_timeout, short=args.short, dtype="bfloat16")
-            found["vLLM CPU (bfloat16)"] = res["decode"]
+            for n, values in vllm_rounds(folder, stream_prompts, args, 1).items():
+                theirs[n] += values
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+            skipped.append(f"vLLM: {peer_servers.error_text(exc, 600)}")
+            return rates, seconds, {}, skipped
+        print(f"round {r + 1} vLLM: " + ", ".join(f"{n} streams {theirs[n][-1] or 0:.1f} tok/s"
+                                                  for n in stream_prompts), flush=True)
+    return rates, seconds, {VLLM: theirs}, skipped
+
+
+def peers(folder: pathlib.Path, stream_prompts, args, found: Dict[str, dict]) -> Tuple[Dict[str, dict], List[str]]:
+    found, skipped = dict(found), []
+    if VLLM in found:
+        pass
+    elif args.vllm_python:
+        try:
+            found[VLLM] = vllm_rounds(folder, stream_prompts, args, args.rounds)
         except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
             skipped.append(f"vLLM: {peer_servers.error_text(exc, 600)}")
     else:
@@ -341,6 +378,8 @@ def parse_args(argv=None):
                     help="our steps eager (compile=False); default: the engine's compiled step")
     ap.add_argument("--vllm-python", default=env("BENCH_VLLM_PYTHON"), help="Python of vLLM's venv")
     ap.add_argument("--vllm-env", default=env("BENCH_VLLM_ENV"), help="shell file of exports for vLLM")
+    ap.add_argument("--interleave", action="store_true",
+                    help="one round of vLLM after each of ours (a process each), not all of its rounds after")
     ap.add_argument("--llama-server", default=env("BENCH_LLAMA_SERVER"), help="llama-server binary")
     ap.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds for one peer's whole run")
     ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds for one start-up")
@@ -392,14 +431,19 @@ def main(argv=None):
         dtypes[name] = engines[name].engine.config.dtype
         print(f"{name}: engine built in {first_build[name]} s, dtype {dtypes[name]}", flush=True)
     held = {name: held_weights(llm) for name, llm in engines.items() if SETTINGS[name][0] == "bf16"}
-    rates, run_seconds = rounds(engines, stream_prompts, args)
+    found, skipped = {}, []
+    if args.interleave and args.vllm_python:
+        rates, run_seconds, found, skipped = interleaved(engines, folder, stream_prompts, args)
+    else:
+        rates, run_seconds = rounds(engines, stream_prompts, args)
     for llm in engines.values():
         llm.shutdown()
     engines = None
     bandwidth.append(bandwidth_gbs(args.bandwidth_gib))
     print(f"bandwidth after: {bandwidth[1]:.1f} GB/s", flush=True)
     starts = {name: startup(name, folder, args) for name in args.startup_settings}
-    found, skipped = peers(folder, stream_prompts, args)
+    found, more = peers(folder, stream_prompts, args, found)
+    skipped += more
     for line in skipped:
         print(f"skipped {line}", flush=True)
 
@@ -427,6 +471,11 @@ def main(argv=None):
         if 1 in args.streams and row["tok_s_1"]:
             row["roofline_tok_s"] = peak_bw / row["step_bytes"]
             row["roofline_fraction"] = row["tok_s_1"] / row["roofline_tok_s"]
+        if ours and args.interleave and VLLM in found:   # paired: each round's ours / vLLM's, then the median
+            for n in args.streams:
+                pairs = [a / b for a, b in zip(per_streams[n], found[VLLM][n]) if a and b]
+                row[f"vs_vllm_{n}_rounds"] = [round(x, 3) for x in pairs]
+                row[f"vs_vllm_{n}"] = median(pairs)
         if ours:
             row["first_build_s"] = first_build[name]
             row.update(starts.get(name, {}))
@@ -445,6 +494,11 @@ def main(argv=None):
           f"bandwidth {bandwidth[0]:.1f} GB/s before, {bandwidth[1]:.1f} after (roofline from the faster); "
           f"decode tok/s = {args.long} - {args.short} new tokens, {args.prompt_tokens}-token prompts, "
           f"medians of {args.rounds} rounds\n")
+    paired = [f"ours {r['setting'][5:]}: " + ", ".join(f"{n} stream{'s' * (n > 1)} {r[f'vs_vllm_{n}']:.2f}x"
+                                                      for n in args.streams if r.get(f"vs_vllm_{n}"))
+              for r in rows if r.get(f"vs_vllm_{args.streams[-1]}")]
+    if paired:
+        text += "\n\nOurs over vLLM's, round by round (vLLM's round right after ours), medians: " + "; ".join(paired)
     print(text, flush=True)
     result["table"] = text
     path = write_result(args.out, "scale", result)

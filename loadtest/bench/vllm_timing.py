@@ -33,7 +33,8 @@ def main(job_path: str) -> None:
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - start
 
-    timed(job["streams"][str(max(map(int, job["streams"])))], 4)   # warm-up
+    for prompts in job["streams"].values():   # warm-up at every stream count (short prompts)
+        timed([p[:8] for p in prompts], 4)
     runs = []
     for _ in range(job["rounds"]):
         for streams, prompts in job["streams"].items():

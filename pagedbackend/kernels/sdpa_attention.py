@@ -6,10 +6,12 @@ reference twin re-derives every sequence's block gather in every layer. Here
 the host builds, once per step (``plan_sdpa_attention``), the cache slot of
 every key position each sequence reads, so a layer's work is:
 
-- decodes (one query token), float32: one call of the C kernel
+- decodes (one query token): one call of the C kernel
   ``csrc/paged_decode.c`` (built here at first use, ``kernels.native``), which
-  reads each sequence's keys and values in place through its block table;
-- decodes otherwise (another dtype, or no C compiler): one ``index_select`` of
+  reads each sequence's keys and values in place through its block table
+  (float32 arithmetic: bfloat16 or float16 queries are widened on the way in
+  and the output narrowed on the way out, a few rows a layer);
+- decodes otherwise (no C compiler, or a cache it does not read): one ``index_select`` of
   all their keys (and one of their values) from the flat cache straight into
   ``[seqs x kv_heads, max_len, head_dim]``, then two batched matmuls around a
   softmax, each KV head's query group as the rows of one small matrix (SDPA's
@@ -37,11 +39,13 @@ kernels read and write it at its own width (float32 arithmetic), the gather
 paths dequantise the rows they gather. Fresh prefills attend to the step's
 own K/V as computed, as they do in every dtype.
 
-The KV write is one call of the C ``paged_write_kv`` (a float32 model on
-CPU), else one ``index_copy_`` per cache of the rows ``kv_cache_dtype.encode`` makes. A step of decodes only gets a function of its own
-(``decode_step``) that checks once what its layers share, so each layer makes
-just the two C calls. Shapes and arguments follow ``paged_attention.py``.
+The KV write is one call of the C ``paged_write_kv`` (rows widened to
+float32 first, as for decodes), else one ``index_copy_`` per cache of the rows
+``kv_cache_dtype.encode`` makes. A step of decodes only gets a function of its
+own (``decode_step``) that checks once what its layers share, so each layer
+makes just the two C calls. Shapes and arguments follow ``paged_attention.py``.
 """
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Union
@@ -59,6 +63,8 @@ USE_NATIVE_DECODE = True
 # Steps of decodes only go through decode_step's per-step function (False:
 # every layer takes the general path, for comparisons).
 USE_DECODE_STEP = True
+# Activation dtypes the C kernels take (widened to float32 on the way in, narrowed on the way out).
+NATIVE_ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
 _natives = {}   # function name -> the loaded C function, or False where it cannot be built
 
 
@@ -85,16 +91,14 @@ class SdpaPlan:
     step has none; ``decode_all`` when they are rows ``0..n-1``, all of the
     step); ``decode_index``: ``[n * kv_heads * max_len]`` rows of the cache
     viewed as ``[slots * kv_heads, head_dim]``, (sequence, head, position)
-    in that order, padding repeating the sequence's first key; ``decode_bias``: fp32
-    ``[n * kv_heads, 1, max_len]``, -inf on padding, None when no sequence
+    in that order, padding repeating the sequence's first key; ``decode_bias``:
+    fp32 ``[n * kv_heads, 1, max_len]``, -inf on padding, None when no sequence
     is shorter than ``max_len``; ``decode_tables`` (int32 ``[n, max_blocks]``)
     and ``decode_lens`` (int32 ``[n]``): the decodes' block tables and key
     counts, for the C kernel (None off CPU), and the largest block number they
     reach (the kernel reads the cache only when it holds that block).
-    ``write_slots``: the new tokens' slots when
-    every one is stored, else None (some negative). ``window``: the sliding
-    window the plan was built for (None: full attention).
-    """
+    ``write_slots``: the new tokens' slots when every one is stored, else None
+    (some negative). ``window``: the window the plan is for (None: full)."""
     decode_rows: Optional[torch.Tensor]
     decode_all: bool
     decode_index: Optional[torch.Tensor]
@@ -126,8 +130,7 @@ def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
     q_lens = [cu[s + 1] - cu[s] for s in range(len(lens))]
     decodes = [s for s, n in enumerate(q_lens) if n == 1]
     rows = decode_index = decode_bias = kernel_tables = kernel_lens = None
-    kernel_max_block = -1
-    decode_len = 0
+    kernel_max_block, decode_len = -1, 0
     if decodes:
         if num_kv_heads < 1:
             raise ValueError("plan_sdpa_attention needs num_kv_heads for a step with decodes")
@@ -165,9 +168,8 @@ def plan_sdpa_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,
     for s, (q_len, kv_len) in enumerate(zip(q_lens, lens)):
         if q_len <= 1:
             continue
-        # The first key any query of the chunk sees; query i sits at position
-        # kv_len - q_len + i and sees keys up to it (and, with a window, after
-        # its position - window).
+        # The chunk's first visible key: query i sits at kv_len - q_len + i and
+        # sees keys up to it (with a window, only those after its position - window).
         first = max(0, kv_len - q_len - window + 1) if window else 0
         index = _slots(block_tables[s], torch.arange(first, kv_len), block_size).to(device)
         mask = None
@@ -190,19 +192,20 @@ def write_kv_sdpa(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   plan: Optional[SdpaPlan] = None) -> None:
     """Store ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` in their
-    slots (in the cache's format); negative slots are skipped. float32 on CPU: one
+    slots (in the cache's format); negative slots are skipped. On CPU: one
     call of the C kernel's ``paged_write_kv`` (a slot out of range falls through to
     ``index_copy_``, which raises an IndexError)."""
     slots = plan.write_slots if plan is not None else None
     kind = native_kind(k_cache.dtype)
-    if (slots is not None and USE_NATIVE_DECODE and key.dtype == torch.float32
-            and kind is not None and key.device.type == "cpu" and value.dtype == torch.float32
+    if (slots is not None and USE_NATIVE_DECODE and key.dtype in NATIVE_ACTIVATIONS
+            and kind is not None and key.device.type == "cpu" and value.dtype == key.dtype
             and v_cache.dtype == k_cache.dtype and key.shape == value.shape
             and key.shape[1] == k_cache.shape[2] and row_width(key.shape[2], k_cache.dtype) == k_cache.shape[3]
             and k_cache.shape == v_cache.shape and slots.shape == key.shape[:1]
             and slots.is_contiguous() and _rows_contiguous(key) and _rows_contiguous(value)
             and k_cache.is_contiguous() and v_cache.is_contiguous() and native_write() is not None):
         blocks, block_size, kv_heads, _ = k_cache.shape
+        key, value = key.float(), value.float()   # no copy for float32
         if native_write()(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                           slots.data_ptr(), slots.shape[0], kv_heads, key.shape[2],
                           blocks * block_size, key.stride(0), value.stride(0), kind) == 0:
@@ -296,29 +299,24 @@ def _native(function: str):
     return _natives[function] or None
 
 
-def native_decode():
-    """The C decode kernel's function, or None where it cannot be built."""
-    return _native("paged_decode_kv")
-
-
-def native_write():
-    """The C kernel's ``paged_write_kv``, or None where it cannot be built."""
-    return _native("paged_write_kv")
+# The C decode kernel's and KV writer's functions, or None where they cannot be built.
+native_decode = functools.partial(_native, "paged_decode_kv")
+native_write = functools.partial(_native, "paged_write_kv")
 
 
 def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: SdpaPlan,
              scale: float, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Single-token queries ``[n, heads, dim]`` against their keys, in fp32
-    whatever the cache dtype (as the reference twin)."""
+    """Single-token queries ``[n, heads, dim]`` against their keys, in fp32 whatever the dtypes."""
     n, num_heads, head_dim = q.shape
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
     kind = native_kind(k_cache.dtype)
     if (USE_NATIVE_DECODE and plan.decode_tables is not None
-            and plan.decode_max_block < k_cache.shape[0] and q.dtype == torch.float32
+            and plan.decode_max_block < k_cache.shape[0] and q.dtype in NATIVE_ACTIVATIONS
             and kind is not None and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous() and native_decode() is not None):
-        q = q.contiguous()
+        dtype = q.dtype
+        q = q.float().contiguous()
         out = torch.empty_like(q)
         failed = native_decode()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                  plan.decode_tables.data_ptr(), plan.decode_tables.shape[1],
@@ -327,7 +325,7 @@ def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
                                  None if sinks is None else sinks.data_ptr(), torch.get_num_threads(), kind)
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
-        return out
+        return out.to(dtype)
     dtype = q.dtype
     rows = n * k_cache.shape[2]   # one matrix per (sequence, KV head)
     shape = (rows, plan.decode_len, head_dim)
@@ -345,7 +343,7 @@ def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
 
 
 def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
-    """For a step of decodes only, float32 on CPU with the C kernels (a
+    """For a step of decodes only, on CPU with the C kernels (a
     cache of any dtype they read): a function ``(q, k, v, layer, scale,
     window, sinks) -> out`` that stores a layer's K/V and attends with two C calls. What is the same for every layer (the plan,
     the caches' dtype, shape and layout) is checked here, once per step, not
@@ -380,12 +378,14 @@ def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
         if sinks is not None and not (sinks.dtype == torch.float32 and sinks.is_contiguous()
                                       and sinks.shape == q.shape[1:2]):
             return None
-        if not (layer_window == window and q.dtype == torch.float32 and k.dtype == torch.float32
-                and v.dtype == torch.float32
-                and k.shape == kv_shape and v.shape == kv_shape and q.dim() == 3
+        if not (layer_window == window and q.dtype in NATIVE_ACTIVATIONS and k.dtype == q.dtype
+                and v.dtype == q.dtype and k.shape == kv_shape and v.shape == kv_shape and q.dim() == 3
                 and q.shape[0] == n and q.shape[2] == head_dim and q.shape[1] % kv_heads == 0
                 and q.is_contiguous() and _rows_contiguous(k) and _rows_contiguous(v)):
             return None
+        dtype = q.dtype
+        if dtype != torch.float32:   # widened here, narrowed below: the kernels work in float32
+            q, k, v = q.float(), k.float(), v.float()
         k_cache, v_cache = kv_caches[layer]
         if write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots_ptr, n, kv_heads,
                  head_dim, num_slots, k.stride(0), v.stride(0), kind) != 0:
@@ -395,6 +395,6 @@ def decode_step(plan: SdpaPlan, kv_caches) -> Optional[Callable]:
                   max_blocks, lens_ptr, n, q.shape[1], kv_heads, head_dim, block_size, scale, window,
                   None if sinks is None else sinks.data_ptr(), threads, kind):
             raise MemoryError("paged decode attention could not allocate its scratch memory")
-        return out
+        return out if dtype == torch.float32 else out.to(dtype)
 
     return step

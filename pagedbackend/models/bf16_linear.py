@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedbackend.kernels import native
+from pagedbackend.kernels import hugepages, native
 
 # Rows up to which the kernel's tiles serve a step where the CPU has AMX-BF16
 # (oneDNN's GEMM above: prefills). Below AMX_MIN_ROWS rows the dot products
@@ -88,7 +88,11 @@ def pair(weight: torch.Tensor) -> torch.Tensor:
     padded = -(-n // PAIR) * PAIR
     if padded != n:
         weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
-    return weight.reshape(padded // PAIR, PAIR, k // 2, 2).transpose(1, 2).contiguous()
+    blocks = weight.reshape(padded // PAIR, PAIR, k // 2, 2).transpose(1, 2)
+    if weight.device.type != "cpu":
+        return blocks.contiguous()
+    paired = hugepages.empty(blocks.shape, weight.dtype)   # streamed every step: on 2 MiB pages
+    return paired.copy_(blocks)
 
 
 def unpair(paired: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_groups import kv_layout
-from pagedbackend.kernels import get_attention_ops
+from pagedbackend.kernels import get_attention_ops, hugepages
 from pagedbackend.kernels.kv_cache_dtype import (INT8_FORMAT, cache_dtype, check_head_dim, check_triton_cache,
                                                  row_bytes, row_width)
 from pagedbackend.models import ModelArgs
@@ -170,7 +170,10 @@ class ModelRunner:
         # One tensor for all of it, so a block copy or swap is one indexed copy.
         # A block holds one KV group's layers, layer l in slot layer_slot[l].
         shape = (2, slots, self.num_kv_blocks, *block_shape)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        if self.device.type == "cpu":   # decodes read it in place, block by block: on 2 MiB pages
+            self.kv_cache = hugepages.zeros(shape, self.kv_dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, s], self.kv_cache[1, s]) for s in self.kv_layout.layer_slot]
         self.num_swap_blocks = self.config.swap_space_blocks
         self.swap_cache = None

@@ -532,6 +532,48 @@ def test_a_decode_step_function_stores_and_attends_as_the_general_path_does():
         assert torch.equal(fast_caches[layer][1].view(-1, 2, 16)[slots], v)
 
 
+def test_bfloat16_decodes_take_the_c_kernels_and_agree_with_the_gather_path():
+    # A bfloat16 model's decodes: q and the new K/V widened to float32 for the
+    # C kernels, the output narrowed back; the cache holds the model's dtype.
+    dtype = torch.bfloat16
+    from pagedbackend.models.attention import AttentionMetadata, step_context
+    if sa.native_decode() is None or sa.native_write() is None:
+        pytest.skip("no C compiler here for the CPU kernels")
+    ops = kernels.get_attention_ops("sdpa", "cpu")
+    results = {}
+    for native in (True, False):
+        batch, slots, plan, inputs, _ = _decode_step_inputs(2, seed=8)
+        caches = [(batch.k_cache.to(dtype), batch.v_cache.to(dtype)) for _ in inputs]
+        inputs = [(q.to(dtype), k.to(dtype), v.to(dtype)) for q, k, v in inputs]
+        meta = AttentionMetadata(slots, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, plan)
+        saved = sa.USE_NATIVE_DECODE
+        sa.USE_NATIVE_DECODE = native
+        try:
+            with torch.inference_mode(), step_context(caches, meta, ops) as step:
+                assert (step.fast is not None) == native
+                outs = [torch.ops.pagedbackend.paged_attention(q, k, v, layer, 0.25, 0, None)
+                        for layer, (q, k, v) in enumerate(inputs)]
+                if native:   # the step's function took them, and the general path's C call agrees with it
+                    q, k, v = inputs[0]
+                    general = sa._decodes(q, *caches[0], plan, 0.25)
+                    assert general.dtype == dtype and torch.equal(general, outs[0])
+        finally:
+            sa.USE_NATIVE_DECODE = saved
+        results[native] = outs, caches
+    (c_outs, c_caches), (outs, caches) = results[True], results[False]
+    for a, b in zip(c_outs, outs):
+        assert a.dtype == dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    same = lambda a, b: bool(((a == b) | (a.isnan() & b.isnan())).all())  # noqa: E731 (NaN: never written)
+    for (ka, va), (kb, vb) in zip(c_caches, caches):   # the rows stored are the same bits
+        assert same(ka, kb) and same(va, vb)
+    # and a float32 reference over the same cache: both within half precision of it
+    batch, slots, plan, inputs, _ = _decode_step_inputs(2, seed=8)
+    q = inputs[1][0].to(dtype).float()
+    ref = sa._decodes(q, c_caches[1][0].float(), c_caches[1][1].float(), plan, 0.25)
+    torch.testing.assert_close(c_outs[1].float(), ref, atol=1e-2, rtol=1e-2)
+
+
 def test_a_decode_step_function_leaves_what_it_does_not_fit_to_the_general_path():
     from pagedbackend.models.attention import AttentionMetadata, step_context
     if sa.native_decode() is None or sa.native_write() is None:

@@ -235,6 +235,14 @@ static inline __attribute__((always_inline)) vec vector_at(const char *row, int 
 #define ACCUMULATORS 8
 #endif
 
+/* Keys ahead of the one in hand whose rows are fetched into the cache
+ * (prefetch): a row sits in a block anywhere in the pool, and without it each
+ * pass waits on memory at every row it loads. */
+#define PREFETCH_KEYS 16
+static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 /* Query rows [r0, r0 + R) (R a constant, R * dim / LANES <= ACCUMULATORS):
  * o_r = norms[r] * sum_t p_r[t] v_t, every output vector held in a register across all
  * keys and each value row loaded once for the R rows. */
@@ -247,8 +255,14 @@ static inline __attribute__((always_inline)) void weigh_values(
     size_t rb = row_bytes(dim, kind);
     if (R * chunks > ACCUMULATORS) __builtin_unreachable();   /* the caller's runs fit */
     for (int i = 0; i < R * chunks; i++) acc[i] = vzero();
+    int head_lo = h0 + r0 / group, heads_read = (r0 + R - 1) / group - r0 / group + 1;
     for (int t = first; t < end; t++) {
         size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
+        if (t + PREFETCH_KEYS < end) {   /* the rows of these heads PREFETCH_KEYS keys on */
+            int ahead = t + PREFETCH_KEYS;
+            size_t ahead_slot = (size_t)table[ahead / block_size] * block_size + ahead % block_size;
+            prefetch_bytes(v_cache + (ahead_slot * kv_heads + head_lo) * rb, heads_read * rb);
+        }
         for (int r = 0; r < R; r++) {
             const char *v = v_cache + (slot * kv_heads + h0 + (r0 + r) / group) * rb;
             float w = scores[(size_t)(r0 + r) * len + t - first];
@@ -313,21 +327,39 @@ static inline __attribute__((always_inline)) void item(const float *q, const cha
 #ifdef VECTOR_PATH
     else {
         int chunks = dim / LANES;
+        /* bfloat16 and fp8 keys are widened once per tile into `tile` when a
+         * head has several query rows (the same float32 values, so the same
+         * sums), rather than once per row */
+        int widen_once = 0;
+        float tile[LANES * ACCUMULATORS * LANES] __attribute__((aligned(64)));
         for (int t0 = first; t0 < end; t0 += LANES) {
             int count = end - t0 < LANES ? end - t0 : LANES;
             const char *keys[LANES];   /* a last, partial tile repeats its first key */
             for (int j = 0; j < LANES; j++) {
                 int t = t0 + (j < count ? j : 0);
                 keys[j] = k_cache + ((size_t)table[t / block_size] * block_size + t % block_size) * kv_heads * rb;
+                if (t0 + LANES + j < end) {   /* the next tile's rows of this item's heads */
+                    int ahead = t0 + LANES + j;
+                    const char *row = k_cache + ((size_t)table[ahead / block_size] * block_size
+                                                 + ahead % block_size) * kv_heads * rb;
+                    prefetch_bytes(row + (size_t)h0 * rb, (size_t)(h1 - h0) * rb);
+                }
             }
             for (int r = 0; r < rows; r++) {
                 const float *qr = q + (size_t)r * dim;
                 size_t head = (size_t)(h0 + r / group) * rb;
                 vec part[LANES];
+                if (widen_once && r % group == 0)   /* this head's keys of the tile, as float32 */
+                    for (int j = 0; j < LANES; j++)
+                        for (int c = 0; c < chunks; c++)
+                            vstore(tile + j * dim + c * LANES, vector_at(keys[j] + head, c * LANES, kind));
                 for (int j = 0; j < LANES; j++) {
                     const char *k = keys[j] + head;
                     vec a = vzero();
-                    if (kind == KV_I8) {   /* each group's partial sum times its scale */
+                    if (widen_once) {
+                        for (int c = 0; c < chunks; c++)
+                            a = vfma(vload(qr + c * LANES), vload(tile + j * dim + c * LANES), a);
+                    } else if (kind == KV_I8) {   /* each group's partial sum times its scale */
                         for (int g = 0; g < dim; g += GROUP) {
                             vec ag = vzero();
                             for (int c = g / LANES; c < (g + GROUP) / LANES; c++)
