@@ -263,10 +263,14 @@ static inline __attribute__((always_inline)) void weigh_values(
             size_t ahead_slot = (size_t)table[ahead / block_size] * block_size + ahead % block_size;
             prefetch_bytes(v_cache + (ahead_slot * kv_heads + head_lo) * rb, heads_read * rb);
         }
+        /* unrolled whole, so that every accumulator index is a constant and
+         * the accumulators stay in registers (not a store and reload each) */
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const char *v = v_cache + (slot * kv_heads + h0 + (r0 + r) / group) * rb;
             float w = scores[(size_t)(r0 + r) * len + t - first];
             vec p = vset1(w);
+#pragma GCC unroll 16
             for (int c = 0; c < chunks; c++) {
                 if (kind == KV_I8 && c * LANES % GROUP == 0) p = vset1(w * scale_at(v, dim, c * LANES, kind));
                 acc[r * chunks + c] = vfma(p, vector_at(v, c * LANES, kind), acc[r * chunks + c]);
@@ -327,11 +331,6 @@ static inline __attribute__((always_inline)) void item(const float *q, const cha
 #ifdef VECTOR_PATH
     else {
         int chunks = dim / LANES;
-        /* bfloat16 and fp8 keys are widened once per tile into `tile` when a
-         * head has several query rows (the same float32 values, so the same
-         * sums), rather than once per row */
-        int widen_once = 0;
-        float tile[LANES * ACCUMULATORS * LANES] __attribute__((aligned(64)));
         for (int t0 = first; t0 < end; t0 += LANES) {
             int count = end - t0 < LANES ? end - t0 : LANES;
             const char *keys[LANES];   /* a last, partial tile repeats its first key */
@@ -349,17 +348,11 @@ static inline __attribute__((always_inline)) void item(const float *q, const cha
                 const float *qr = q + (size_t)r * dim;
                 size_t head = (size_t)(h0 + r / group) * rb;
                 vec part[LANES];
-                if (widen_once && r % group == 0)   /* this head's keys of the tile, as float32 */
-                    for (int j = 0; j < LANES; j++)
-                        for (int c = 0; c < chunks; c++)
-                            vstore(tile + j * dim + c * LANES, vector_at(keys[j] + head, c * LANES, kind));
+#pragma GCC unroll 16
                 for (int j = 0; j < LANES; j++) {
                     const char *k = keys[j] + head;
                     vec a = vzero();
-                    if (widen_once) {
-                        for (int c = 0; c < chunks; c++)
-                            a = vfma(vload(qr + c * LANES), vload(tile + j * dim + c * LANES), a);
-                    } else if (kind == KV_I8) {   /* each group's partial sum times its scale */
+                    if (kind == KV_I8) {   /* each group's partial sum times its scale */
                         for (int g = 0; g < dim; g += GROUP) {
                             vec ag = vzero();
                             for (int c = g / LANES; c < (g + GROUP) / LANES; c++)
