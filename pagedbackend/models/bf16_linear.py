@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedbackend.kernels import hugepages, native
+from pagedbackend.kernels import hugepages, native, packed_linear
 
 # Rows up to which the kernel's tiles serve a step where the CPU has AMX-BF16
 # (oneDNN's GEMM above: prefills). Below AMX_MIN_ROWS rows the dot products
@@ -168,6 +168,40 @@ _ops.impl("bf16_linear_paired", _bf16_linear_paired_cpu, "CPU")
 @torch.library.register_fake("pagedbackend::bf16_linear_paired")
 def _bf16_linear_paired_fake(x: torch.Tensor, paired: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))
+
+
+_ops.define("int8_rows_bf16(Tensor x, Tensor qpacked, Tensor scales, int out_features) -> Tensor")
+
+
+def _int8_rows_bf16_cpu(x: torch.Tensor, qpacked: torch.Tensor, scales: torch.Tensor,
+                        out_features: int) -> torch.Tensor:
+    """``x @ (q * scales)^T`` in float32 for bfloat16 rows ``x`` and the int8
+    weight ``q`` held as ``packed_linear.pack(q)``: q's values are exact in
+    bfloat16, so it is paired for this call and multiplied by the paired
+    kernel (exact products, float32 sums), then each output scaled. For the
+    long steps (prefills) of a bfloat16 model's int8 layers: the pairing
+    costs a pass over the weight, the products run at the bfloat16 rate."""
+    rows, k = x.shape
+    if x.dtype != torch.bfloat16 or qpacked.shape[1] != k or k % 2:
+        raise ValueError(f"int8_rows_bf16 takes bfloat16 [rows, {qpacked.shape[1]}] inputs (an even width) "
+                         f"for this weight; got {x.dtype} {tuple(x.shape)}")
+    paired = pair(packed_linear.unpack(qpacked, out_features).to(torch.bfloat16))
+    x = x.contiguous()
+    y = torch.empty((rows, out_features), dtype=torch.float32)
+    library = _library or load_library()
+    if rows and library.bf16_gemm_paired(x.data_ptr(), paired.data_ptr(), y.data_ptr(), 0, rows, k, out_features,
+                                         torch.get_num_threads()):
+        raise RuntimeError("int8_rows_bf16: this build has no paired kernel")
+    return y.mul_(scales[:out_features])
+
+
+_ops.impl("int8_rows_bf16", _int8_rows_bf16_cpu, "CPU")
+
+
+@torch.library.register_fake("pagedbackend::int8_rows_bf16")
+def _int8_rows_bf16_fake(x: torch.Tensor, qpacked: torch.Tensor, scales: torch.Tensor,
+                         out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
 
 class Bf16Linear(nn.Module):

@@ -17,6 +17,9 @@ took 0.54x, 0.62x and 0.37x the time of torch's kernel on bfloat16 rows at 1,
 8 and 32 rows, and 1.03-1.04x that of float32 rows. Its steps of
 ``INT8_BF16_ROWS`` rows or more round x to bfloat16 on AMD CPUs with
 AVX512_BF16, where that is faster (for a bfloat16 model, nothing is lost).
+A bfloat16 model's steps of more rows than the kernel takes (prefills) pair
+the int8 weight as bfloat16 for the call (exact) and run the paired bfloat16
+kernel (``bf16_linear``), where the CPU has it, instead of float32 products.
 """
 from typing import Tuple
 
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedbackend.kernels import packed_linear
+from pagedbackend.models import bf16_linear
 
 # Inputs PackedInt8Linear widens to float32 for its kernel (every value exact
 # there): a bfloat16 or float16 model's int8 layers run the float32-input kernel.
@@ -91,9 +95,15 @@ class PackedInt8Linear(nn.Module):
         self.register_buffer("scales", padded)
         self.ops = packed_linear.native_ops()
         self.ops.decide()
+        # bfloat16 rows of a prefill: bfloat16 products of the weight paired per call
+        self.bf16_prefill = self.in_features % 2 == 0 and bf16_linear.pairs()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        if (self.bf16_prefill and flat.dtype == torch.bfloat16
+                and flat.shape[0] > packed_linear.KERNEL_MAX_ROWS):
+            y = torch.ops.pagedbackend.int8_rows_bf16(flat, self.qpacked, self.scales, self.out_features)
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if flat.dtype in WIDENED_INPUTS:   # exact in float32; the result is rounded back
             flat = flat.float()
         if self.ops.use_native_ops:

@@ -209,7 +209,9 @@ def test_packed_int8_refuses_inputs_it_was_not_built_for(ops):
 
 
 # A bfloat16 (or float16) model's rows: widened to float32 for the kernel (exact),
-# the float32 result rounded back; a decode step's row counts and a prefill's.
+# the float32 result rounded back; a decode step's row counts and a prefill's
+# (a bfloat16 prefill, where the CPU has the paired bfloat16 kernel, multiplies
+# in bfloat16 instead: tests/models/test_bf16_linear.py).
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 8, 32, packed_linear.KERNEL_MAX_ROWS + 1])
 def test_packed_int8_widens_half_precision_rows_and_rounds_the_result_back(rows, dtype, ops):
@@ -218,7 +220,11 @@ def test_packed_int8_widens_half_precision_rows_and_rounds_the_result_back(rows,
     x = torch.randn(1, rows, 200).to(dtype)
     got = layer(x)
     assert got.dtype == dtype and got.shape == (1, rows, 300)
-    assert torch.equal(got, layer(x.float()).to(dtype))
+    if dtype == torch.bfloat16 and rows > packed_linear.KERNEL_MAX_ROWS and layer.bf16_prefill:
+        assert torch.equal(got[0], torch.ops.pagedbackend.int8_rows_bf16(x[0], layer.qpacked, layer.scales,
+                                                                         300).to(dtype))
+    else:
+        assert torch.equal(got, layer(x.float()).to(dtype))
     assert relative_error(got.float(), F.linear(x.float(), layer.dequantized())) < 1e-2
 
 

@@ -75,6 +75,29 @@ def test_kernel_computes_x_w_transposed_for_every_shape(rows, out_features, in_f
         check_product(y, x, w)
 
 
+@pytest.mark.skipif(not PAIRED, reason="the paired layout needs AVX512-BF16, which this CPU lacks")
+@pytest.mark.parametrize("rows", [641, 900])
+def test_int8_layers_of_a_bfloat16_model_multiply_long_steps_in_bfloat16(rows):
+    # A prefill of a bfloat16 model's int8 layer: the weight's int8 values
+    # paired as bfloat16 (exact) for the call, the paired kernel's float32
+    # sums scaled per output, then rounded to bfloat16 once.
+    from pagedbackend.kernels import packed_linear
+    from pagedbackend.quant.int8 import PackedInt8Linear, quantize_int8
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(37, 530, generator=g)   # a last block of 5 outputs, K past a slice of 256
+    layer = PackedInt8Linear(weight)
+    assert layer.bf16_prefill and rows > packed_linear.KERNEL_MAX_ROWS
+    x = torch.randn(rows, 530, generator=g).to(torch.bfloat16)
+    y = layer(x)
+    q, scales = quantize_int8(weight)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 37)
+    sums = torch.ops.pagedbackend.int8_rows_bf16(x, layer.qpacked, layer.scales, 37)
+    assert sums.dtype == torch.float32 and torch.equal(y, sums.to(torch.bfloat16))   # the path it took
+    check_product(sums / scales, x, q.to(torch.bfloat16))   # exact products, float32 sums
+    with pytest.raises(ValueError, match="bfloat16"):
+        torch.ops.pagedbackend.int8_rows_bf16(x.float(), layer.qpacked, layer.scales, 37)
+
+
 def test_paired_layout_round_trips_and_refuses_an_odd_k():
     w = torch.randn(37, 100).bfloat16()
     paired = bf16_linear.pair(w)
