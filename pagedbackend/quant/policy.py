@@ -82,6 +82,9 @@ def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
     # int8 layers widen a bfloat16 or float16 model's rows to float32 for the kernel
     if _packed_usable(config, device, torch.float32 if mode == "int8" else dtype):
         _serve_through(model, PackedInt8Linear if mode == "int8" else packed_linear.PackedLinear)
+        if mode == "int8" and dtype == torch.bfloat16 and bf16_linear.pairs():
+            # a bfloat16 model's prefills past the int8 kernel's rows take the paired kernel: one more graph
+            return LinearPlan("packed", warm_up_rows=(packed_linear.KERNEL_MAX_ROWS + 1,))
         return LinearPlan("packed")
     if mode == "int8":
         _require_cpu(mode, device)

@@ -203,3 +203,30 @@ def test_a_bfloat16_checkpoint_runs_in_bfloat16_and_picks_what_hf_picks_in_bfloa
             logits = hf(torch.tensor([prompt + want[:first]])).logits[0, -1].float()
         step = 2.0 ** (torch.floor(torch.log2(logits.max())).item() - 7)   # one bfloat16 step there
         assert logits[want[first]] - logits[have[first]] <= 3 * step, (first, want, have)
+
+
+@pytest.mark.skipif(not PAIRED, reason="the paired layout needs AVX512-BF16, which this CPU lacks")
+def test_int8_prefills_of_a_bfloat16_model_match_the_widened_path(tmp_path):
+    # A prefill past the int8 kernel's 640 rows takes the paired bfloat16
+    # kernel (its own compiled graph, warmed up at start); its logits agree with
+    # those of the float32 products on the widened weight within bfloat16 noise.
+    from pagedbackend.kernels import packed_linear
+    from pagedbackend.quant.int8 import PackedInt8Linear
+    folder = bf16_checkpoint(tmp_path)
+    runner = ModelRunner(EngineConfig(model=str(folder), block_size=16, num_kv_blocks=64, device="cpu",
+                                      quantization="int8", compile=False))
+    assert runner.dtype == torch.bfloat16
+    assert runner.linear_plan.warm_up_rows == (packed_linear.KERNEL_MAX_ROWS + 1,)
+    layers = [m for m in runner.model.modules() if isinstance(m, PackedInt8Linear)]
+    assert layers and all(m.bf16_prefill for m in layers)
+    prompts = random_prompts([400, 300], 49152, seed=3)   # one step of 700 rows
+    logits = {}
+    for paired in (True, False):
+        for m in layers:
+            m.bf16_prefill = paired
+        tables = shuffled_block_tables(runner, [len(p) for p in prompts])
+        logits[paired] = runner.execute_model(
+            [SeqEntry(list(p), 0, t, True) for p, t in zip(prompts, tables)]).float()
+    spread = logits[False].abs().max()
+    assert (logits[True] - logits[False]).abs().max() <= 0.05 * spread
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
