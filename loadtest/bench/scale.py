@@ -297,16 +297,16 @@ def interleaved(engines, folder: pathlib.Path, stream_prompts, args) -> Tuple[di
 
 
 def peers(folder: pathlib.Path, stream_prompts, args, found: Dict[str, dict]) -> Tuple[Dict[str, dict], List[str]]:
+    """The peers after our rounds, beside ``found`` (vLLM's interleaved rounds,
+    which are not run again here, nor retried where they failed)."""
     found, skipped = dict(found), []
-    if VLLM in found:
-        pass
-    elif args.vllm_python:
+    if not args.vllm_python:
+        skipped.append("vLLM: no --vllm-python / BENCH_VLLM_PYTHON")
+    elif not args.interleave:
         try:
             found[VLLM] = vllm_rounds(folder, stream_prompts, args, args.rounds)
         except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
             skipped.append(f"vLLM: {peer_servers.error_text(exc, 600)}")
-    else:
-        skipped.append("vLLM: no --vllm-python / BENCH_VLLM_PYTHON")
     if args.llama_server:
         for scheme in GGUF_SCHEMES:
             try:
