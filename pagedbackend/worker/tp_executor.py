@@ -32,6 +32,7 @@ from pagedbackend.models import model_args
 from pagedbackend.models.default_model import check_model_folder, resolve_model_path
 from pagedbackend.models.linear import even_split, kv_heads_of_rank, query_heads_of_rank
 from pagedbackend.dtype_choice import resolve_dtype
+from pagedbackend.kernels.kv_cache_dtype import cache_dtype, check_head_dim
 from pagedbackend.worker.loader import DTYPES, kv_block_bytes, resolve_device
 from pagedbackend.worker.model_runner import ModelRunner
 from pagedbackend.worker.tp_protocol import (COPY, CONFIG_KEY, SWAP_IN, SWAP_OUT, Moves,
@@ -137,15 +138,16 @@ def _plan_kv_blocks(config: EngineConfig, path, world: int) -> Optional[int]:
             even_split(moe.num_experts, 0, world, "num_experts (enable_expert_parallel)")
         else:
             even_split(moe.intermediate_size, 0, world, "the experts' intermediate size")
+    # Every rank holds its own heads' rows in the cache's format (kv_cache_dtype).
+    kv_dtype = cache_dtype(config.kv_cache_dtype, DTYPES[resolve_dtype(config.dtype, path, config.device)])
+    check_head_dim(args.head_dim, kv_dtype)
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     # Rank 0 holds the largest KV share (kv_heads_of_rank), so the budget bounds every rank.
     heads = kv_heads_of_rank(args.num_kv_heads, 0, world)[1]
     layout = kv_layout(args.layer_windows,
                        free_out_of_window=not config.disable_hybrid_kv_cache_manager)
-    blocks = config.kv_cache_bytes // kv_block_bytes(args, config.block_size, heads,
-                                                     DTYPES[resolve_dtype(config.dtype, path, config.device)],
-                                                     layers=layout.slots)
+    blocks = config.kv_cache_bytes // kv_block_bytes(args, config.block_size, heads, kv_dtype, layers=layout.slots)
     return blocks or None   # None: rank 0's runner explains what one block needs
 
 

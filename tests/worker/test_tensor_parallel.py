@@ -18,6 +18,7 @@ import torch
 from pagedbackend import LLM, SamplingParams
 from pagedbackend.engine.async_engine import AsyncLLMEngine
 from pagedbackend.config import EngineConfig
+from pagedbackend.kernels.kv_cache_dtype import cache_dtype
 from pagedbackend.worker.model_runner import SeqEntry
 from pagedbackend.models.linear import (QKVParallelLinear, RowParallelLinear, kv_heads_of_rank,
                                         query_heads_of_rank)
@@ -66,6 +67,11 @@ def port_is_free(port):
         except OSError:
             return False
     return True
+
+
+def our_workers():
+    """This process's worker ranks (tests in other processes may run workers meanwhile)."""
+    return set(processes_mentioning("pagedbackend.worker.tp_worker")) & set(children_of([os.getpid()]))
 
 
 PROMPTS = make_prompts(8, seed=1)
@@ -118,8 +124,6 @@ def test_uneven_head_split_reassembles_the_full_attention_projections():
 
 def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(tiny_model_dir):
     # 4 query heads / 2 KV heads cannot go over 3 ranks.
-    def our_workers():   # this process's own: tests in other processes may run workers meanwhile
-        return set(processes_mentioning("pagedbackend.worker.tp_worker")) & set(children_of([os.getpid()]))
     workers = our_workers()
     with pytest.raises(ValueError, match="num_key_value_heads"):
         LLM(str(tiny_model_dir), tensor_parallel_size=3, num_kv_blocks=32, **CPU)
@@ -182,6 +186,63 @@ def test_forced_preemption_under_two_ranks_keeps_the_tokens(tiny_model_dir, one_
         stats = llm.engine.get_stats()
     assert (stats.num_swap_preemptions if mode == "swap" else stats.num_recompute_preemptions) > 0
     assert outs == greedy
+
+
+# Each rank holds its own KV heads' rows in the cache's format; a KV head's
+# arithmetic is the same on either rank, so the tokens are those of one rank.
+KV_BUDGET = 4 << 20   # kv_cache_bytes per rank: 64 float32 blocks of 16 for the whole tiny model
+
+
+def _quantised_engine(folder, kv, tp, backend, **settings):
+    return LLM(str(folder), tensor_parallel_size=tp, kv_cache_dtype=kv, dtype="float32",
+               **dict(CPU, attention_backend=backend), **settings)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kv, backend", [("int8", "sdpa"), ("bfloat16", "torch"), ("fp8_e4m3", "torch")])
+def test_two_ranks_with_a_quantised_cache_give_the_tokens_of_one_and_its_tokens_per_byte(tiny_model_dir, kv,
+                                                                                        backend):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _quantised_engine(tiny_model_dir, kv, 1, backend, kv_cache_bytes=KV_BUDGET) as llm:
+            one, single = token_ids(llm.generate(PROMPTS, GREEDY)), llm.engine.runner
+            single_cache, single_blocks = single.kv_cache, single.num_kv_blocks
+    finally:
+        torch.set_num_threads(threads)
+    with _quantised_engine(tiny_model_dir, kv, 2, backend, kv_cache_bytes=KV_BUDGET) as llm:
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == one
+        rank0 = llm.engine.runner.runner
+        assert rank0.kv_cache.dtype == single_cache.dtype == cache_dtype(kv, torch.float32)
+        assert rank0.kv_cache.shape[-1] == single_cache.shape[-1]   # a row: its values (and int8's scales)
+        # Half the KV heads a rank: each block takes half the bytes, so the
+        # same kv_cache_bytes holds twice the blocks, each in the format's bytes.
+        assert rank0.kv_bytes_per_block * 2 == single.kv_bytes_per_block
+        assert llm.engine.block_manager.num_total_blocks == rank0.num_kv_blocks == \
+            KV_BUDGET // rank0.kv_bytes_per_block >= 2 * single_blocks
+        assert rank0.kv_cache.nbytes == rank0.num_kv_blocks * rank0.kv_bytes_per_block <= KV_BUDGET
+
+
+@pytest.mark.timeout(120)
+def test_swap_preemption_under_two_ranks_moves_int8_rows_with_their_scales(tiny_model_dir):
+    # A pool of 14 blocks of 8 for 8 sequences that need ~45: swapped rows come
+    # back byte for byte on both ranks, so the tokens are those of a roomy pool.
+    with _quantised_engine(tiny_model_dir, "int8", 1, "torch", num_kv_blocks=256, block_size=8) as llm:
+        roomy = token_ids(llm.generate(PROMPTS, GREEDY))
+    with _quantised_engine(tiny_model_dir, "int8", 2, "torch", num_kv_blocks=14, block_size=8,
+                           preemption_mode="swap", swap_space_blocks=64) as llm:
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == roomy
+        assert llm.engine.get_stats().num_swap_preemptions > 0
+
+
+def test_int8_with_a_head_size_it_cannot_group_is_refused_before_any_worker_starts(tmp_path):
+    from tiny_model import build_tiny_llama
+    folder = build_tiny_llama(tmp_path / "heads_of_24", hidden_size=96, num_attention_heads=4,
+                              num_key_value_heads=2, num_hidden_layers=1)
+    workers = our_workers()
+    with pytest.raises(ValueError, match="int8 needs a head size that is a multiple of 16.*the model's is 24"):
+        LLM(str(folder), tensor_parallel_size=2, kv_cache_dtype="int8", num_kv_blocks=32, **CPU)
+    assert our_workers() <= workers   # none was started
 
 
 @pytest.mark.timeout(60)
