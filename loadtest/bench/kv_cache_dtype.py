@@ -11,6 +11,11 @@ the model's float32 one, on SmolLM2-135M (docs/kv_cache_dtype.md).
   whole); and the perplexity of a text of its own (a sampled continuation
   by the float32 cache, 512 tokens) scored as prompt log-probabilities in
   chunks of 32, so that each chunk reads the earlier ones through the cache.
+  ``--model`` runs it on a tiny random checkpoint of a family instead
+  (``loadtest.tiny_families.CASES`` or ``loadtest.moe_model.TINY_MOE``,
+  seed 0): e.g. ``gemma3_text`` (sliding windows of 16 beside full layers,
+  so every sequence runs past its window) or ``qwen3_moe`` (experts); its
+  text is as long as the checkpoint's positions allow.
 - ``capacity``: the tokens ``kv_cache_bytes`` holds per dtype.
 - ``offload`` (not in the default parts): time to first token of a prompt
   whose ~4,000-token prefix is in the pool, in the disk tier
@@ -21,6 +26,7 @@ the model's float32 one, on SmolLM2-135M (docs/kv_cache_dtype.md).
 """
 import argparse
 import math
+import tempfile
 from typing import List
 
 import torch
@@ -86,22 +92,40 @@ def bench_kernel(contexts: List[int], seqs: int, layers: int, rounds: int, seed:
     return rows
 
 
-def bench_quality(prompts: List[str], max_tokens: int, text_tokens: int, names=QUALITY) -> dict:
+def tiny_checkpoint(family: str, folder) -> str:
+    """A tiny random checkpoint of ``family`` (seed 0) written into ``folder``."""
+    from loadtest.moe_model import TINY_MOE, build_tiny_moe
+    from loadtest.tiny_families import CASES, build_tiny_family
+    if family in TINY_MOE:
+        return str(build_tiny_moe(folder, family))
+    if family in CASES:
+        return str(build_tiny_family(folder, family))
+    raise ValueError(f"--model must be default or a tiny family ({', '.join([*CASES, *TINY_MOE])}); got {family!r}")
+
+
+def bench_quality(prompts: List[str], max_tokens: int, text_tokens: int, names=QUALITY,
+                  model: str = "default") -> dict:
+    """``model``: "default" or a model folder (a tiny family's: ``tiny_checkpoint``)."""
     from pagedbackend import LLM, SamplingParams
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     result, tokens = {}, {}
     text = None
     for name in ("auto",) + tuple(n for n in names if n != "auto"):
-        with LLM(model="default", compile=False, dtype="float32", kv_cache_dtype=name, num_kv_blocks=128,
+        with LLM(model=model, compile=False, dtype="float32", kv_cache_dtype=name, num_kv_blocks=128,
                  long_prefill_token_threshold=32) as llm:   # prompts of 32 prompts' size are never split
-            tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+            # The text: as many tokens as asked, within the checkpoint's positions.
+            text_tokens = min(text_tokens, llm.engine.runner.max_model_len - 16)
+            outs = llm.generate(prompts, greedy)
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+            longest = max(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
             if text is None:   # the float32 cache's own continuation: a text the model finds likely
                 seed = SamplingParams(max_tokens=text_tokens, temperature=0.8, seed=1, ignore_eos=True)
                 text = llm.generate(["Write a long story about a lighthouse keeper."], seed)[0]
                 text = text.prompt_token_ids + text.outputs[0].token_ids
             scored = llm.generate([text], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
             logprobs = [entry[tok].logprob for entry, tok in zip(scored.prompt_logprobs[1:], text[1:])]
-            result[name] = {"perplexity": math.exp(-sum(logprobs) / len(logprobs))}
+            result[name] = {"perplexity": math.exp(-sum(logprobs) / len(logprobs)),
+                            "median_margin": _median_margin(outs)}
     for name in result:
         pairs = list(zip(tokens[name], tokens["auto"]))
         result[name].update({"prompts_equal": sum(a == b for a, b in pairs), "prompts": len(pairs),
@@ -109,7 +133,20 @@ def bench_quality(prompts: List[str], max_tokens: int, text_tokens: int, names=Q
                              "tokens": sum(len(b) for _, b in pairs)})
         result[name]["perplexity_change_pct"] = 100 * (result[name]["perplexity"] / result["auto"]["perplexity"] - 1)
     result["text_tokens"] = len(text)
+    result["longest_sequence"] = longest   # past a windowed model's window, or its windows serve nothing
     return result
+
+
+def _median_margin(outs) -> float:
+    """The median, over every greedy step, of the log-probability gap between
+    the two likeliest tokens: how near the ties are that a cache's rounding can turn."""
+    import statistics
+    gaps = []
+    for out in outs:
+        for step in out.outputs[0].logprobs:
+            top = sorted((entry.logprob for entry in step.values()), reverse=True)
+            gaps.append(top[0] - top[1])
+    return statistics.median(gaps)
 
 
 def bench_offload(prefix_len: int, rounds: int, seed: int) -> dict:
@@ -173,6 +210,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4, help="layers' caches the kernel part walks in turn")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--quality-dtypes", default=",".join(QUALITY), help="kv_cache_dtypes of the quality part")
+    ap.add_argument("--model", default="default",
+                    help="the quality part's model: default, or a tiny random family (e.g. gemma3_text, qwen3_moe)")
     ap.add_argument("--prefix-tokens", type=int, default=4000, help="the prefix of the offload part")
     add_common_args(ap, threads=2)
     args = ap.parse_args(argv)
@@ -189,13 +228,16 @@ def main(argv=None):
                 f"{n} {row[f'{n}_ms']:.2f} ms ({row[f'{n}_speedup']:.2f}x)" for n in DTYPES))
     if "quality" in parts:
         quick = args.quick
-        result["quality"] = bench_quality(PROMPTS[:4] if quick else PROMPTS, 8 if quick else 32,
-                                          64 if quick else 512, tuple(args.quality_dtypes.split(",")))
+        with tempfile.TemporaryDirectory(prefix="kv_quality_") as folder:
+            model = "default" if args.model == "default" else tiny_checkpoint(args.model, folder)
+            result["quality"] = bench_quality(PROMPTS[:4] if quick else PROMPTS, 8 if quick else 32,
+                                              64 if quick else 512, tuple(args.quality_dtypes.split(",")), model)
+        result["model"] = args.model
         for name, row in result["quality"].items():
             if isinstance(row, dict):
                 print(f"{name}: {row['prompts_equal']}/{row['prompts']} prompts, {row['tokens_equal']}/"
                       f"{row['tokens']} tokens equal; perplexity {row['perplexity']:.4f} "
-                      f"({row['perplexity_change_pct']:+.2f} %)")
+                      f"({row['perplexity_change_pct']:+.2f} %); median top-2 gap {row['median_margin']:.3f}")
     if "offload" in parts:
         result["offload"] = bench_offload(512 if args.quick else args.prefix_tokens, args.rounds, args.seed)
         print(f"TTFT of a {result['offload']['prefix_tokens']}-token prefix (medians): " + ", ".join(
