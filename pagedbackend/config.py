@@ -141,8 +141,9 @@ class EngineConfig:
     # Weight-only quantisation of the linear layers: "none", "int8" (per output
     # channel) or "int4" (groups of 32; the default model serves its GGUF's own
     # Q4_1 blocks). The LM head is int8 in both. "w8a8": int8's weights, and
-    # the activations rounded to int8 per row at each matmul (int32 products).
-    # CPU only, tensor_parallel_size 1, dtype float32 or bfloat16. Speed and
+    # the activations rounded to int8 per row at each matmul (int32 products);
+    # on a GGUF file, its own blocks times activations rounded to int8 as
+    # llama.cpp rounds them. CPU only, tensor_parallel_size 1, dtype float32 or bfloat16. Speed and
     # quality: BENCHMARKS.md, "quant_quality" and "quant_kernels".
     quantization: str = "none"
     # Kernel of the float32 and int8 linear layers: "packed" (weights packed at

@@ -9,7 +9,8 @@ Settings (``--settings``): our engine with ``dtype=auto`` on the bfloat16
 folder (bfloat16 where the CPU multiplies bfloat16, else float32),
 ``dtype=float32``, ``auto_torch`` (``dtype=auto`` with ``linear_backend=torch``:
 torch's GEMM, oneDNN, instead of our kernels; run only when named),
-``quantization=int8``, and on each GGUF file. Each runs
+``quantization=int8``, and on each GGUF file (``<file>_w8a8``: with int8
+activations; run only when named). Each runs
 ``--streams`` sequences at once (``--prompt-tokens`` random token ids each,
 greedy, EOS ignored, prefix caching off) through ``LLM.generate``; decode
 tok/s is ``streams x (long - short) / (t(long) - t(short))``: a run of
@@ -38,10 +39,15 @@ Peers, run after our rounds on the same prompts and lengths: vLLM's CPU build
 (``--vllm-python``, ``dtype=bfloat16`` on the bfloat16 folder, its rounds in
 its own process, ``vllm_timing.py``) and llama.cpp's ``llama-server``
 (``--llama-server``, on each GGUF file, every stream's request posted at once
-to ``/completion``); each is skipped with a message when not given. With
-``--interleave``, vLLM runs one round (in a fresh process) right after each
-of ours instead, so a slow spell of a shared host falls on both, and each of
-our settings gets its ratio to vLLM round by round (medians reported).
+to ``/completion``; the files of our settings, all three when none is on
+one); each is skipped with a message when not given. With ``--interleave``,
+each peer runs one round (vLLM in a fresh process, llama.cpp in a fresh
+server) right after each of ours instead, so a slow spell of a shared host
+falls on all, and each of our settings gets its ratio round by round
+(medians reported) to vLLM (the bfloat16 folder's settings) or to llama.cpp
+on the same file (the GGUF settings; ``<file>_w8a8`` is ours with int8
+activations, as llama.cpp multiplies). Prefill: each round, one prompt of
+``--prefill-tokens`` tokens and one new token, per setting and peer.
 """
 import argparse
 import json
@@ -67,7 +73,9 @@ GGUF_SCHEMES = ("Q8_0", "Q4_0", "Q4_K_M")
 SETTINGS = {"auto": ("bf16", {"dtype": "auto"}), "float32": ("bf16", {"dtype": "float32"}),
             "auto_torch": ("bf16", {"dtype": "auto", "linear_backend": "torch"}),
             "int8": ("bf16", {"quantization": "int8"}),
-            **{scheme: (scheme, {}) for scheme in GGUF_SCHEMES}}
+            **{scheme: (scheme, {}) for scheme in GGUF_SCHEMES},
+            # the file's blocks times activations rounded to int8, as llama.cpp multiplies them
+            **{f"{scheme}_w8a8": (scheme, {"quantization": "w8a8"}) for scheme in GGUF_SCHEMES}}
 HEAD_DIM = 64
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
@@ -173,7 +181,8 @@ def engine_settings(setting: str, folder: pathlib.Path, args) -> Dict[str, objec
     kind, extra = SETTINGS[setting]
     model = folder / ("bf16" if kind == "bf16" else f"bench-{kind}.gguf")
     # Every stream's prompt and output in blocks of 16, with room to spare: no preemption, no cut context.
-    blocks = max(args.streams) * (math.ceil((args.prompt_tokens + args.long) / 16) + 2) + 4
+    blocks = max(max(args.streams) * (math.ceil((args.prompt_tokens + args.long) / 16) + 2),
+                 math.ceil((args.prefill_tokens + 1) / 16) + 2) + 4
     return {"model": str(model), "max_num_seqs": max(args.streams), "enable_prefix_caching": False,
             "num_kv_blocks": blocks, "compile": args.compile, **extra}
 
@@ -203,7 +212,12 @@ def rounds(engines: Dict[str, object], stream_prompts: Dict[int, List[List[int]]
     for llm in engines.values() if numbers.start == 0 else ():
         for prompts in stream_prompts.values():
             timed(llm, [p[:8] for p in prompts], 4)
+        if args.prefill_prompt:
+            timed(llm, [args.prefill_prompt], 1)
     for r in numbers:
+        for name, llm in engines.items() if args.prefill_prompt else ():
+            rates[name].setdefault("prefill", []).append(len(args.prefill_prompt) / timed(llm, [args.prefill_prompt], 1))
+            print(f"round {r + 1} {name}: prefill {rates[name]['prefill'][-1]:.1f} tok/s", flush=True)
         for streams, prompts in stream_prompts.items():
             for name, llm in engines.items():
                 t_long, t_short = timed(llm, prompts, args.long), timed(llm, prompts, args.short)
@@ -248,11 +262,14 @@ def probe(spec: str) -> None:
 
 # ---------------------------------------------------------------- peers
 
-def run_llama(binary: str, gguf: pathlib.Path, stream_prompts, args) -> Dict[int, List[Optional[float]]]:
-    """llama-server on one GGUF: per round and stream count, every stream posted at once."""
+def run_llama(binary: str, gguf: pathlib.Path, stream_prompts, args, count: int) -> Dict[object, List[Optional[float]]]:
+    """``count`` rounds of llama-server on one GGUF: per round and stream count,
+    every stream posted at once; and the prefill of ``args.prefill_prompt``."""
     from loadtest.harness.triton import free_port
     rates = {n: [] for n in stream_prompts}
-    with peer_servers.llama(binary, str(gguf), free_port(), args.threads, max(stream_prompts)) as server:
+    slots = max(stream_prompts)
+    context = ["-c", str(slots * max(512, 2 ** math.ceil(math.log2(len(args.prefill_prompt) + 2))))]
+    with peer_servers.llama(binary, str(gguf), free_port(), args.threads, slots, extra_args=context) as server:
         def run(prompts, tokens):
             start = time.perf_counter()
             with ThreadPoolExecutor(len(prompts)) as pool:
@@ -260,11 +277,19 @@ def run_llama(binary: str, gguf: pathlib.Path, stream_prompts, args) -> Dict[int
                               prompts))
             return time.perf_counter() - start
         run(stream_prompts[max(stream_prompts)], 4)   # warm-up
-        for _ in range(args.rounds):
+        for _ in range(count):
+            if args.prefill_prompt:
+                rates.setdefault("prefill", []).append(len(args.prefill_prompt) / run([args.prefill_prompt], 1))
             for streams, prompts in stream_prompts.items():
                 t_long, t_short = run(prompts, args.long), run(prompts, args.short)
                 rates[streams].append(decode_rate(streams, args.long, t_long, t_short, args.short))
     return rates
+
+
+def llama_schemes(args) -> List[str]:
+    """The GGUF files llama.cpp runs: those of our settings (all when none of ours is on one)."""
+    ours = [SETTINGS[s][0] for s in args.settings if SETTINGS[s][0] in GGUF_SCHEMES]
+    return [scheme for scheme in GGUF_SCHEMES if scheme in ours or not ours]
 
 
 VLLM = "vLLM CPU (bfloat16)"
@@ -277,23 +302,32 @@ def vllm_rounds(folder: pathlib.Path, stream_prompts, args, count: int) -> Dict[
 
 
 def interleaved(engines, folder: pathlib.Path, stream_prompts, args) -> Tuple[dict, dict, dict, List[str]]:
-    """Our rounds with one round of vLLM after each (a fresh process each
-    time, its compile cache warm after the first), so that a slow spell of a
-    shared host falls on both."""
+    """Our rounds with one round of each peer after each: vLLM (a fresh
+    process each time, its compile cache warm after the first) and llama.cpp
+    on each GGUF file (a server each time), so that a slow spell of a shared
+    host falls on all."""
     rates = seconds = None
-    theirs = {n: [] for n in stream_prompts}
+    peers_now = ([(VLLM, lambda: vllm_rounds(folder, stream_prompts, args, 1))] if args.vllm_python else []) + [
+        (f"llama.cpp {scheme}", lambda scheme=scheme: run_llama(args.llama_server, folder / f"bench-{scheme}.gguf",
+                                                                 stream_prompts, args, 1))
+        for scheme in (llama_schemes(args) if args.llama_server else [])]
+    theirs = {name: {} for name, _ in peers_now}
     skipped = []
     for r in range(args.rounds):
         rates, seconds = rounds(engines, stream_prompts, args, range(r, r + 1), rates, seconds)
-        try:
-            for n, values in vllm_rounds(folder, stream_prompts, args, 1).items():
-                theirs[n] += values
-        except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
-            skipped.append(f"vLLM: {peer_servers.error_text(exc, 600)}")
-            return rates, seconds, {}, skipped
-        print(f"round {r + 1} vLLM: " + ", ".join(f"{n} streams {theirs[n][-1] or 0:.1f} tok/s"
-                                                  for n in stream_prompts), flush=True)
-    return rates, seconds, {VLLM: theirs}, skipped
+        for name, run in peers_now:
+            if name not in theirs:   # failed in an earlier round
+                continue
+            try:
+                for n, values in run().items():
+                    theirs[name].setdefault(n, []).extend(values)
+            except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+                skipped.append(f"{name}: {peer_servers.error_text(exc, 600)}")
+                del theirs[name]
+                continue
+            print(f"round {r + 1} {name}: " + ", ".join(f"{n} streams {theirs[name][n][-1] or 0:.1f} tok/s"
+                                                         for n in stream_prompts), flush=True)
+    return rates, seconds, theirs, skipped
 
 
 def peers(folder: pathlib.Path, stream_prompts, args, found: Dict[str, dict]) -> Tuple[Dict[str, dict], List[str]]:
@@ -307,11 +341,11 @@ def peers(folder: pathlib.Path, stream_prompts, args, found: Dict[str, dict]) ->
             found[VLLM] = vllm_rounds(folder, stream_prompts, args, args.rounds)
         except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
             skipped.append(f"vLLM: {peer_servers.error_text(exc, 600)}")
-    if args.llama_server:
-        for scheme in GGUF_SCHEMES:
+    if args.llama_server and not args.interleave:
+        for scheme in llama_schemes(args):
             try:
                 found[f"llama.cpp {scheme}"] = run_llama(args.llama_server, folder / f"bench-{scheme}.gguf",
-                                                         stream_prompts, args)
+                                                         stream_prompts, args, args.rounds)
             except (RuntimeError, OSError) as exc:
                 skipped.append(f"llama.cpp {scheme}: {peer_servers.error_text(exc, 600)}")
     else:
@@ -341,7 +375,7 @@ def table(rows: List[dict], streams: List[int]) -> str:
     head = ["setting", "weights", "MB read / step"]
     for n in streams:
         head += [f"{n} stream{'s' * (n > 1)} tok/s", "of memory roofline" if n == 1 else "GFLOP/s"]
-    head += ["ready s", "RSS MiB"]
+    head += ["prefill tok/s", "ready s", "RSS MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)   # noqa: E731
     for r in rows:
@@ -349,7 +383,7 @@ def table(rows: List[dict], streams: List[int]) -> str:
         for n in streams:
             cells += [fmt(r[f"tok_s_{n}"], ".1f"),
                       fmt(r.get("roofline_fraction"), ".2f") if n == 1 else fmt(r.get(f"gflops_{n}"), ".0f")]
-        cells += [fmt(r.get("ready_s"), ".1f"), fmt(r.get("rss_mib"), ".0f")]
+        cells += [fmt(r.get("prefill_tok_s"), ".1f"), fmt(r.get("ready_s"), ".1f"), fmt(r.get("rss_mib"), ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -363,7 +397,7 @@ def parse_args(argv=None):
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--intermediate", type=int, default=8192)
-    ap.add_argument("--settings", default=",".join(s for s in SETTINGS if s != "auto_torch"),
+    ap.add_argument("--settings", default=",".join(s for s in SETTINGS if s != "auto_torch" and "_w8a8" not in s),
                     help=f"comma-separated, of {', '.join(SETTINGS)}")
     ap.add_argument("--startup-settings", default=None,
                     help="settings whose start-up is measured in a fresh process (default: --settings; "
@@ -372,6 +406,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--short", type=int, default=17, help="new tokens of the shorter run")
     ap.add_argument("--long", type=int, default=81, help="new tokens of the longer run")
+    ap.add_argument("--prefill-tokens", type=int, default=512,
+                    help="prefill tok/s: one prompt of this many tokens, one new token (0: not measured)")
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds (medians are reported)")
     ap.add_argument("--bandwidth-gib", type=float, default=2.0, help="size of the tensor summed for bandwidth")
     ap.add_argument("--eager", dest="compile", action="store_false",
@@ -402,6 +438,7 @@ def parse_args(argv=None):
     if args.quick:
         args.hidden, args.layers, args.intermediate, args.streams = 256, 2, 512, [1, 4]
         args.rounds, args.bandwidth_gib, args.prompt_tokens, args.short, args.long = 1, 0.25, 16, 2, 10
+        args.prefill_tokens = min(args.prefill_tokens, 32)
     if args.workdir is None:
         from pagedbackend.config import cache_root
         args.workdir = str(cache_root() / "bench-scale")
@@ -419,6 +456,7 @@ def main(argv=None):
     g = torch.Generator().manual_seed(args.seed)
     stream_prompts = {n: torch.randint(3, shape["vocab"], (n, args.prompt_tokens), generator=g).tolist()
                       for n in args.streams}
+    args.prefill_prompt = torch.randint(3, shape["vocab"], (args.prefill_tokens,), generator=g).tolist()
     bandwidth = [bandwidth_gbs(args.bandwidth_gib)]
     print(f"bandwidth before: {bandwidth[0]:.1f} GB/s", flush=True)
 
@@ -432,7 +470,7 @@ def main(argv=None):
         print(f"{name}: engine built in {first_build[name]} s, dtype {dtypes[name]}", flush=True)
     held = {name: held_weights(llm) for name, llm in engines.items() if SETTINGS[name][0] == "bf16"}
     found, skipped = {}, []
-    if args.interleave and args.vllm_python:
+    if args.interleave and (args.vllm_python or args.llama_server):
         rates, run_seconds, found, skipped = interleaved(engines, folder, stream_prompts, args)
     else:
         rates, run_seconds = rounds(engines, stream_prompts, args)
@@ -468,14 +506,18 @@ def main(argv=None):
                 row[f"seconds_long_short_{n}"] = run_seconds[name][n]
             if n > 1 and row[f"tok_s_{n}"]:
                 row[f"gflops_{n}"] = 2 * shape["parameters_without_embedding"] * row[f"tok_s_{n}"] / 1e9
+        row["prefill_tok_s"] = median(per_streams.get("prefill", []))
+        row["prefill_tok_s_rounds"] = per_streams.get("prefill", [])
         if 1 in args.streams and row["tok_s_1"]:
             row["roofline_tok_s"] = peak_bw / row["step_bytes"]
             row["roofline_fraction"] = row["tok_s_1"] / row["roofline_tok_s"]
-        if ours and args.interleave and VLLM in found:   # paired: each round's ours / vLLM's, then the median
-            for n in args.streams:
-                pairs = [a / b for a, b in zip(per_streams[n], found[VLLM][n]) if a and b]
-                row[f"vs_vllm_{n}_rounds"] = [round(x, 3) for x in pairs]
-                row[f"vs_vllm_{n}"] = median(pairs)
+        # paired: each round's ours / the peer's (vLLM on the folder, llama.cpp on the same file), then the median
+        peer, tag = (VLLM, "vllm") if kind == "bf16" else (f"llama.cpp {kind}", "llama")
+        if ours and args.interleave and peer in found:
+            for n in args.streams + ["prefill"]:
+                pairs = [a / b for a, b in zip(per_streams.get(n, []), found[peer].get(n, [])) if a and b]
+                row[f"vs_{tag}_{n}_rounds"] = [round(x, 3) for x in pairs]
+                row[f"vs_{tag}_{n}"] = median(pairs)
         if ours:
             row["first_build_s"] = first_build[name]
             row.update(starts.get(name, {}))
@@ -494,11 +536,13 @@ def main(argv=None):
           f"bandwidth {bandwidth[0]:.1f} GB/s before, {bandwidth[1]:.1f} after (roofline from the faster); "
           f"decode tok/s = {args.long} - {args.short} new tokens, {args.prompt_tokens}-token prompts, "
           f"medians of {args.rounds} rounds\n")
-    paired = [f"ours {r['setting'][5:]}: " + ", ".join(f"{n} stream{'s' * (n > 1)} {r[f'vs_vllm_{n}']:.2f}x"
-                                                      for n in args.streams if r.get(f"vs_vllm_{n}"))
-              for r in rows if r.get(f"vs_vllm_{args.streams[-1]}")]
-    if paired:
-        text += "\n\nOurs over vLLM's, round by round (vLLM's round right after ours), medians: " + "; ".join(paired)
+    for tag, peer in (("vllm", "vLLM's"), ("llama", "llama.cpp's on the same file")):
+        paired = [f"ours {r['setting'][5:]}: " + ", ".join(
+            f"{n if n == 'prefill' else f'{n} stream' + 's' * (n > 1)} {r[f'vs_{tag}_{n}']:.2f}x"
+            for n in args.streams + ["prefill"] if r.get(f"vs_{tag}_{n}"))
+            for r in rows if r.get(f"vs_{tag}_{args.streams[-1]}")]
+        if paired:
+            text += f"\n\nOurs over {peer}, round by round (its round right after ours), medians: " + "; ".join(paired)
     print(text, flush=True)
     result["table"] = text
     path = write_result(args.out, "scale", result)

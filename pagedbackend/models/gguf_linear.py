@@ -10,7 +10,12 @@ order (Llama-architecture q/k, which llama.cpp stores permuted for its RoPE)
 are read through a row map, so the blocks stay in the file's mapping.
 ``GGUFEmbedding`` widens the rows of the looked-up tokens only.
 
-Both calls are ``torch.library`` operators, so a compiled step keeps them as
+With ``int8_activations`` (``quantization=w8a8`` on a GGUF model) x is
+rounded to int8 as llama.cpp rounds it (per group of 32 for the 32-value
+types, per super-block of 256 for the K-quants) and each group's product is an
+integer dot product (AVX-512 VNNI); see the kernel's "int8 activations".
+
+The calls are ``torch.library`` operators, so a compiled step keeps them as
 opaque calls.
 """
 import ctypes
@@ -46,6 +51,10 @@ def load_library() -> ctypes.CDLL:
             lib.gguf_get_rows.restype = ctypes.c_int
             lib.gguf_gemm_avx512.argtypes = [ctypes.c_int]
             lib.gguf_gemm_avx512.restype = ctypes.c_int
+            lib.gguf_gemm_q8_parts.argtypes = lib.gguf_gemm_parts.argtypes
+            lib.gguf_gemm_q8_parts.restype = ctypes.c_int
+            lib.gguf_gemm_q8_usable.argtypes = []
+            lib.gguf_gemm_q8_usable.restype = ctypes.c_int
             _library = lib
         return _library
 
@@ -71,11 +80,21 @@ WIDEN_ROWS = 256
 _ops = torch.library.Library("pagedbackend", "FRAGMENT")
 _ops.define("gguf_linear(Tensor x, Tensor[] weights, Tensor[] row_maps, int[] types, int out_features) -> Tensor")
 _ops.define("gguf_embedding(Tensor ids, Tensor weight, int type, int cols) -> Tensor")
+_ops.define("gguf_linear_q8(Tensor x, Tensor[] weights, Tensor[] row_maps, int[] types, int out_features) -> Tensor")
 
 
-def _gguf_linear_cpu(x, weights, row_maps, types, out_features):
-    """``x W^T`` for 2-D ``x``, W the rows of ``weights`` (GGUF blocks of ``types``) one after another."""
-    rows, cols = x.shape
+def int8_activations_unavailable() -> Optional[str]:
+    """Why the int8-activation products cannot run here (None: they can)."""
+    try:
+        lib = load_library()
+    except RuntimeError as exc:
+        return str(exc)
+    return None if lib.gguf_gemm_q8_usable() else "they need a CPU with AVX-512 VNNI"
+
+
+def _check_parts(x, weights, row_maps, types, out_features) -> List[int]:
+    """Each part's row count, after checking the parts against x."""
+    cols = x.shape[1]
     parts = len(weights)
     if not (parts == len(row_maps) == len(types)) or parts == 0:
         raise ValueError("gguf_linear takes one row map and type per weight")
@@ -87,22 +106,47 @@ def _gguf_linear_cpu(x, weights, row_maps, types, out_features):
         sizes.append(weight.shape[0])
     if sum(sizes) != out_features:
         raise ValueError(f"gguf_linear weights have {sum(sizes)} rows, not {out_features}")
+    return sizes
+
+
+def _call_parts(function, xf, weights, row_maps, types, sizes, out_features) -> torch.Tensor:
+    """``function`` (``gguf_gemm_parts`` or ``gguf_gemm_q8_parts``) into a new float32 y."""
+    rows, cols = xf.shape
+    parts = len(weights)
+    y = torch.empty((rows, out_features), dtype=torch.float32)
+    if rows:
+        ptrs = (ctypes.c_void_p * parts)(*[w.data_ptr() for w in weights])
+        maps = (ctypes.c_void_p * parts)(*[m.data_ptr() if m.numel() else None for m in row_maps])
+        kinds = (ctypes.c_int * parts)(*types)
+        counts = (ctypes.c_int64 * parts)(*sizes)
+        code = function(xf.data_ptr(), rows, cols, parts, ptrs, maps, kinds, counts, y.data_ptr(),
+                        torch.get_num_threads())
+        if code:
+            raise ValueError({-2: "the int8-activation GGUF products need a CPU with AVX-512 VNNI",
+                              -3: "no memory for the int8 activations"}.get(
+                                  code, "gguf_gemm refused the weights (type or shape)"))
+    return y
+
+
+def _gguf_linear_cpu(x, weights, row_maps, types, out_features):
+    """``x W^T`` for 2-D ``x``, W the rows of ``weights`` (GGUF blocks of ``types``) one after another."""
+    rows, cols = x.shape
+    sizes = _check_parts(x, weights, row_maps, types, out_features)
     xf = x.to(torch.float32).contiguous()
     if rows >= WIDEN_ROWS:   # a long prefill chunk: widen each block once, then one float32 GEMM
         widened = [_gguf_embedding_cpu(m if m.numel() else torch.arange(w.shape[0]), w, t, cols)
                    for w, m, t in zip(weights, row_maps, types)]
         y = xf @ torch.cat(widened).T
         return y if x.dtype == torch.float32 else y.to(x.dtype)
-    y = torch.empty((rows, out_features), dtype=torch.float32)
-    if rows:
-        lib = load_library()
-        ptrs = (ctypes.c_void_p * parts)(*[w.data_ptr() for w in weights])
-        maps = (ctypes.c_void_p * parts)(*[m.data_ptr() if m.numel() else None for m in row_maps])
-        kinds = (ctypes.c_int * parts)(*types)
-        counts = (ctypes.c_int64 * parts)(*sizes)
-        if lib.gguf_gemm_parts(xf.data_ptr(), rows, cols, parts, ptrs, maps, kinds, counts, y.data_ptr(),
-                               torch.get_num_threads()):
-            raise ValueError("gguf_gemm refused the weights (type or shape)")
+    y = _call_parts(load_library().gguf_gemm_parts, xf, weights, row_maps, types, sizes, out_features)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def _gguf_linear_q8_cpu(x, weights, row_maps, types, out_features):
+    """``gguf_linear`` with x rounded to int8 (the module's docstring)."""
+    sizes = _check_parts(x, weights, row_maps, types, out_features)
+    y = _call_parts(load_library().gguf_gemm_q8_parts, x.to(torch.float32).contiguous(), weights, row_maps,
+                    types, sizes, out_features)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -127,8 +171,10 @@ def _gguf_embedding_fake(ids, weight, type_id, cols):
 
 _ops.impl("gguf_linear", _gguf_linear_cpu, "CPU")
 _ops.impl("gguf_embedding", _gguf_embedding_cpu, "CPU")
+_ops.impl("gguf_linear_q8", _gguf_linear_q8_cpu, "CPU")
 torch.library.register_fake("pagedbackend::gguf_linear")(_gguf_linear_fake)
 torch.library.register_fake("pagedbackend::gguf_embedding")(_gguf_embedding_fake)
+torch.library.register_fake("pagedbackend::gguf_linear_q8")(_gguf_linear_fake)
 
 
 class GGUFLinear(nn.Module):
@@ -152,6 +198,7 @@ class GGUFLinear(nn.Module):
             self.register_buffer(f"row_map{i}", torch.empty(0, dtype=torch.int64) if row_map is None
                                  else row_map.to(torch.int64).contiguous(), persistent=False)
         self.out_features = sum(w.shape[0] for w in shards)
+        self.int8_activations = False
         load_library()
 
     @property
@@ -164,7 +211,8 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        y = torch.ops.pagedbackend.gguf_linear(flat, self.weights, self.row_maps, self.types, self.out_features)
+        op = torch.ops.pagedbackend.gguf_linear_q8 if self.int8_activations else torch.ops.pagedbackend.gguf_linear
+        y = op(flat, self.weights, self.row_maps, self.types, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:

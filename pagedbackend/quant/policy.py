@@ -11,7 +11,8 @@ and what this machine can run.
 - ``int4``: int4 weights in groups (``int4``; the default model's shipped
   Q4_1 blocks), an int8 LM head, as the GGUF keeps it at 8 bits;
 - ``w8a8``: int8 weights and activations (``w8a8``) after smoothing
-  (``smooth``), the LM head too.
+  (``smooth``), the LM head too; on a GGUF model, the file's blocks times
+  activations rounded to int8 (``gguf_linear``'s int8 activations).
 
 The embedding stays as loaded. The model class knows none of this: it offers
 its projections (``hf_projections``) and its LM head (``head_weight``,
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from pagedbackend.kernels import native, packed_linear
-from pagedbackend.models import bf16_linear, default_model, moe
+from pagedbackend.models import bf16_linear, default_model, gguf_linear, moe
 from pagedbackend.quant import int4, smooth
 from pagedbackend.quant.int8 import INT8_KERNEL_MAX_ROWS, Int8Linear, PackedInt8Linear
 from pagedbackend.quant.w8a8 import W8A8Linear
@@ -52,10 +53,18 @@ def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
     the prefill that w8a8's smoothing measures on (none: no smoothing)."""
     mode = config.quantization   # one of config.QUANTIZATION_MODES (EngineConfig checks it)
     if getattr(model, "gguf_types", None) is not None:   # served from a GGUF file's own blocks
-        if mode != "none":
+        if mode not in ("none", "w8a8"):
             raise ValueError(f"quantization={mode} applies to float checkpoints; a GGUF file's weights are "
-                             "served in their own blocks: use quantization=none")
+                             "served in their own blocks: use quantization=none, or w8a8 for int8 activations")
         _require_cpu("a GGUF model", device)
+        if mode == "w8a8":   # the file's blocks times activations rounded to int8, as llama.cpp multiplies
+            reason = gguf_linear.int8_activations_unavailable()
+            if reason is not None:
+                raise ValueError(f"quantization=w8a8 on a GGUF model cannot run here: {reason}; "
+                                 "use quantization=none")
+            for layer in model.modules():
+                if isinstance(layer, gguf_linear.GGUFLinear):
+                    layer.int8_activations = True
         return LinearPlan("gguf")
     if mode != "none" and moe.experts_of(model):
         raise ValueError(f"quantization={mode} does not cover the expert weights of a mixture-of-experts "

@@ -5,7 +5,8 @@ dequantisation's values (a one-hot x reads them back bit for bit, as does
 widening whole rows) and sums
 within float32's rounding of a float64 product, for 1..17 rows of x over K
 spanning several super-blocks, weight-row counts that are not a multiple of
-the rows decoded together, and a row map."""
+the rows decoded together, and a row map. With int8 activations (where the
+CPU has AVX-512 VNNI) the products are those of the rounded rows."""
 import os
 import pathlib
 import platform
@@ -19,7 +20,7 @@ import torch
 
 from loadtest.tiny_gguf import quantize
 from pagedbackend.kernels import native
-from pagedbackend.models.gguf_linear import GGUFLinear, load_library
+from pagedbackend.models.gguf_linear import GGUFLinear, int8_activations_unavailable, load_library
 
 KINDS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
 K = 768   # three super-blocks, 24 blocks of 32
@@ -70,6 +71,58 @@ def test_merged_parts_of_two_types_read_through_a_row_map(path):
     assert torch.equal(layer(eye), reference[:, :: K // 16].T)
     x = torch.randn(11, K, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(layer(x).double(), x.double() @ reference.double().T, rtol=1e-5, atol=1e-4)
+
+
+def rounded_to_int8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the int8-activation path rounds it: per ``group`` values, dx =
+    max|x| / 127, v = rint(x * (1 / dx)); returned as v * dx in float64."""
+    g = x.reshape(x.shape[0], -1, group)
+    d = g.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(g * inverse).double() * d.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_activations_give_the_product_of_the_rounded_rows_for_1_to_17_rows(kind):
+    """``quantization=w8a8`` on a GGUF file: x rounded per group of 32 (per
+    super-block of 256 for the K-quants, whose integer sub-block scales then
+    weigh int32 sums) times the reference's weights, within float32's rounding
+    of the float64 product; the rounding itself stays within 2 % of the
+    magnitudes; a group of zeros gives zeros."""
+    if int8_activations_unavailable():
+        pytest.skip(f"int8-activation GGUF products: {int8_activations_unavailable()}")
+    blocks, reference = weights(kind, 13, seed=20 + KINDS.index(kind))
+    layer = GGUFLinear([torch.from_numpy(blocks)], [kind], K)
+    layer.int8_activations = True
+    group = 256 if kind.endswith("_K") else 32
+    g = torch.Generator().manual_seed(3)
+    for rows in range(1, 18):
+        x = torch.randn(rows, K, generator=g) * torch.rand(rows, 1, generator=g) * 10
+        x[0, :group] = 0.0
+        magnitude = x.abs().double() @ reference.abs().double().T + 1e-30
+        rounded = rounded_to_int8(x, group)
+        expected = rounded @ reference.double().T
+        bound = 2 * K * 2.0 ** -24 * (rounded.abs() @ reference.abs().double().T) + 1e-30
+        error = (layer(x).double() - expected).abs()
+        assert (error <= bound).all(), f"{rows} rows: error {error.max():.3g} past float32's rounding"
+        assert ((expected - x.double() @ reference.double().T).abs() / magnitude).max() < 0.02
+    zeros = torch.zeros(2, K)
+    assert torch.equal(layer(zeros), torch.zeros(2, 13))
+
+
+def test_int8_activations_mix_groups_of_32_and_256_in_one_call_through_a_row_map():
+    """A merged layer of a K-quant (super-blocks of 256) and Q8_0 (groups of
+    32) rows rounds x both ways in one call; rows read through a map."""
+    if int8_activations_unavailable():
+        pytest.skip(f"int8-activation GGUF products: {int8_activations_unavailable()}")
+    qa, wa = weights("Q6_K", 9, seed=30)
+    qb, wb = weights("Q8_0", 6, seed=31)
+    order = torch.randperm(9, generator=torch.Generator().manual_seed(4))
+    layer = GGUFLinear([torch.from_numpy(qa), torch.from_numpy(qb)], ["Q6_K", "Q8_0"], K, [order, None])
+    layer.int8_activations = True
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(5))
+    expected = torch.cat([rounded_to_int8(x, 256) @ wa[order].double().T, rounded_to_int8(x, 32) @ wb.double().T], 1)
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("capability", ["avx2", "default"])

@@ -16,7 +16,7 @@ from loadtest.tiny_gguf import VOCAB, build_tiny_gguf, load_hf_gguf, quantize, t
 from pagedbackend import LLM, SamplingParams
 from pagedbackend.kernels.moe_ref import fused_experts_torch
 from pagedbackend.models.gguf_file import GGUFError, GGUFFile
-from pagedbackend.models.gguf_linear import WIDEN_ROWS, GGUFLinear
+from pagedbackend.models.gguf_linear import WIDEN_ROWS, GGUFLinear, int8_activations_unavailable
 from pagedbackend.models.gguf_moe import GGUFExperts
 
 NEW_TOKENS = 10
@@ -157,6 +157,54 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(gguf_files):
 def test_quantization_settings_are_refused_for_a_gguf(gguf_files):
     with pytest.raises(ValueError, match="GGUF file's weights are served in their own blocks"):
         LLM(model=str(gguf_files("llama", "Q8_0")), compile=False, num_kv_blocks=16, quantization="int8")
+
+
+def round_linear_inputs(model: torch.nn.Module, group: int) -> None:
+    """Every linear layer of ``model`` takes its input rounded to int8 per
+    ``group`` values, as the int8-activation GGUF kernels round it."""
+    def rounded(module, args):
+        x = args[0]
+        g = x.reshape(-1, x.shape[-1] // group, group)
+        d = g.abs().amax(-1, keepdim=True) / 127.0
+        inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        return ((torch.round(g * inverse).clamp(-127, 127) * d).reshape(x.shape),)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(rounded)
+
+
+@pytest.mark.parametrize("scheme, group", [("Q8_0", 32), ("Q4_K_M", 256)])
+def test_int8_activations_generate_what_transformers_generates_with_the_same_rounding(gguf_files, scheme, group):
+    """``quantization=w8a8`` on a GGUF file: x rounded to int8 per group of 32
+    (Q8_0) or super-block of 256 (K-quants), integer products. Transformers on
+    the same dequantised file, each linear layer's input rounded the same way,
+    gives the same greedy tokens, but where its two likeliest tokens are
+    within 0.05 of each other: there float32's different sums can move a value
+    across a rounding boundary of the next layer's input, one int8 step, a
+    change far larger than float32's (a random tiny model has many such ties)."""
+    if int8_activations_unavailable():
+        pytest.skip(f"int8-activation GGUF products: {int8_activations_unavailable()}")
+    path = gguf_files("llama", scheme)
+    hf = load_hf_gguf(path)
+    round_linear_inputs(hf, group)
+    prompts = prompts_for(seed=11)
+    expected = [hf_greedy(hf, p) for p in prompts]
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    with LLM(model=str(path), compile=False, block_size=8, num_kv_blocks=64, quantization="w8a8") as llm:
+        outs = llm.generate(prompts, greedy)
+        layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, GGUFLinear)]
+    assert layers and all(layer.int8_activations for layer in layers)
+    same = 0
+    for prompt, out, reference in zip(prompts, outs, expected):
+        tokens = out.outputs[0].token_ids
+        if tokens == reference:
+            same += 1
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens[:at]])).logits[0, -1]
+        assert logits[reference[at]] - logits[tokens[at]] < 0.05, f"token {at}: not a near-tie"
+    assert same >= len(prompts) - 2
 
 
 # ---------------------------------------------------------------- hostile files

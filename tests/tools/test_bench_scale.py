@@ -5,21 +5,28 @@ import json
 
 from loadtest.bench import scale
 
+from pagedbackend.models.gguf_linear import int8_activations_unavailable
+
 SETTINGS = ["ours auto", "ours float32", "ours int8", "ours Q8_0", "ours Q4_0", "ours Q4_K_M"]
+# int8 activations on a GGUF file where the CPU has AVX-512 VNNI (named: not a default setting)
+W8A8 = [] if int8_activations_unavailable() else ["ours Q4_K_M_w8a8"]
 
 
 def test_scale_bench_one_round_on_a_tiny_llama(tmp_path, capsys):
     workdir = tmp_path / "checkpoints"
+    named = ",".join(s[5:] for s in SETTINGS + W8A8)
     result = scale.main(["--hidden", "256", "--layers", "2", "--intermediate", "512", "--streams", "1,3",
+                         "--settings", named, "--prefill-tokens", "40",
                          "--prompt-tokens", "16", "--short", "2", "--long", "14", "--rounds", "1",
                          "--bandwidth-gib", "0.05", "--eager", "--threads", "1", "--startup-settings", "Q4_0",
                          "--workdir", str(workdir), "--out", str(tmp_path), "--json", str(tmp_path / "r.json")])
 
     rows = {r["setting"]: r for r in result["rows"]}
     # (12 more tokens in the long run than in the short one: a busy machine once made 4 come out no slower)
-    assert list(rows) == SETTINGS   # no peer given: ours alone
+    assert list(rows) == SETTINGS + W8A8   # no peer given: ours alone
     for r in rows.values():
-        assert r["tok_s_1"] > 0 and r["tok_s_3"] > 0, r
+        assert r["tok_s_1"] > 0 and r["tok_s_3"] > 0 and r["prefill_tok_s"] > 0, r
+        assert len(r["prefill_tok_s_rounds"]) == 1
         assert 0 < r["roofline_fraction"] and r["roofline_tok_s"] > 0 and r["gflops_3"] > 0, r
     params = result["shape"]["parameters_without_embedding"]
     # As the engines hold them: at least bfloat16's 2 bytes a weight, at most float32's 4 (plus norms).
@@ -31,6 +38,8 @@ def test_scale_bench_one_round_on_a_tiny_llama(tmp_path, capsys):
     # The files' own blocks: Q4_0 about half of Q8_0's bytes, both well under float32's.
     assert rows["ours Q4_0"]["step_bytes"] < 0.6 * rows["ours Q8_0"]["step_bytes"] < 0.3 * 4 * params
     assert rows["ours Q4_K_M"]["weights"] == "Q4_K_M"
+    for name in W8A8:   # the same file's bytes, read with int8 activations
+        assert rows[name]["weights"] == "Q4_K_M" and rows[name]["step_bytes"] == rows["ours Q4_K_M"]["step_bytes"]
     assert rows["ours Q4_0"]["ready_s"] > 0 and rows["ours Q4_0"]["rss_mib"] > 100
     assert "ready_s" not in rows["ours auto"]   # its start-up was not asked for
     assert len(result["bandwidth_gbs"]) == 2 and min(result["bandwidth_gbs"]) > 0

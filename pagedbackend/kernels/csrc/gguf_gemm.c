@@ -16,6 +16,7 @@
 // -ffp-contract=off (native.EXTRA_FLAGS): no product of the dequantisation
 // fuses with its add or subtract.
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -395,6 +396,319 @@ static AVX512 void rows_avx512(int type, const float *x, int64_t M, int64_t K, c
     }
 }
 
+// ---------------------------------------------------------------- int8 activations
+// As llama.cpp multiplies quantised weights: each x row is rounded to int8 in
+// groups of 32 (symmetric, x ~= dx * v, dx = max|x| / 127, v = rint(x / dx)
+// computed as x * (1 / dx)), and each group's product with a weight group is
+// an integer dot product (VNNI vpdpbusd: unsigned weight values u times signed
+// v, exact in int32), scaled in float32. A weight group is w = a * u + c: Q8_0
+// u = q + 128 (its sign bit flipped), c = -128 a; Q4_0 c = -8 a; Q6_K u its six
+// bits, c = -32 a per half of 16; those constant offsets enter the integer sum
+// as -c/a * sum(v) (in lane 0, or lanes 0 and 4 for Q6_K's halves). Q4_1, Q4_K
+// and Q5_K's minimums add c * dx * sum(v) in float32.
+#define AVX512Q __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+#define INLINEQ static inline __attribute__((always_inline)) AVX512Q
+
+// One x row rounded: v[K], per group of 32 dx and dx * sum(v), per half of 16 sum(v).
+typedef struct { const int8_t *v; const float *dx, *dxs; const int32_t *s16; } xq_t;
+
+static AVX512Q void quantize_row_q8(const float *x, int64_t K, int8_t *v, float *dx, float *dxs, int32_t *s16) {
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        const __m512 a = _mm512_loadu_ps(x + g * GROUP), b = _mm512_loadu_ps(x + g * GROUP + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(v + g * GROUP), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(v + g * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
+        const int32_t sa = _mm512_reduce_add_epi32(qa), sb = _mm512_reduce_add_epi32(qb);
+        s16[2 * g] = sa;
+        s16[2 * g + 1] = sb;
+        dx[g] = d;
+        dxs[g] = d * (float)(sa + sb);
+    }
+}
+
+// The unsigned values u of group g of block b (32 bytes, value i in byte i).
+INLINEQ __m256i unsigned_values(const int type, const uint8_t *b, const int g) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    switch (type) {
+        case T_Q8_0:
+            return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+        case T_Q4_0:
+        case T_Q4_1: {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + (type == T_Q4_0 ? 2 : 4)));
+            const __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0f));
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
+            return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+        }
+        case T_Q4_K: {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (g >> 1)));
+            return _mm256_and_si256(g & 1 ? _mm256_srli_epi16(v, 4) : v, low4);
+        }
+        case T_Q5_K: {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (g >> 1)));
+            v = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(v, 4) : v, low4);
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)), bit = _mm256_set1_epi8((char)(1 << g));
+            return _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
+                                                       _mm256_set1_epi8(16)));
+        }
+        default: {   // T_Q6_K
+            const int h = g >> 2, k = g & 3;
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (k & 1)));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            const __m256i l = _mm256_and_si256(k >> 1 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+            const __m256i hb = 2 * k <= 4 ? _mm256_slli_epi16(qh, 4 - 2 * k) : _mm256_srli_epi16(qh, 2 * k - 4);
+            return _mm256_or_si256(l, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+        }
+    }
+}
+
+// out[r * WR + i] = x row r . weight row i over K (R rows of x, WR of W), int8 x.
+INLINEQ void tile_q8(const int type, const int WR, const int R, const uint8_t *const *wr,
+                     const uint8_t *const *next, const xq_t *xs, int64_t K, float *out) {
+    const int bv = block_values(type), bb = block_bytes(type), groups = bv / GROUP;
+    const int offset = type == T_Q8_0 ? 128 : type == T_Q4_0 ? 8 : type == T_Q6_K ? 32 : 0;
+    const int has_min = type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K;
+    __m256 acc[WR_MAX * 4];
+    float corr[WR_MAX * 4];
+    for (int i = 0; i < WR * R; i++) {
+        acc[i] = _mm256_setzero_ps();
+        corr[i] = 0.0f;
+    }
+    for (int64_t blk = 0; blk < K / bv; blk++) {
+        const int64_t off = blk * bb;
+        scales_t sc[WR_MAX];
+        for (int i = 0; i < WR; i++) {
+            for (int p = 0; p < bb; p += 64) _mm_prefetch((const char *)next[i] + off + p, _MM_HINT_T0);
+            if (type >= T_Q4_K) block_scales(type, wr[i] + off, &sc[i]);
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < groups; g++) {
+            const int64_t gi = blk * groups + g;
+            __m256i u[WR_MAX];
+            __m256 a[WR_MAX];
+            float c[WR_MAX];
+#pragma GCC unroll 4
+            for (int i = 0; i < WR; i++) {
+                const uint8_t *b = wr[i] + off;
+                u[i] = unsigned_values(type, b, g);
+                if (type == T_Q6_K) {
+                    a[i] = _mm256_insertf128_ps(_mm256_set1_ps(sc[i].s[2 * g]), _mm_set1_ps(sc[i].s[2 * g + 1]), 1);
+                } else if (type >= T_Q4_K) {
+                    a[i] = _mm256_set1_ps(sc[i].s[g]);
+                    c[i] = -sc[i].m[g];
+                } else {
+                    a[i] = _mm256_set1_ps(h2f(b));
+                    if (type == T_Q4_1) c[i] = h2f(b + 2);
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(xs[r].v + gi * GROUP));
+                __m256i init = _mm256_setzero_si256();
+                if (type == T_Q6_K)
+                    init = _mm256_setr_epi32(-32 * xs[r].s16[2 * gi], 0, 0, 0, -32 * xs[r].s16[2 * gi + 1], 0, 0, 0);
+                else if (offset)
+                    init = _mm256_setr_epi32(-offset * (xs[r].s16[2 * gi] + xs[r].s16[2 * gi + 1]), 0, 0, 0, 0, 0, 0, 0);
+                const __m256 dx = _mm256_set1_ps(xs[r].dx[gi]);
+#pragma GCC unroll 4
+                for (int i = 0; i < WR; i++) {
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(init, u[i], v));
+                    acc[r * WR + i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(a[i], dx), acc[r * WR + i]);
+                    if (has_min) corr[r * WR + i] += c[i] * xs[r].dxs[gi];
+                }
+            }
+        }
+    }
+    for (int i = 0; i < WR * R; i++) {
+        const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+        const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        out[i] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + corr[i];
+    }
+}
+
+#define TILEQ_R(type, R) case R: tile_q8(type, WR_MAX, R, wr, next, xs, K, out); break;
+#define TILEQ_TYPE(type)                                                                    \
+    static AVX512Q void tileq_##type(int rows, const uint8_t *const *wr, const uint8_t *const *next, \
+                                     const xq_t *xs, int64_t K, float *out) {                \
+        switch (rows) { TILEQ_R(type, 1) TILEQ_R(type, 2) TILEQ_R(type, 3) TILEQ_R(type, 4) } \
+    }
+TILEQ_TYPE(T_Q8_0)
+TILEQ_TYPE(T_Q4_0)
+TILEQ_TYPE(T_Q4_1)
+TILEQ_TYPE(T_Q4_K)
+TILEQ_TYPE(T_Q5_K)
+TILEQ_TYPE(T_Q6_K)
+
+// As rows_avx512, with x rounded to int8 (xs: its M rows): 4 weight rows by up to 4 x rows.
+static AVX512Q void rows_q8(int type, const xq_t *xs, int64_t M, int64_t K, const uint8_t *w, const int64_t *map,
+                            float *y, int64_t ldy, int64_t y0, int64_t n0, int64_t n1) {
+    const int64_t row_bytes = K / block_values(type) * block_bytes(type);
+    for (int64_t n = n0; n < n1; n += WR_MAX) {
+        const uint8_t *wr[2 * WR_MAX];
+        for (int i = 0; i < 2 * WR_MAX; i++) {
+            const int64_t row = n + i < n1 ? n + i : n1 - 1;
+            wr[i] = w + (map ? map[row] : row) * row_bytes;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int rows = (int)(M - m0 < 4 ? M - m0 : 4);
+            float out[WR_MAX * 4];
+#define TILEQ_CALL(t) tileq_##t(rows, wr, wr + WR_MAX, xs + m0, K, out)
+            BY_TYPE(type, TILEQ_CALL)
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < WR_MAX && n + i < n1; i++) y[(m0 + r) * ldy + y0 + n + i] = out[r * WR_MAX + i];
+        }
+    }
+}
+
+// K-quants against x rounded per super-block of 256 (one scale a row per
+// super-block, as llama.cpp's Q8_K): a group's integer dot products are
+// weighted by its integer scale in int32 (vpmaddubsw, then vpdpwssd with the
+// scale), so a super-block needs one float multiply-add; the minimums (Q4_K,
+// Q5_K) and Q6_K's offset of 32 are integer sums of the scales times sums of v.
+typedef struct { const int8_t *v; const float *d; const int16_t *s16; } xk_t;
+
+static AVX512Q void quantize_row_q8k(const float *x, int64_t K, int8_t *v, float *d, int16_t *s16) {
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        const float *xs = x + sb * 256;
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < 256; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xs + i)));
+        const float dd = _mm512_reduce_max_ps(amax) / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+        for (int i = 0; i < 256; i += 16) {
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs + i), _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(v + sb * 256 + i), _mm512_cvtsepi32_epi8(q));
+            s16[sb * 16 + i / 16] = (int16_t)_mm512_reduce_add_epi32(q);
+        }
+        d[sb] = dd;
+    }
+}
+
+// out[r] = x row r . weight row b over K, for R rows of x; next: the row after (prefetched).
+INLINEQ void rowk(const int type, const int R, const uint8_t *b, const uint8_t *next, const xk_t *xs,
+                  int64_t K, float *out) {
+    const int bb = block_bytes(type);
+    __m256 acc[8];
+    float corr[8];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        corr[r] = 0.0f;
+    }
+    for (int64_t sb = 0; sb < K / 256; sb++, b += bb) {
+        for (int p = 0; p < bb; p += 64) _mm_prefetch((const char *)next + sb * bb + p, _MM_HINT_T0);
+        __m256i sc[8], u[8];
+        __m128i scales16;   // Q6_K: its 16 scales as int16 (and Q4_K/Q5_K's 8 minimums in the low half)
+        float d, dmin = 0.0f;
+        if (type == T_Q6_K) {
+            d = h2f(b + 208);
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));
+            scales16 = s8;
+            const __m256i s = _mm256_cvtepi8_epi16(s8);   // 16 int16
+            // group g: int16 lanes 0..7 (values 0..15) scale 2g, lanes 8..15 scale 2g + 1
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const __m256i idx = _mm256_setr_epi8(4 * g, 4 * g + 1, 4 * g, 4 * g + 1, 4 * g, 4 * g + 1,
+                                                     4 * g, 4 * g + 1, 4 * g, 4 * g + 1, 4 * g, 4 * g + 1,
+                                                     4 * g, 4 * g + 1, 4 * g, 4 * g + 1,
+                                                     4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3,
+                                                     4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3,
+                                                     4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3);
+                // both 128-bit lanes of the table hold the 16 scales: vpshufb indexes within a lane
+                const __m256i both = _mm256_permute2x128_si256(s, s, g < 4 ? 0x00 : 0x11);
+                const __m256i lanefix = _mm256_sub_epi8(idx, _mm256_set1_epi8(g < 4 ? 0 : 16));
+                sc[g] = _mm256_shuffle_epi8(both, lanefix);
+            }
+        } else {
+            d = h2f(b);
+            dmin = h2f(b + 2);
+            uint32_t w4[4];
+            memcpy(w4, b + 4, 12);
+            w4[3] = ((w4[2] >> 4) & 0x0f0f0f0fu) | (((w4[1] >> 6) & 0x03030303u) << 4);
+            const uint32_t mins_lo = w4[1] & 0x3f3f3f3fu;
+            w4[1] = (w4[2] & 0x0f0f0f0fu) | (((w4[0] >> 6) & 0x03030303u) << 4);
+            w4[2] = mins_lo;
+            w4[0] &= 0x3f3f3f3fu;
+            const __m128i sm = _mm_loadu_si128((const __m128i *)w4);   // 8 scales, then 8 minimums (uint8)
+            scales16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));      // the minimums as int16
+            const uint8_t *s8 = (const uint8_t *)w4;
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) sc[g] = _mm256_set1_epi16((short)s8[g]);
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) u[g] = unsigned_values(type, b, g);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const int8_t *v = xs[r].v + sb * 256;
+            __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const __m256i p = _mm256_maddubs_epi16(u[g], _mm256_loadu_si256((const __m256i *)(v + 32 * g)));
+                isum = _mm256_dpwssd_epi32(isum, p, sc[g]);
+            }
+            const float dx = xs[r].d[sb];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx), acc[r]);
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(xs[r].s16 + sb * 16));   // 16 sums of 16
+            int32_t off;
+            if (type == T_Q6_K) {   // - 32 * sum_h sc_h * s16_h
+                const __m256i t = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales16), bs);
+                const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+                const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+                off = -32 * _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xb1)));
+                corr[r] += d * dx * (float)off;
+            } else {                // - dmin * sum_g m_g * (s16_2g + s16_2g+1)
+                const __m256i pairs = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));   // 8 sums of 32
+                const __m128i s32 = _mm_packs_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+                const __m128i t = _mm_madd_epi16(scales16, s32);
+                const __m128i h2 = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+                off = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xb1)));
+                corr[r] -= dmin * dx * (float)off;
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        out[r] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + corr[r];
+    }
+}
+
+#define ROWK_R(type, R) case R: rowk(type, R, b, next, xs, K, out); break;
+#define ROWK_TYPE(type)                                                                          \
+    static AVX512Q void rowk_##type(int rows, const uint8_t *b, const uint8_t *next, const xk_t *xs, \
+                                    int64_t K, float *out) {                                      \
+        switch (rows) { ROWK_R(type, 1) ROWK_R(type, 2) ROWK_R(type, 3) ROWK_R(type, 4) }         \
+    }
+ROWK_TYPE(T_Q4_K)
+ROWK_TYPE(T_Q5_K)
+ROWK_TYPE(T_Q6_K)
+
+static AVX512Q void rows_k(int type, const xk_t *xs, int64_t M, int64_t K, const uint8_t *w, const int64_t *map,
+                           float *y, int64_t ldy, int64_t y0, int64_t n0, int64_t n1) {
+    const int64_t row_bytes = K / 256 * block_bytes(type);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *b = w + (map ? map[n] : n) * row_bytes;
+        const uint8_t *next = w + (map ? map[n + 1 < n1 ? n + 1 : n] : (n + 1 < n1 ? n + 1 : n)) * row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int rows = (int)(M - m0 < 4 ? M - m0 : 4);
+            float out[4];
+            switch (type) {
+                case T_Q4_K: rowk_T_Q4_K(rows, b, next, xs + m0, K, out); break;
+                case T_Q5_K: rowk_T_Q5_K(rows, b, next, xs + m0, K, out); break;
+                default: rowk_T_Q6_K(rows, b, next, xs + m0, K, out); break;
+            }
+            for (int r = 0; r < rows; r++) y[(m0 + r) * ldy + y0 + n] = out[r];
+        }
+    }
+}
+
+static int vnni_usable(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("fma");
+}
+
 static int avx512_usable(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -404,6 +718,7 @@ static int avx512_usable(void) {
 #else
 #define HAVE_AVX512 0
 static int avx512_usable(void) { return 0; }
+static int vnni_usable(void) { return 0; }
 #endif
 
 // -1: not yet decided; then 1 where the AVX-512 path runs, 0 where rows_tile does.
@@ -487,4 +802,68 @@ int gguf_get_rows(const uint8_t *w, const int64_t *ids, float *out, int64_t coun
                 widen(type, row + blk * bb, g, out + i * K + blk * bv + g * GROUP);
     }
     return 0;
+}
+
+// Whether gguf_gemm_q8_parts runs on this CPU (AVX-512 with VNNI): 1 or 0.
+int gguf_gemm_q8_usable(void) { return vnni_usable(); }
+
+// gguf_gemm_parts with x rounded to int8 per group of 32 (see "int8
+// activations"); 0, -1 as gguf_gemm_parts, -2 where the CPU lacks AVX-512 VNNI,
+// -3 where scratch memory could not be had.
+int gguf_gemm_q8_parts(const float *x, int64_t M, int64_t K, int parts, const uint8_t *const *w,
+                       const int64_t *const *maps, const int *types, const int64_t *rows, float *y, int threads) {
+    int64_t N = 0, chunks = 0;
+    for (int p = 0; p < parts; p++) {
+        if (!block_bytes(types[p]) || K % block_values(types[p])) return -1;
+        N += rows[p];
+    }
+    if (!vnni_usable()) return -2;
+#if HAVE_AVX512
+    const int64_t groups = K / GROUP;
+    int8_t *v = malloc((size_t)(M * K));
+    float *dx = malloc((size_t)(M * groups) * sizeof(float)), *dxs = malloc((size_t)(M * groups) * sizeof(float));
+    int32_t *s16 = malloc((size_t)(M * groups * 2) * sizeof(int32_t));
+    xq_t *xs = malloc((size_t)M * sizeof(xq_t));
+    int kquant = 0;
+    for (int p = 0; p < parts; p++) kquant |= types[p] >= T_Q4_K;
+    int8_t *vk = kquant ? malloc((size_t)(M * K)) : NULL;
+    float *dk = kquant ? malloc((size_t)(M * (K / 256)) * sizeof(float)) : NULL;
+    int16_t *sk = kquant ? malloc((size_t)(M * (K / 16)) * sizeof(int16_t)) : NULL;
+    xk_t *xks = kquant ? malloc((size_t)M * sizeof(xk_t)) : NULL;
+    if (!v || !dx || !dxs || !s16 || !xs || (kquant && (!vk || !dk || !sk || !xks))) {
+        free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(xks);
+        return -3;
+    }
+    if (kquant)
+        for (int64_t m = 0; m < M; m++) {
+            quantize_row_q8k(x + m * K, K, vk + m * K, dk + m * (K / 256), sk + m * (K / 16));
+            xks[m] = (xk_t){vk + m * K, dk + m * (K / 256), sk + m * (K / 16)};
+        }
+    for (int64_t m = 0; m < M; m++) {
+        quantize_row_q8(x + m * K, K, v + m * K, dx + m * groups, dxs + m * groups, s16 + m * groups * 2);
+        xs[m] = (xq_t){v + m * K, dx + m * groups, dxs + m * groups, s16 + m * groups * 2};
+    }
+    int64_t chunk = N / ((int64_t)threads * 4);
+    if (chunk < 4) chunk = 4;
+    chunk = (chunk + 3) / 4 * 4;
+    for (int p = 0; p < parts; p++) chunks += (rows[p] + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        int p = 0;
+        int64_t local = c, y0 = 0;
+        while (local >= (rows[p] + chunk - 1) / chunk) {
+            local -= (rows[p] + chunk - 1) / chunk;
+            y0 += rows[p];
+            p++;
+        }
+        const int64_t n0 = local * chunk, n1 = n0 + chunk < rows[p] ? n0 + chunk : rows[p];
+        if (types[p] >= T_Q4_K) rows_k(types[p], xks, M, K, w[p], maps[p], y, N, y0, n0, n1);
+        else rows_q8(types[p], xs, M, K, w[p], maps[p], y, N, y0, n0, n1);
+    }
+    free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(xks);
+    return 0;
+#else
+    (void)x; (void)M; (void)w; (void)maps; (void)y; (void)threads; (void)chunks;
+    return -2;
+#endif
 }
