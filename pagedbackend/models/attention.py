@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from pagedbackend.kernels.block_attention import block_attention
-from pagedbackend.models.fp8_scales import KVScales
 
 KVCache = Tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, kv_heads, head_dim]
 
@@ -80,7 +79,7 @@ class StepContext:
     metas: Sequence[AttentionMetadata] = ()
     fasts: Sequence[Optional[Callable]] = ()
     image_blocks: Sequence[ImageBlock] = ()
-    kv_scales: Optional[KVScales] = None   # an fp8 cache's per-layer scales (None: scale 1)
+    kv_scales: Optional[Any] = None   # an fp8 cache's per-layer scales (models.fp8_scales.KVScales; None: 1)
 
 
 _local = threading.local()
@@ -90,7 +89,7 @@ _local = threading.local()
 def step_context(kv_caches: List[KVCache], meta: Union[AttentionMetadata, Sequence[AttentionMetadata]],
                  ops, layer_group: Optional[Sequence[int]] = None,
                  image_blocks: Sequence[ImageBlock] = (),
-                 kv_scales: Optional[KVScales] = None) -> Iterator[StepContext]:
+                 kv_scales=None) -> Iterator[StepContext]:
     """Make the caches, metadata and kernels of one step visible to the
     attention op. ``meta``: the step's metadata, or one per KV group with
     ``layer_group`` giving each layer's group; ``image_blocks``: the step's

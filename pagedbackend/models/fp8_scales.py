@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from pagedbackend.kernels.kv_cache_dtype import FP8_DTYPES
+from pagedbackend.models.attention import PagedAttention
 
 K_SCALE_CONSTANT = 200.0   # vLLM's calculate_kv_scales: k_scale = absmax(k) / 200
 V_SCALE_CONSTANT = 100.0   # ... and v_scale = absmax(v) / 100
@@ -79,7 +80,6 @@ def load_scale(model: nn.Module, hf_name: str, name: str, tensor: torch.Tensor) 
 
 
 def attention_of(model: nn.Module, layer: int, hf_name: str) -> nn.Module:
-    from pagedbackend.models.attention import PagedAttention
     for module in model.modules():
         if isinstance(module, PagedAttention) and module.layer == layer:
             return module
@@ -101,7 +101,6 @@ class KVScales:
         """The scales of ``model``'s layers (a checkpoint's, else 1) for a cache
         of ``kv_dtype``; None where there is nothing to apply (not fp8, or every
         scale 1 and none to calculate): the op then takes today's path."""
-        from pagedbackend.models.attention import PagedAttention
         if kv_dtype not in FP8_DTYPES:
             return None
         layers = sorted((m.layer, m) for m in model.modules() if isinstance(m, PagedAttention))
