@@ -6,7 +6,7 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
-from .config_checks import check_kv_offload, check_lora, check_multimodal
+from .config_checks import check_kv_offload, check_kv_scales, check_lora, check_multimodal
 from .config_coerce import coerce
 from .kv_events_config import KVEventsConfig
 from .spec_decode.config import SpeculativeConfig  # noqa: F401  (a field of EngineConfig; callers import it here)
@@ -108,11 +108,14 @@ class EngineConfig:
     # The KV cache's element format: "auto" (the model's dtype), "bfloat16" (a
     # cast), "int8" (symmetric absmax, a float16 scale per 16 channels in the
     # row: kernels/kv_cache_dtype.py), "fp8_e4m3" (alias "fp8") or "fp8_e5m2"
-    # (one byte a value, saturating, scale 1; checkpoint k_scale/v_scale refused).
+    # (one byte a value, saturating; per-layer k_scale/v_scale from the
+    # checkpoint, else calculate_kv_scales, else 1: models/fp8_scales.py).
     # kv_cache_bytes holds 2x float32's tokens in bfloat16, ~1.8x bfloat16's in
-    # int8, 2x in fp8; every attention backend reads it, on every rank (each its own heads').
-    # Speed and quality: docs/kv_cache_dtype.md.
+    # int8, 2x in fp8. Speed and quality: docs/kv_cache_dtype.md.
     kv_cache_dtype: str = "auto"
+    # vLLM's: an fp8 cache whose checkpoint has no k_scale/v_scale takes each
+    # layer's from the first served prefill (absmax(k) / 200, absmax(v) / 100).
+    calculate_kv_scales: bool = False
     # "triton" (Triton-lang kernels), "torch" (reference twins), "sdpa" (one
     # gather per step, then scaled_dot_product_attention: the CPU serving path)
     # or "auto" (triton on CUDA, sdpa on CPU).
@@ -321,6 +324,7 @@ class EngineConfig:
         check_lora(self)
         check_multimodal(self)
         check_kv_offload(self)
+        check_kv_scales(self)
         self.speculative_config = SpeculativeConfig.build(self.speculative_config)
         self.kv_events_config = KVEventsConfig.build(self.kv_events_config)
         spec = self.speculative_config

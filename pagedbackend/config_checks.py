@@ -76,3 +76,19 @@ def check_kv_offload(config) -> None:
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"kv_offload_dir {str(folder)!r} is not a writable folder")
     config.kv_offload_dir = str(folder)
+
+
+def check_kv_scales(config) -> None:
+    """``calculate_kv_scales``: a bool, for an fp8 cache, and not beside the
+    disk tier (calculated scales differ from run to run, so a tier file from
+    another run would be read at scales its bytes were not written at)."""
+    if not isinstance(config.calculate_kv_scales, bool):
+        raise ValueError(f"calculate_kv_scales must be true or false, got {config.calculate_kv_scales!r}")
+    if not config.calculate_kv_scales:
+        return
+    if not str(config.kv_cache_dtype).startswith("fp8"):
+        raise ValueError("calculate_kv_scales scales an fp8 KV cache; set kv_cache_dtype fp8_e4m3 or fp8_e5m2 "
+                         f"(got {config.kv_cache_dtype!r})")
+    if config.kv_offload_dir is not None:
+        raise ValueError("calculate_kv_scales does not combine with kv_offload_dir: the disk tier keeps blocks "
+                         "across restarts, and each run calculates its own scales")

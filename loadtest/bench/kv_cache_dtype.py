@@ -111,7 +111,9 @@ def bench_quality(prompts: List[str], max_tokens: int, text_tokens: int, names=Q
     result, tokens = {}, {}
     text = None
     for name in ("auto",) + tuple(n for n in names if n != "auto"):
-        with LLM(model=model, compile=False, dtype="float32", kv_cache_dtype=name, num_kv_blocks=128,
+        kv, _, calc = name.partition(":")   # "fp8_e4m3:calc": calculate_kv_scales (models/fp8_scales.py)
+        with LLM(model=model, compile=False, dtype="float32", kv_cache_dtype=kv, num_kv_blocks=128,
+                 calculate_kv_scales=calc == "calc",
                  long_prefill_token_threshold=32) as llm:   # prompts of 32 prompts' size are never split
             # The text: as many tokens as asked, within the checkpoint's positions.
             text_tokens = min(text_tokens, llm.engine.runner.max_model_len - 16)
@@ -209,7 +211,8 @@ def main(argv=None):
     ap.add_argument("--seqs", type=int, default=4, help="sequences of the kernel part")
     ap.add_argument("--layers", type=int, default=4, help="layers' caches the kernel part walks in turn")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--quality-dtypes", default=",".join(QUALITY), help="kv_cache_dtypes of the quality part")
+    ap.add_argument("--quality-dtypes", default=",".join(QUALITY),
+                    help="kv_cache_dtypes of the quality part (fp8_e4m3:calc: with calculate_kv_scales)")
     ap.add_argument("--model", default="default",
                     help="the quality part's model: default, or a tiny random family (e.g. gemma3_text, qwen3_moe)")
     ap.add_argument("--prefix-tokens", type=int, default=4000, help="the prefix of the offload part")

@@ -32,10 +32,11 @@ follows these rules, and the tests compare each against them.
   ``float8_e4m3fn`` / ``float8_e5m2``, no scale in the row (2x bfloat16's
   tokens). A value is clamped to the format's largest finite magnitude (448,
   57344) and rounded to nearest even, as torch converts; a row is read by
-  widening each byte (exact). The per-layer ``k_scale`` / ``v_scale`` of
-  vLLM's fp8 checkpoints are applied outside the cache (``fp8_scales.py``):
-  the layer stores ``k / k_scale`` and folds ``k_scale`` into the softmax
-  scale and ``v_scale`` into the output, so the kernels see scale 1.
+  widening each byte (exact). The per-layer ``k_scale`` / ``v_scale`` (a
+  checkpoint's, or calculated: ``models/fp8_scales.py``) are applied outside
+  the kernels: the attention op stores ``k / k_scale`` and folds ``k_scale``
+  into the softmax scale and ``v_scale`` into the output, so the kernels
+  see scale 1.
 """
 from typing import Optional
 

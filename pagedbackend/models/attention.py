@@ -79,6 +79,7 @@ class StepContext:
     metas: Sequence[AttentionMetadata] = ()
     fasts: Sequence[Optional[Callable]] = ()
     image_blocks: Sequence[ImageBlock] = ()
+    kv_scales: Optional[Any] = None   # an fp8 cache's per-layer scales (models.fp8_scales.KVScales; None: 1)
 
 
 _local = threading.local()
@@ -87,11 +88,13 @@ _local = threading.local()
 @contextlib.contextmanager
 def step_context(kv_caches: List[KVCache], meta: Union[AttentionMetadata, Sequence[AttentionMetadata]],
                  ops, layer_group: Optional[Sequence[int]] = None,
-                 image_blocks: Sequence[ImageBlock] = ()) -> Iterator[StepContext]:
+                 image_blocks: Sequence[ImageBlock] = (),
+                 kv_scales=None) -> Iterator[StepContext]:
     """Make the caches, metadata and kernels of one step visible to the
     attention op. ``meta``: the step's metadata, or one per KV group with
     ``layer_group`` giving each layer's group; ``image_blocks``: the step's
-    bidirectional blocks (none: every row is causal)."""
+    bidirectional blocks (none: every row is causal); ``kv_scales``: an fp8
+    cache's per-layer scales (``models.fp8_scales``)."""
     previous = getattr(_local, "step", None)
     metas = [meta] if isinstance(meta, AttentionMetadata) else list(meta)
     make_fast = getattr(ops, "step", None)
@@ -100,7 +103,7 @@ def step_context(kv_caches: List[KVCache], meta: Union[AttentionMetadata, Sequen
     if layer_group is not None and len(metas) == 1:
         layer_group = None   # every layer reads group 0's
     _local.step = step = StepContext(kv_caches, metas[0], ops, fasts[0], layer_group, metas, fasts,
-                                     tuple(image_blocks))
+                                     tuple(image_blocks), kv_scales)
     try:
         yield step
     finally:
@@ -138,6 +141,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     else:
         group = step.layer_group[layer]
         meta, fast = step.metas[group], step.fasts[group]
+    v_scale = 1.0
+    if step.kv_scales is not None:   # store k / k_scale, v / v_scale; k_scale joins the softmax scale
+        k, v, scale, v_scale = step.kv_scales.apply(layer, k, v, scale)
     out = fast(q, k, v, layer, scale, window, sinks) if fast is not None else None
     k_cache, v_cache = step.kv_caches[layer]
     if out is None:
@@ -151,7 +157,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             out[b.rows_start:b.rows_end] = block_attention(q[b.rows_start:b.rows_end], k_cache, v_cache,
                                                            meta.block_tables[b.seq], b.first_pos, b.last_pos,
                                                            scale, window or None)
-    return out.contiguous()
+    return out.contiguous() if v_scale == 1.0 else (out * v_scale).contiguous()   # v_scale: the output's
 
 
 _ops.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
@@ -185,6 +191,8 @@ class PagedAttention(nn.Module):
         self.layer = layer
         self.sliding_window = sliding_window
         self.sinks = sinks
+        # An fp8 cache's scales from the checkpoint (models.fp8_scales; 1: none).
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[T, heads, d]``, ``k``/``v`` ``[T, kv_heads, d]`` -> ``[T, heads, d]``."""

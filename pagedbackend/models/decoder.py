@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedbackend.models.fp8_scales import load_scale
 from pagedbackend.models.layers import RMSNorm, llama_layer
 from pagedbackend.models.linear import Reduce
 from pagedbackend.models.model_args import ModelArgs
@@ -173,6 +174,8 @@ class CausalLM(nn.Module):
                 if name == "lm_head.weight" and self.lm_head is None:
                     head = tensor
                     continue
+                if load_scale(self, hf_name, name, tensor):   # an fp8 KV cache's k_scale / v_scale
+                    continue
                 name = self._load_one(hf_name, name, tensor, params)
                 pending[name] -= 1
         if getattr(self, "vision", None) is not None:
@@ -215,9 +218,6 @@ class CausalLM(nn.Module):
             module, kind = name.rsplit(".", 1)
             self.get_submodule(module).load(kind, tensor)
             return name
-        if name not in params and name.endswith((".k_scale", ".v_scale", ".kv_scale")):
-            raise ValueError(f"checkpoint tensor {hf_name}: per-layer KV cache scales (an fp8 KV "
-                             "checkpoint's) are not read; kv_cache_dtype fp8_e4m3/fp8_e5m2 store with scale 1")
         if name not in params:
             raise ValueError(f"unexpected checkpoint tensor {hf_name}")
         if params[name].shape != tensor.shape:

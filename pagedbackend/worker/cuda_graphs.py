@@ -130,7 +130,7 @@ class DecodeGraphs:
 
         def step() -> None:
             with torch.inference_mode(), step_context(runner.kv_caches, metas, runner.attention_ops,
-                                                      runner.layer_group):
+                                                      runner.layer_group, kv_scales=runner.kv_scales):
                 out.copy_(logits_of(forward(ids, positions)))
         return step
 

@@ -21,6 +21,7 @@ from pagedbackend.kernels.kv_cache_dtype import (INT8_FORMAT, cache_dtype, check
 from pagedbackend.models import ModelArgs
 from pagedbackend.models.attention import ImageBlock, step_context
 from pagedbackend.models.default_model import resolve_model_path
+from pagedbackend.models.fp8_scales import KVScales
 from pagedbackend.models import moe
 from pagedbackend.models.linear import Reduce
 from pagedbackend import quant
@@ -69,6 +70,8 @@ class ModelRunner:
             set(zip(self.kv_layout.layer_group, windows)), key=lambda gw: (gw[0], gw[1] is not None, gw[1] or 0))
         self.layer_group = [self.attention_groups.index(gw) for gw in zip(self.kv_layout.layer_group, windows)]
         self._allocate_kv_cache(args)
+        # An fp8 cache's per-layer k_scale / v_scale (checkpoint or calculated; None: scale 1).
+        self.kv_scales = KVScales.for_model(self.model, self.kv_dtype, config.calculate_kv_scales)
         room = min((self.num_kv_blocks - 1) * self.block_size, self.max_model_len)
         calibration = quant.Calibration(self.model_path, room, self._calibration_prefill)
         self.linear_plan = quant.apply(self.model, config, self.device, self.dtype, calibration)
@@ -91,6 +94,8 @@ class ModelRunner:
             self.graphs = decode_graphs_for(self)
         # How OpenMP threads wait between regions, by whether the cores are ours (cpu_wait).
         self.wait_governor = governor_for(self.device.type, torch.get_num_threads())
+        if self.kv_scales is not None:
+            self.kv_scales.arm()   # warm-ups done: the first served step calculates them (calculate_kv_scales)
 
     def _calibration_prefill(self, ids: List[int]) -> torch.Tensor:
         """The hidden states of a prefill of ``ids`` (for w8a8's smoothing); it
@@ -221,14 +226,18 @@ class ModelRunner:
             self.plan(batch)
         batch = batch.to(self.device)
         forward, logits_of = step or self.step_functions()
+        scales = self.kv_scales if kv_caches is None else None   # a scratch cache's warm-up: scale 1
         with torch.inference_mode(), step_context(kv_caches or self.kv_caches, batch.metas, self.attention_ops,
-                                                  self.layer_group, image_blocks), lora_step(self.lora, batch.lora):
+                                                  self.layer_group, image_blocks, scales), \
+                lora_step(self.lora, batch.lora):
             if images is None:
                 hidden = forward(batch.input_ids, batch.positions)
             else:
                 embeds = self.model.embed(batch.input_ids)
                 embeds[images[0]] = images[1].to(embeds.dtype)
                 hidden = self.model.forward(batch.input_ids, batch.positions, embeds)
+            if scales is not None and scales.step_done() and self.graphs is not None:
+                self.graphs = decode_graphs_for(self)   # graphs captured at scale 1: again, at the calculated scales
             if hidden_spans:
                 rows = torch.cat([torch.arange(a, b) for a, b in hidden_spans]).to(hidden.device)
                 normed = self.model.norm(hidden[rows])
@@ -318,7 +327,8 @@ class ModelRunner:
         return {"kv_shape": [2, *self.kv_cache.shape[1:2], *self.kv_cache.shape[3:]], "block_size": self.block_size,
                 "cache_dtype": str(self.kv_cache.dtype), "kv_cache_dtype": self.config.kv_cache_dtype,
                 "row_format": INT8_FORMAT if self.kv_cache.dtype == torch.int8 else "",
-                "layers": self.kv_layout.slots, "groups": len(self.kv_layout.groups)}
+                "layers": self.kv_layout.slots, "groups": len(self.kv_layout.groups),
+                **(self.kv_scales.describe() if self.kv_scales is not None else {})}
 
     def _swap_blocks(self) -> int:
         if self.swap_cache is None:
