@@ -565,11 +565,16 @@ static AVX512Q void rows_q8(int type, const xq_t *xs, int64_t M, int64_t K, cons
 // K-quants against x rounded per super-block of 256 (one scale a row per
 // super-block, as llama.cpp's Q8_K): a group's integer dot products are
 // weighted by its integer scale in int32 (vpmaddubsw, then vpdpwssd with the
-// scale), so a super-block needs one float multiply-add; the minimums (Q4_K,
-// Q5_K) and Q6_K's offset of 32 are integer sums of the scales times sums of v.
-typedef struct { const int8_t *v; const float *d; const int16_t *s16; } xk_t;
+// scale), so a super-block needs one float multiply-add per x row. A weight
+// super-block is decoded once for every x row of the call (up to XK_ROWS at a
+// time). The minimums (Q4_K, Q5_K: - dmin m_g per group of 32) and Q6_K's
+// offset (- 32 d sc_h per half of 16) are summed once per weight row and x row
+// as a float dot product over K / 32 (K / 16) values: the weight row's
+// offsets times the x row's dx * sum(v) of each group (half).
+typedef struct { const int8_t *v; const float *d, *e32, *e16; } xk_t;
+#define XK_ROWS 64
 
-static AVX512Q void quantize_row_q8k(const float *x, int64_t K, int8_t *v, float *d, int16_t *s16) {
+static AVX512Q void quantize_row_q8k(const float *x, int64_t K, int8_t *v, float *d, float *e32, float *e16) {
     for (int64_t sb = 0; sb < K / 256; sb++) {
         const float *xs = x + sb * 256;
         __m512 amax = _mm512_setzero_ps();
@@ -578,49 +583,36 @@ static AVX512Q void quantize_row_q8k(const float *x, int64_t K, int8_t *v, float
         for (int i = 0; i < 256; i += 16) {
             const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs + i), _mm512_set1_ps(id)));
             _mm_storeu_si128((__m128i *)(v + sb * 256 + i), _mm512_cvtsepi32_epi8(q));
-            s16[sb * 16 + i / 16] = (int16_t)_mm512_reduce_add_epi32(q);
+            const int32_t sum = _mm512_reduce_add_epi32(q);
+            e16[sb * 16 + i / 16] = dd * (float)sum;
+            if (i % 32 == 0) e32[sb * 8 + i / 32] = (float)sum;
+            else e32[sb * 8 + i / 32] = dd * (e32[sb * 8 + i / 32] + (float)sum);
         }
         d[sb] = dd;
     }
 }
 
-// out[r] = x row r . weight row b over K, for R rows of x; next: the row after (prefetched).
-INLINEQ void rowk(const int type, const int R, const uint8_t *b, const uint8_t *next, const xk_t *xs,
-                  int64_t K, float *out) {
+// y[m0 + r, col] = x row m0 + r . weight row b over K, for rows x rows; offs:
+// scratch for the row's K / 16 offsets.
+INLINEQ void rowk(const int type, const int64_t rows, const uint8_t *b, const uint8_t *next, const xk_t *xs,
+                  int64_t K, float *y, int64_t ldy, float *offs) {
     const int bb = block_bytes(type);
-    __m256 acc[8];
-    float corr[8];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        corr[r] = 0.0f;
-    }
+    __m256 acc[XK_ROWS];
+    for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < K / 256; sb++, b += bb) {
         for (int p = 0; p < bb; p += 64) _mm_prefetch((const char *)next + sb * bb + p, _MM_HINT_T0);
         __m256i sc[8], u[8];
-        __m128i scales16;   // Q6_K: its 16 scales as int16 (and Q4_K/Q5_K's 8 minimums in the low half)
-        float d, dmin = 0.0f;
+        float d;
         if (type == T_Q6_K) {
             d = h2f(b + 208);
-            const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));
-            scales16 = s8;
-            const __m256i s = _mm256_cvtepi8_epi16(s8);   // 16 int16
-            // group g: int16 lanes 0..7 (values 0..15) scale 2g, lanes 8..15 scale 2g + 1
+            const int8_t *s8 = (const int8_t *)(b + 192);
 #pragma GCC unroll 8
-            for (int g = 0; g < 8; g++) {
-                const __m256i idx = _mm256_setr_epi8(4 * g, 4 * g + 1, 4 * g, 4 * g + 1, 4 * g, 4 * g + 1,
-                                                     4 * g, 4 * g + 1, 4 * g, 4 * g + 1, 4 * g, 4 * g + 1,
-                                                     4 * g, 4 * g + 1, 4 * g, 4 * g + 1,
-                                                     4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3,
-                                                     4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3,
-                                                     4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3);
-                // both 128-bit lanes of the table hold the 16 scales: vpshufb indexes within a lane
-                const __m256i both = _mm256_permute2x128_si256(s, s, g < 4 ? 0x00 : 0x11);
-                const __m256i lanefix = _mm256_sub_epi8(idx, _mm256_set1_epi8(g < 4 ? 0 : 16));
-                sc[g] = _mm256_shuffle_epi8(both, lanefix);
-            }
+            for (int g = 0; g < 8; g++)   // int16 lanes 0..7 (values 0..15) scale 2g, lanes 8..15 scale 2g + 1
+                sc[g] = _mm256_inserti128_si256(_mm256_set1_epi16(s8[2 * g]), _mm_set1_epi16(s8[2 * g + 1]), 1);
+            _mm512_storeu_ps(offs + sb * 16, _mm512_mul_ps(_mm512_set1_ps(-32.0f * d),
+                                                         i8_ps(_mm_loadu_si128((const __m128i *)s8))));
         } else {
             d = h2f(b);
-            dmin = h2f(b + 2);
             uint32_t w4[4];
             memcpy(w4, b + 4, 12);
             w4[3] = ((w4[2] >> 4) & 0x0f0f0f0fu) | (((w4[1] >> 6) & 0x03030303u) << 4);
@@ -628,77 +620,65 @@ INLINEQ void rowk(const int type, const int R, const uint8_t *b, const uint8_t *
             w4[1] = (w4[2] & 0x0f0f0f0fu) | (((w4[0] >> 6) & 0x03030303u) << 4);
             w4[2] = mins_lo;
             w4[0] &= 0x3f3f3f3fu;
-            const __m128i sm = _mm_loadu_si128((const __m128i *)w4);   // 8 scales, then 8 minimums (uint8)
-            scales16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));      // the minimums as int16
-            const uint8_t *s8 = (const uint8_t *)w4;
+            const uint8_t *s8 = (const uint8_t *)w4;   // 8 scales, then 8 minimums
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) sc[g] = _mm256_set1_epi16((short)s8[g]);
+            const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s8 + 8))));
+            _mm256_storeu_ps(offs + sb * 8, _mm256_mul_ps(_mm256_set1_ps(-h2f(b + 2)), mins));
         }
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++) u[g] = unsigned_values(type, b, g);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
+        for (int64_t r = 0; r < rows; r++) {
             const int8_t *v = xs[r].v + sb * 256;
-            __m256i isum = _mm256_setzero_si256();
+            __m256i part[4];   // four sums, so that no chain of dependent products is longer than two
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) {
                 const __m256i p = _mm256_maddubs_epi16(u[g], _mm256_loadu_si256((const __m256i *)(v + 32 * g)));
-                isum = _mm256_dpwssd_epi32(isum, p, sc[g]);
+                part[g & 3] = g < 4 ? _mm256_madd_epi16(p, sc[g]) : _mm256_dpwssd_epi32(part[g & 3], p, sc[g]);
             }
-            const float dx = xs[r].d[sb];
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx), acc[r]);
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(xs[r].s16 + sb * 16));   // 16 sums of 16
-            int32_t off;
-            if (type == T_Q6_K) {   // - 32 * sum_h sc_h * s16_h
-                const __m256i t = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales16), bs);
-                const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-                const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-                off = -32 * _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xb1)));
-                corr[r] += d * dx * (float)off;
-            } else {                // - dmin * sum_g m_g * (s16_2g + s16_2g+1)
-                const __m256i pairs = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));   // 8 sums of 32
-                const __m128i s32 = _mm_packs_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
-                const __m128i t = _mm_madd_epi16(scales16, s32);
-                const __m128i h2 = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-                off = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xb1)));
-                corr[r] -= dmin * dx * (float)off;
-            }
+            const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(part[0], part[1]), _mm256_add_epi32(part[2], part[3]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * xs[r].d[sb]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
+    const int64_t n_offs = type == T_Q6_K ? K / 16 : K / 32;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *e = type == T_Q6_K ? xs[r].e16 : xs[r].e32;
+        __m512 o = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n_offs; i += 16) {
+            const __mmask16 k = n_offs - i >= 16 ? 0xffff : (__mmask16)((1u << (n_offs - i)) - 1);
+            o = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, offs + i), _mm512_maskz_loadu_ps(k, e + i), o);
+        }
         const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
         const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        out[r] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + corr[r];
+        y[r * ldy] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + _mm512_reduce_add_ps(o);
     }
 }
 
-#define ROWK_R(type, R) case R: rowk(type, R, b, next, xs, K, out); break;
-#define ROWK_TYPE(type)                                                                          \
-    static AVX512Q void rowk_##type(int rows, const uint8_t *b, const uint8_t *next, const xk_t *xs, \
-                                    int64_t K, float *out) {                                      \
-        switch (rows) { ROWK_R(type, 1) ROWK_R(type, 2) ROWK_R(type, 3) ROWK_R(type, 4) }         \
-    }
-ROWK_TYPE(T_Q4_K)
-ROWK_TYPE(T_Q5_K)
-ROWK_TYPE(T_Q6_K)
+static AVX512Q void rowk_q4k(int64_t rows, const uint8_t *b, const uint8_t *next, const xk_t *xs, int64_t K,
+                             float *y, int64_t ldy, float *offs) { rowk(T_Q4_K, rows, b, next, xs, K, y, ldy, offs); }
+static AVX512Q void rowk_q5k(int64_t rows, const uint8_t *b, const uint8_t *next, const xk_t *xs, int64_t K,
+                             float *y, int64_t ldy, float *offs) { rowk(T_Q5_K, rows, b, next, xs, K, y, ldy, offs); }
+static AVX512Q void rowk_q6k(int64_t rows, const uint8_t *b, const uint8_t *next, const xk_t *xs, int64_t K,
+                             float *y, int64_t ldy, float *offs) { rowk(T_Q6_K, rows, b, next, xs, K, y, ldy, offs); }
 
 static AVX512Q void rows_k(int type, const xk_t *xs, int64_t M, int64_t K, const uint8_t *w, const int64_t *map,
                            float *y, int64_t ldy, int64_t y0, int64_t n0, int64_t n1) {
     const int64_t row_bytes = K / 256 * block_bytes(type);
+    float *offs = malloc((size_t)(K / 16) * sizeof(float));
+    if (!offs) return;   // (the caller's buffers are far larger: not reached in practice)
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *b = w + (map ? map[n] : n) * row_bytes;
-        const uint8_t *next = w + (map ? map[n + 1 < n1 ? n + 1 : n] : (n + 1 < n1 ? n + 1 : n)) * row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int rows = (int)(M - m0 < 4 ? M - m0 : 4);
-            float out[4];
-            switch (type) {
-                case T_Q4_K: rowk_T_Q4_K(rows, b, next, xs + m0, K, out); break;
-                case T_Q5_K: rowk_T_Q5_K(rows, b, next, xs + m0, K, out); break;
-                default: rowk_T_Q6_K(rows, b, next, xs + m0, K, out); break;
-            }
-            for (int r = 0; r < rows; r++) y[(m0 + r) * ldy + y0 + n] = out[r];
+        const int64_t after = n + 1 < n1 ? n + 1 : n;
+        const uint8_t *next = w + (map ? map[after] : after) * row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += XK_ROWS) {
+            const int64_t rows = M - m0 < XK_ROWS ? M - m0 : XK_ROWS;
+            float *out = y + m0 * ldy + y0 + n;
+            if (type == T_Q4_K) rowk_q4k(rows, b, next, xs + m0, K, out, ldy, offs);
+            else if (type == T_Q5_K) rowk_q5k(rows, b, next, xs + m0, K, out, ldy, offs);
+            else rowk_q6k(rows, b, next, xs + m0, K, out, ldy, offs);
         }
     }
+    free(offs);
 }
 
 static int vnni_usable(void) {
@@ -828,7 +808,7 @@ int gguf_gemm_q8_parts(const float *x, int64_t M, int64_t K, int parts, const ui
     for (int p = 0; p < parts; p++) kquant |= types[p] >= T_Q4_K;
     int8_t *vk = kquant ? malloc((size_t)(M * K)) : NULL;
     float *dk = kquant ? malloc((size_t)(M * (K / 256)) * sizeof(float)) : NULL;
-    int16_t *sk = kquant ? malloc((size_t)(M * (K / 16)) * sizeof(int16_t)) : NULL;
+    float *sk = kquant ? malloc((size_t)(M * (K / 16 + K / 32)) * sizeof(float)) : NULL;
     xk_t *xks = kquant ? malloc((size_t)M * sizeof(xk_t)) : NULL;
     if (!v || !dx || !dxs || !s16 || !xs || (kquant && (!vk || !dk || !sk || !xks))) {
         free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(xks);
@@ -836,8 +816,9 @@ int gguf_gemm_q8_parts(const float *x, int64_t M, int64_t K, int parts, const ui
     }
     if (kquant)
         for (int64_t m = 0; m < M; m++) {
-            quantize_row_q8k(x + m * K, K, vk + m * K, dk + m * (K / 256), sk + m * (K / 16));
-            xks[m] = (xk_t){vk + m * K, dk + m * (K / 256), sk + m * (K / 16)};
+            float *e = sk + m * (K / 16 + K / 32);
+            quantize_row_q8k(x + m * K, K, vk + m * K, dk + m * (K / 256), e, e + K / 32);
+            xks[m] = (xk_t){vk + m * K, dk + m * (K / 256), e, e + K / 32};
         }
     for (int64_t m = 0; m < M; m++) {
         quantize_row_q8(x + m * K, K, v + m * K, dx + m * groups, dxs + m * groups, s16 + m * groups * 2);
