@@ -348,7 +348,7 @@ def peers(folder: pathlib.Path, stream_prompts, args, found: Dict[str, dict]) ->
                                                          stream_prompts, args, args.rounds)
             except (RuntimeError, OSError) as exc:
                 skipped.append(f"llama.cpp {scheme}: {peer_servers.error_text(exc, 600)}")
-    else:
+    elif not args.llama_server:
         skipped.append("llama.cpp: no --llama-server / BENCH_LLAMA_SERVER")
     return found, skipped
 
