@@ -713,6 +713,21 @@ int gguf_gemm_avx512(int on) {
     return use_avx512;
 }
 
+// Task c of the output rows cut in chunks of ``chunk`` per part: its part
+// (returned), the part's first column in y (y0) and its rows n0..n1 of the part.
+static int chunk_span(int64_t c, int64_t chunk, const int64_t *rows, int64_t *y0, int64_t *n0, int64_t *n1) {
+    int p = 0;
+    *y0 = 0;
+    while (c >= (rows[p] + chunk - 1) / chunk) {
+        c -= (rows[p] + chunk - 1) / chunk;
+        *y0 += rows[p];
+        p++;
+    }
+    *n0 = c * chunk;
+    *n1 = *n0 + chunk < rows[p] ? *n0 + chunk : rows[p];
+    return p;
+}
+
 // y[M, sum(rows)] = x[M, K] W^T with W the rows of parts 0..parts-1 one after
 // another (part p: rows[p] rows of GGUF blocks of types[p] at w[p], read
 // through maps[p] when not NULL). 0, or -1 for a type or K a part does not take.
@@ -734,14 +749,8 @@ int gguf_gemm_parts(const float *x, int64_t M, int64_t K, int parts, const uint8
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t c = 0; c < chunks; c++) {
-            int p = 0;
-            int64_t local = c, y0 = 0;
-            while (local >= (rows[p] + chunk - 1) / chunk) {
-                local -= (rows[p] + chunk - 1) / chunk;
-                y0 += rows[p];
-                p++;
-            }
-            const int64_t n0 = local * chunk, n1 = n0 + chunk < rows[p] ? n0 + chunk : rows[p];
+            int64_t y0, n0, n1;
+            const int p = chunk_span(c, chunk, rows, &y0, &n0, &n1);
 #if HAVE_AVX512
             if (wide) {
                 rows_avx512(types[p], x, M, K, w[p], maps[p], y, N, y0, n0, n1);
@@ -830,14 +839,8 @@ int gguf_gemm_q8_parts(const float *x, int64_t M, int64_t K, int parts, const ui
     for (int p = 0; p < parts; p++) chunks += (rows[p] + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
-        int p = 0;
-        int64_t local = c, y0 = 0;
-        while (local >= (rows[p] + chunk - 1) / chunk) {
-            local -= (rows[p] + chunk - 1) / chunk;
-            y0 += rows[p];
-            p++;
-        }
-        const int64_t n0 = local * chunk, n1 = n0 + chunk < rows[p] ? n0 + chunk : rows[p];
+        int64_t y0, n0, n1;
+        const int p = chunk_span(c, chunk, rows, &y0, &n0, &n1);
         if (types[p] >= T_Q4_K) rows_k(types[p], xks, M, K, w[p], maps[p], y, N, y0, n0, n1);
         else rows_q8(types[p], xs, M, K, w[p], maps[p], y, N, y0, n0, n1);
     }
