@@ -429,6 +429,13 @@ static AVX512Q void quantize_row_q8(const float *x, int64_t K, int8_t *v, float 
     }
 }
 
+// The sum of a register's 8 floats.
+INLINEQ float sum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
 // The unsigned values u of group g of block b (32 bytes, value i in byte i).
 INLINEQ __m256i unsigned_values(const int type, const uint8_t *b, const int g) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -521,11 +528,7 @@ INLINEQ void tile_q8(const int type, const int WR, const int R, const uint8_t *c
             }
         }
     }
-    for (int i = 0; i < WR * R; i++) {
-        const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-        const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        out[i] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + corr[i];
-    }
+    for (int i = 0; i < WR * R; i++) out[i] = sum8(acc[i]) + corr[i];
 }
 
 #define TILEQ_R(type, R) case R: tile_q8(type, WR_MAX, R, wr, next, xs, K, out); break;
@@ -648,9 +651,7 @@ INLINEQ void rowk(const int type, const int64_t rows, const uint8_t *b, const ui
             const __mmask16 k = n_offs - i >= 16 ? 0xffff : (__mmask16)((1u << (n_offs - i)) - 1);
             o = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, offs + i), _mm512_maskz_loadu_ps(k, e + i), o);
         }
-        const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        y[r * ldy] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + _mm512_reduce_add_ps(o);
+        y[r * ldy] = sum8(acc[r]) + _mm512_reduce_add_ps(o);
     }
 }
 
