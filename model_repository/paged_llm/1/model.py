@@ -198,20 +198,21 @@ class TritonPythonModel:
                 if job.flags["stream"] and (new_tokens or out.finished):
                     if out.finished:
                         self._forget(job)
+                        self._observe_finished(job, out)
                     job.sender.send(build_response(job, out, delta=True), FINAL if out.finished else 0)
                     final_sent = out.finished
-            if job.cancelled or job.abort_reason:
+            if not final_sent and (job.cancelled or job.abort_reason):
                 self._forget(job)
+                if out is not None:
+                    self._observe_finished(job, out)
                 send_error(job.sender, job.abort_reason or "request cancelled", pb_utils.TritonError.CANCELLED)
             elif not final_sent:
                 if out is None or not out.finished:
                     raise RuntimeError("engine stream ended before the request finished")
                 self._forget(job)
+                self._observe_finished(job, out)
                 job.sender.send(build_response(job, out, delta=False), FINAL)
             final_sent = True
-            if not self.closing and out is not None:
-                self.metrics.observe_finished(out.metrics, len(out.prompt_token_ids),
-                                              sum(job.num_tokens.values()), job.n)
         except Exception as exc:
             self.engine.abort(job.request_id)
             self._forget(job)
@@ -226,6 +227,13 @@ class TritonPythonModel:
             self._forget(job)
             if not self.closing:
                 self.metrics.update(self.engine.stats())  # so usage returns to zero promptly
+
+    def _observe_finished(self, job: Job, out):
+        """A finished request's latencies and sizes, recorded before its final response
+        so that a client holding the answer finds it counted."""
+        if not self.closing:
+            self.metrics.observe_finished(out.metrics, len(out.prompt_token_ids),
+                                          sum(job.num_tokens.values()), job.n)
 
     async def _embed(self, job: EmbeddingJob):
         """Answer an embedding job, watched for cancellation and drain meanwhile."""

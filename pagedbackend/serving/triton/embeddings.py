@@ -78,9 +78,9 @@ class EmbeddingJob:
         if self.end_reason is not None:
             send_error(self.sender, self.end_reason, pb_utils.TritonError.CANCELLED)
             return
-        self.sender.send(embedding_response(outputs, self.flags), FINAL)
         for out in outputs if self.observe is not None else ():
-            self.observe(out)
+            self.observe(out)   # before the answer, so a client that has it sees it counted
+        self.sender.send(embedding_response(outputs, self.flags), FINAL)
 
 
 def embedding_response(outputs, flags: dict):
