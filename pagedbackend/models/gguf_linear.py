@@ -53,6 +53,14 @@ def load_library() -> ctypes.CDLL:
             lib.gguf_gemm_avx512.restype = ctypes.c_int
             lib.gguf_gemm_q8_parts.argtypes = lib.gguf_gemm_parts.argtypes
             lib.gguf_gemm_q8_parts.restype = ctypes.c_int
+            lib.gguf_gemm_q8_panels.argtypes = (lib.gguf_gemm_parts.argtypes[:6] + [ctypes.c_void_p]
+                                                + lib.gguf_gemm_parts.argtypes[6:])
+            lib.gguf_gemm_q8_panels.restype = ctypes.c_int
+            lib.gguf_panel_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            lib.gguf_panel_bytes.restype = ctypes.c_int64
+            lib.gguf_panel_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+            lib.gguf_panel_pack.restype = ctypes.c_int
             lib.gguf_gemm_q8_usable.argtypes = []
             lib.gguf_gemm_q8_usable.restype = ctypes.c_int
             _library = lib
@@ -80,7 +88,8 @@ WIDEN_ROWS = 256
 _ops = torch.library.Library("pagedbackend", "FRAGMENT")
 _ops.define("gguf_linear(Tensor x, Tensor[] weights, Tensor[] row_maps, int[] types, int out_features) -> Tensor")
 _ops.define("gguf_embedding(Tensor ids, Tensor weight, int type, int cols) -> Tensor")
-_ops.define("gguf_linear_q8(Tensor x, Tensor[] weights, Tensor[] row_maps, int[] types, int out_features) -> Tensor")
+_ops.define("gguf_linear_q8(Tensor x, Tensor[] weights, Tensor[] row_maps, Tensor[] panels, int[] types, "
+            "int out_features) -> Tensor")
 
 
 def int8_activations_unavailable() -> Optional[str]:
@@ -109,8 +118,8 @@ def _check_parts(x, weights, row_maps, types, out_features) -> List[int]:
     return sizes
 
 
-def _call_parts(function, xf, weights, row_maps, types, sizes, out_features) -> torch.Tensor:
-    """``function`` (``gguf_gemm_parts`` or ``gguf_gemm_q8_parts``) into a new float32 y."""
+def _call_parts(function, xf, weights, row_maps, types, sizes, out_features, panels=None) -> torch.Tensor:
+    """``function`` (``gguf_gemm_parts``, or ``gguf_gemm_q8_panels`` with ``panels``) into a new float32 y."""
     rows, cols = xf.shape
     parts = len(weights)
     y = torch.empty((rows, out_features), dtype=torch.float32)
@@ -119,8 +128,10 @@ def _call_parts(function, xf, weights, row_maps, types, sizes, out_features) -> 
         maps = (ctypes.c_void_p * parts)(*[m.data_ptr() if m.numel() else None for m in row_maps])
         kinds = (ctypes.c_int * parts)(*types)
         counts = (ctypes.c_int64 * parts)(*sizes)
-        code = function(xf.data_ptr(), rows, cols, parts, ptrs, maps, kinds, counts, y.data_ptr(),
-                        torch.get_num_threads())
+        tail = (kinds, counts, y.data_ptr(), torch.get_num_threads())
+        if panels is not None:
+            tail = ((ctypes.c_void_p * parts)(*[q.data_ptr() if q.numel() else None for q in panels]),) + tail
+        code = function(xf.data_ptr(), rows, cols, parts, ptrs, maps, *tail)
         if code:
             raise ValueError({-2: "the int8-activation GGUF products need a CPU with AVX-512 VNNI",
                               -3: "no memory for the int8 activations"}.get(
@@ -142,15 +153,41 @@ def _gguf_linear_cpu(x, weights, row_maps, types, out_features):
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-def _gguf_linear_q8_cpu(x, weights, row_maps, types, out_features):
-    """``gguf_linear`` with x rounded to int8 (the module's docstring)."""
+def _gguf_linear_q8_cpu(x, weights, row_maps, panels, types, out_features):
+    """``gguf_linear`` with x rounded to int8 (the module's docstring), reading
+    part i from ``panels[i]`` where that is not empty (``pack_panels``)."""
     sizes = _check_parts(x, weights, row_maps, types, out_features)
-    y = _call_parts(load_library().gguf_gemm_q8_parts, x.to(torch.float32).contiguous(), weights, row_maps,
-                    types, sizes, out_features)
+    if len(panels) != len(weights):
+        raise ValueError("gguf_linear_q8 takes one panel tensor (or an empty one) per weight")
+    lib = load_library()
+    for panel, size, type_id in zip(panels, sizes, types):
+        if panel.numel() and (panel.dtype != torch.uint8 or not panel.is_contiguous()
+                              or panel.numel() != lib.gguf_panel_bytes(type_id, size, x.shape[1])):
+            raise ValueError("a panel tensor is the contiguous uint8 panel copy of its weight")
+    y = _call_parts(lib.gguf_gemm_q8_panels, x.to(torch.float32).contiguous(), weights, row_maps,
+                    types, sizes, out_features, panels)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
+def pack_panels(weight: torch.Tensor, row_map: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
+    """The panel copy of a weight for the int8-activation products (the
+    kernel's "int8 activations on panels"), rows in the row map's order; an
+    empty tensor for a type without panels."""
+    lib = load_library()
+    rows = row_map.numel() or weight.shape[0]
+    size = lib.gguf_panel_bytes(type_id, rows, cols)
+    out = torch.empty(size, dtype=torch.uint8)
+    if size and lib.gguf_panel_pack(type_id, weight.data_ptr(), row_map.data_ptr() if row_map.numel() else None,
+                                    rows, cols, out.data_ptr(), torch.get_num_threads()):
+        raise ValueError("gguf_panel_pack refused the weight")
+    return out
+
+
 def _gguf_linear_fake(x, weights, row_maps, types, out_features):
+    return x.new_empty((x.shape[0], out_features))
+
+
+def _gguf_linear_q8_fake(x, weights, row_maps, panels, types, out_features):
     return x.new_empty((x.shape[0], out_features))
 
 
@@ -174,7 +211,7 @@ _ops.impl("gguf_embedding", _gguf_embedding_cpu, "CPU")
 _ops.impl("gguf_linear_q8", _gguf_linear_q8_cpu, "CPU")
 torch.library.register_fake("pagedbackend::gguf_linear")(_gguf_linear_fake)
 torch.library.register_fake("pagedbackend::gguf_embedding")(_gguf_embedding_fake)
-torch.library.register_fake("pagedbackend::gguf_linear_q8")(_gguf_linear_fake)
+torch.library.register_fake("pagedbackend::gguf_linear_q8")(_gguf_linear_q8_fake)
 
 
 class GGUFLinear(nn.Module):
@@ -198,8 +235,27 @@ class GGUFLinear(nn.Module):
             self.register_buffer(f"row_map{i}", torch.empty(0, dtype=torch.int64) if row_map is None
                                  else row_map.to(torch.int64).contiguous(), persistent=False)
         self.out_features = sum(w.shape[0] for w in shards)
-        self.int8_activations = False
+        self._int8_activations = False
         load_library()
+
+    @property
+    def int8_activations(self) -> bool:
+        return self._int8_activations
+
+    @int8_activations.setter
+    def int8_activations(self, on: bool) -> None:
+        """On: x rounded to int8 (the module's docstring); the parts whose type
+        has panels are copied into them once (as many bytes as their blocks),
+        and those copies are what the products read."""
+        self._int8_activations = bool(on)
+        for i in range(self.parts):
+            panel = (pack_panels(self.weights[i], self.row_maps[i], self.types[i], self.in_features) if on
+                     else torch.empty(0, dtype=torch.uint8))
+            self.register_buffer(f"panel{i}", panel, persistent=False)
+
+    @property
+    def panels(self) -> List[torch.Tensor]:
+        return [getattr(self, f"panel{i}", torch.empty(0, dtype=torch.uint8)) for i in range(self.parts)]
 
     @property
     def weights(self) -> List[torch.Tensor]:
@@ -211,8 +267,11 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        op = torch.ops.pagedbackend.gguf_linear_q8 if self.int8_activations else torch.ops.pagedbackend.gguf_linear
-        y = op(flat, self.weights, self.row_maps, self.types, self.out_features)
+        if self.int8_activations:
+            y = torch.ops.pagedbackend.gguf_linear_q8(flat, self.weights, self.row_maps, self.panels, self.types,
+                                                     self.out_features)
+        else:
+            y = torch.ops.pagedbackend.gguf_linear(flat, self.weights, self.row_maps, self.types, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:

@@ -63,6 +63,26 @@ static int block_bytes(int type) {
     }
 }
 
+// Panels (see "int8 activations on panels"): weight rows per panel, and x
+// rows run over a panel at once.
+#define PANEL 16
+#define PANEL_X 8
+// A Q4_K panel super-block: 8 groups of values (256 bytes each, as Q4_0's), d
+// and dmin (float16) at PANEL_K_D, then the 8 groups' 6-bit scales and minimums
+// (a byte a row each: [group][row]) at PANEL_K_SC and PANEL_K_SC + 128.
+#define PANEL_K_D (8 * 256)
+#define PANEL_K_SC (PANEL_K_D + 4 * PANEL)
+
+static int panel_type(int type) { return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K; }
+static int64_t panel_values_bytes(int type) { return type == T_Q8_0 ? 512 : 256; }
+int64_t gguf_panel_bytes(int type, int64_t rows, int64_t K);
+// Bytes of a panel's group of 32 columns (32-value types) or super-block of 256 (Q4_K).
+static int64_t panel_group_bytes(int type) {
+    if (type == T_Q4_K) return PANEL_K_SC + 2 * 8 * PANEL;
+    return panel_values_bytes(type) + 2 * PANEL + (type == T_Q4_1 ? 2 * PANEL : 0);
+}
+
+
 static inline void scale_min_k4(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
     if (j < 4) {
         *sc = s[j] & 63;
@@ -682,6 +702,157 @@ static AVX512Q void rows_k(int type, const xk_t *xs, int64_t M, int64_t K, const
     free(offs);
 }
 
+// ---------------------------------------------------------------- int8 activations on panels
+// A part's weight rows (Q8_0, Q4_0, Q4_1) copied at load into panels of PANEL
+// rows, so that one 512-bit register holds 4 consecutive values of each of 16
+// rows: vpdpbusd with 4 bytes of an x row broadcast adds that x group's
+// products into 16 outputs at once, with no sums across lanes, and a group's
+// scaling is one multiply-add per 16 outputs (the layout of llama.cpp's
+// repacked Q4_0 GEMMs). For each group of 32 input columns a panel holds the
+// values, then the 16 rows' d (float16), then (Q4_1) their m:
+// - Q8_0, 8 registers: lane j of register c holds u = q + 128 of row j's
+//   values 4c .. 4c + 3;
+// - Q4_0, Q4_1, 4 registers: lane j of register k holds bytes 4k .. 4k + 3 of
+//   row j's 16 bytes of nibbles, as the block stores them: the low nibbles are
+//   values 4k .. 4k + 3, the high ones 16 + 4k .. 19 + 4k.
+// Rows past the last (a part's rows need not be a multiple of 16) are zeros.
+// x is rounded per group of 32 as for rows_q8, and each product is the same
+// integer dot product scaled the same way; only the order of the float sums
+// differs.
+INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xq_t *xs, int64_t K, float *y,
+                     int64_t ldy, __mmask16 lanes) {
+    const int64_t groups = K / GROUP, vb = panel_values_bytes(type), gb = panel_group_bytes(type);
+    const int offset = type == T_Q8_0 ? 128 : type == T_Q4_0 ? 8 : 0;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[PANEL_X];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *o = pw + g * gb;
+        __m512i u[8];
+        if (type == T_Q8_0) {
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) u[c] = _mm512_loadu_si512((const void *)(o + 64 * c));
+        } else {
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m512i t = _mm512_loadu_si512((const void *)(o + 64 * k));
+                u[k] = _mm512_and_si512(t, low4);
+                u[k + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low4);
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + vb)));
+        const __m512 m = type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + vb + 32)))
+                                        : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const int8_t *v = xs[r].v + g * GROUP;
+            __m512i s = offset ? _mm512_set1_epi32(-offset * (xs[r].s16[2 * g] + xs[r].s16[2 * g + 1]))
+                               : _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                int32_t word;
+                memcpy(&word, v + 4 * c, 4);
+                s = _mm512_dpbusd_epi32(s, u[c], _mm512_set1_epi32(word));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xs[r].dx[g])), acc[r]);
+            if (type == T_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r].dxs[g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, lanes, acc[r]);
+}
+
+#define PANEL_R(type, R) case R: panel32(type, R, pw, xs, K, y, ldy, lanes); break;
+#define PANEL_TYPE(type)                                                                               \
+    static AVX512Q void panel_##type(int rows, const uint8_t *pw, const xq_t *xs, int64_t K, float *y, \
+                                     int64_t ldy, __mmask16 lanes) {                                   \
+        switch (rows) {                                                                                \
+            PANEL_R(type, 1) PANEL_R(type, 2) PANEL_R(type, 3) PANEL_R(type, 4)                        \
+            PANEL_R(type, 5) PANEL_R(type, 6) PANEL_R(type, 7) PANEL_R(type, 8)                        \
+        }                                                                                              \
+    }
+PANEL_TYPE(T_Q8_0)
+PANEL_TYPE(T_Q4_0)
+PANEL_TYPE(T_Q4_1)
+
+// Q4_K panels against x rounded per super-block (xk_t, as rowk): a group's
+// integer dot product is weighted by its integer scale in int32 (vpmulld), so a
+// super-block needs one float multiply-add per 16 outputs, and its minimums one
+// more per group (dmin m_g times the x group's dx * sum(v)).
+INLINEQ void panel_q4k(const int R, const uint8_t *pw, const xk_t *xs, int64_t K, float *y, int64_t ldy,
+                       __mmask16 lanes) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[PANEL_X];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        const uint8_t *o = pw + sb * panel_group_bytes(T_Q4_K);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + PANEL_K_D)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + PANEL_K_D + 2 * PANEL)));
+        __m512i isb[PANEL_X];
+        for (int r = 0; r < R; r++) isb[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+        for (int g = 0; g < 8; g++) {
+            __m512i u[8];
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m512i t = _mm512_loadu_si512((const void *)(o + 256 * g + 64 * k));
+                u[k] = _mm512_and_si512(t, low4);
+                u[k + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low4);
+            }
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(o + PANEL_K_SC + PANEL * g)));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const int8_t *v = xs[r].v + sb * 256 + g * GROUP;
+                __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++) {
+                    int32_t word;
+                    memcpy(&word, v + 4 * c, 4);
+                    s = _mm512_dpbusd_epi32(s, u[c], _mm512_set1_epi32(word));
+                }
+                isb[r] = _mm512_add_epi32(isb[r], _mm512_mullo_epi32(s, sc));
+            }
+        }
+        __m512 mins[8];
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++)
+            mins[g] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(o + PANEL_K_SC + 8 * PANEL + PANEL * g)))));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r].d[sb])), acc[r]);
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) a = _mm512_fnmadd_ps(mins[g], _mm512_set1_ps(xs[r].e32[sb * 8 + g]), a);
+            acc[r] = a;
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, lanes, acc[r]);
+}
+
+#define PANELK_R(R) case R: panel_q4k(R, pw, xs, K, y, ldy, lanes); break;
+static AVX512Q void panel_T_Q4_K(int rows, const uint8_t *pw, const xk_t *xs, int64_t K, float *y, int64_t ldy,
+                                 __mmask16 lanes) {
+    switch (rows) { PANELK_R(1) PANELK_R(2) PANELK_R(3) PANELK_R(4) PANELK_R(5) PANELK_R(6) PANELK_R(7) PANELK_R(8) }
+}
+
+// y[0 .. M, y0 + n0 .. y0 + n1) from the panels of a part (n0 a multiple of
+// PANEL); x as xs (32-value types) or xks (Q4_K) rounds it.
+static AVX512Q void rows_panel(int type, const xq_t *xs, const xk_t *xks, int64_t M, int64_t K,
+                               const uint8_t *panels, float *y, int64_t ldy, int64_t y0, int64_t n0, int64_t n1) {
+    const int64_t panel_bytes = gguf_panel_bytes(type, PANEL, K);
+    for (int64_t n = n0; n < n1; n += PANEL) {
+        const uint8_t *pw = panels + n / PANEL * panel_bytes;
+        const __mmask16 lanes = n1 - n >= PANEL ? 0xffff : (__mmask16)((1u << (n1 - n)) - 1);
+        for (int64_t m0 = 0; m0 < M; m0 += PANEL_X) {
+            const int rows = (int)(M - m0 < PANEL_X ? M - m0 : PANEL_X);
+            float *out = y + m0 * ldy + y0 + n;
+            if (type == T_Q4_K) panel_T_Q4_K(rows, pw, xks + m0, K, out, ldy, lanes);
+            else if (type == T_Q8_0) panel_T_Q8_0(rows, pw, xs + m0, K, out, ldy, lanes);
+            else if (type == T_Q4_0) panel_T_Q4_0(rows, pw, xs + m0, K, out, ldy, lanes);
+            else panel_T_Q4_1(rows, pw, xs + m0, K, out, ldy, lanes);
+        }
+    }
+}
+
 static int vnni_usable(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -797,14 +968,83 @@ int gguf_get_rows(const uint8_t *w, const int64_t *ids, float *out, int64_t coun
 // Whether gguf_gemm_q8_parts runs on this CPU (AVX-512 with VNNI): 1 or 0.
 int gguf_gemm_q8_usable(void) { return vnni_usable(); }
 
+// Bytes of the panel copy of a part of ``rows`` rows of ``type`` over K
+// columns (see "int8 activations on panels"); 0 where the type has none.
+int64_t gguf_panel_bytes(int type, int64_t rows, int64_t K) {
+    if (!panel_type(type) || K <= 0 || K % block_values(type) || rows <= 0) return 0;
+    return (rows + PANEL - 1) / PANEL * (K / (type == T_Q4_K ? 256 : GROUP)) * panel_group_bytes(type);
+}
+
+// Row j of a Q4_K panel super-block o from the super-block b: each group's 32
+// values re-paired as Q4_0 pairs them (value i low, i + 16 high), its scales.
+static void pack_q4k(const uint8_t *b, int j, uint8_t *o) {
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *q = b + 16 + 32 * (g / 2);
+        uint8_t v[32], pairs[16];
+        for (int l = 0; l < 32; l++) v[l] = g & 1 ? q[l] >> 4 : q[l] & 0x0f;
+        for (int i = 0; i < 16; i++) pairs[i] = (uint8_t)(v[i] | (v[i + 16] << 4));
+        for (int k = 0; k < 4; k++) memcpy(o + 256 * g + 64 * k + 4 * j, pairs + 4 * k, 4);
+        scale_min_k4(b + 4, g, o + PANEL_K_SC + PANEL * g + j, o + PANEL_K_SC + 8 * PANEL + PANEL * g + j);
+    }
+    memcpy(o + PANEL_K_D + 2 * j, b, 2);
+    memcpy(o + PANEL_K_D + 2 * PANEL + 2 * j, b + 2, 2);
+}
+
+// Copy a part's rows (read through map when not NULL) into panels at out
+// (gguf_panel_bytes of them); 0, or -1 for a type without panels.
+int gguf_panel_pack(int type, const uint8_t *w, const int64_t *map, int64_t rows, int64_t K, uint8_t *out,
+                    int threads) {
+    if (!gguf_panel_bytes(type, rows, K)) return -1;
+    const int64_t groups = K / block_values(type), gb = panel_group_bytes(type), vb = panel_values_bytes(type);
+    const int64_t bb = block_bytes(type), row_bytes = groups * bb, panels = (rows + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *o = out + (p * groups + g) * gb;
+            memset(o, 0, (size_t)gb);
+            for (int j = 0; j < PANEL && p * PANEL + j < rows; j++) {
+                const int64_t row = p * PANEL + j;
+                const uint8_t *b = w + (map ? map[row] : row) * row_bytes + g * bb;
+                if (type == T_Q4_K) {
+                    pack_q4k(b, j, o);
+                    continue;
+                }
+                if (type == T_Q8_0) {
+                    for (int c = 0; c < 8; c++)
+                        for (int t = 0; t < 4; t++) o[64 * c + 4 * j + t] = (uint8_t)(b[2 + 4 * c + t] ^ 0x80);
+                } else {
+                    const uint8_t *qs = b + (type == T_Q4_0 ? 2 : 4);
+                    for (int k = 0; k < 4; k++) memcpy(o + 64 * k + 4 * j, qs + 4 * k, 4);
+                }
+                memcpy(o + vb + 2 * j, b, 2);
+                if (type == T_Q4_1) memcpy(o + vb + 2 * PANEL + 2 * j, b + 2, 2);
+            }
+        }
+    }
+    return 0;
+}
+
+int gguf_gemm_q8_panels(const float *x, int64_t M, int64_t K, int parts, const uint8_t *const *w,
+                        const int64_t *const *maps, const uint8_t *const *panels, const int *types,
+                        const int64_t *rows, float *y, int threads);
+
 // gguf_gemm_parts with x rounded to int8 per group of 32 (see "int8
 // activations"); 0, -1 as gguf_gemm_parts, -2 where the CPU lacks AVX-512 VNNI,
 // -3 where scratch memory could not be had.
 int gguf_gemm_q8_parts(const float *x, int64_t M, int64_t K, int parts, const uint8_t *const *w,
                        const int64_t *const *maps, const int *types, const int64_t *rows, float *y, int threads) {
+    return gguf_gemm_q8_panels(x, M, K, parts, w, maps, NULL, types, rows, y, threads);
+}
+
+// As gguf_gemm_q8_parts, with panels[p] (when panels and it are not NULL) the
+// panel copy of part p (gguf_panel_pack), which is then read instead of w[p].
+int gguf_gemm_q8_panels(const float *x, int64_t M, int64_t K, int parts, const uint8_t *const *w,
+                        const int64_t *const *maps, const uint8_t *const *panels, const int *types,
+                        const int64_t *rows, float *y, int threads) {
     int64_t N = 0, chunks = 0;
     for (int p = 0; p < parts; p++) {
         if (!block_bytes(types[p]) || K % block_values(types[p])) return -1;
+        if (panels && panels[p] && !panel_type(types[p])) return -1;
         N += rows[p];
     }
     if (!vnni_usable()) return -2;
@@ -836,19 +1076,20 @@ int gguf_gemm_q8_parts(const float *x, int64_t M, int64_t K, int parts, const ui
     }
     int64_t chunk = N / ((int64_t)threads * 4);
     if (chunk < 4) chunk = 4;
-    chunk = (chunk + 3) / 4 * 4;
+    chunk = (chunk + PANEL - 1) / PANEL * PANEL;   // whole panels (and whole groups of 4 weight rows)
     for (int p = 0; p < parts; p++) chunks += (rows[p] + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         int64_t y0, n0, n1;
         const int p = chunk_span(c, chunk, rows, &y0, &n0, &n1);
-        if (types[p] >= T_Q4_K) rows_k(types[p], xks, M, K, w[p], maps[p], y, N, y0, n0, n1);
+        if (panels && panels[p]) rows_panel(types[p], xs, xks, M, K, panels[p], y, N, y0, n0, n1);
+        else if (types[p] >= T_Q4_K) rows_k(types[p], xks, M, K, w[p], maps[p], y, N, y0, n0, n1);
         else rows_q8(types[p], xs, M, K, w[p], maps[p], y, N, y0, n0, n1);
     }
     free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(xks);
     return 0;
 #else
-    (void)x; (void)M; (void)w; (void)maps; (void)y; (void)threads; (void)chunks;
+    (void)x; (void)M; (void)w; (void)maps; (void)panels; (void)y; (void)threads; (void)chunks;
     return -2;
 #endif
 }
