@@ -72,13 +72,24 @@ static int block_bytes(int type) {
 // (a byte a row each: [group][row]) at PANEL_K_SC and PANEL_K_SC + 128.
 #define PANEL_K_D (8 * 256)
 #define PANEL_K_SC (PANEL_K_D + 4 * PANEL)
+// A Q6_K panel super-block: 8 groups of 384 bytes (the low 4 bits of each value
+// as Q4_0 pairs them, then 128 bytes of their top 2 bits: lane j of the first
+// 64 holds, in byte t, bits 4-5 of values t, 4 + t, 8 + t, 12 + t of row j at
+// bits 0-1, 2-3, 4-5, 6-7; the next 64 those of values 16 + t ..), the 16
+// scales of each row (int8: [half of 16][row]) at PANEL_6_SC, d (float16) at
+// PANEL_6_D: 3,360 bytes, as many as the 16 rows' blocks.
+#define PANEL_6_SC (8 * 384)
+#define PANEL_6_D (PANEL_6_SC + 16 * PANEL)
 
-static int panel_type(int type) { return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K; }
+static int panel_type(int type) {
+    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q6_K;
+}
 static int64_t panel_values_bytes(int type) { return type == T_Q8_0 ? 512 : 256; }
 int64_t gguf_panel_bytes(int type, int64_t rows, int64_t K);
 // Bytes of a panel's group of 32 columns (32-value types) or super-block of 256 (Q4_K).
 static int64_t panel_group_bytes(int type) {
     if (type == T_Q4_K) return PANEL_K_SC + 2 * 8 * PANEL;
+    if (type == T_Q6_K) return PANEL_6_D + 2 * PANEL;
     return panel_values_bytes(type) + 2 * PANEL + (type == T_Q4_1 ? 2 * PANEL : 0);
 }
 
@@ -594,10 +605,11 @@ static AVX512Q void rows_q8(int type, const xq_t *xs, int64_t M, int64_t K, cons
 // offset (- 32 d sc_h per half of 16) are summed once per weight row and x row
 // as a float dot product over K / 32 (K / 16) values: the weight row's
 // offsets times the x row's dx * sum(v) of each group (half).
-typedef struct { const int8_t *v; const float *d, *e32, *e16; } xk_t;
+typedef struct { const int8_t *v; const float *d, *e32, *e16; const int32_t *s16; } xk_t;
 #define XK_ROWS 64
 
-static AVX512Q void quantize_row_q8k(const float *x, int64_t K, int8_t *v, float *d, float *e32, float *e16) {
+static AVX512Q void quantize_row_q8k(const float *x, int64_t K, int8_t *v, float *d, float *e32, float *e16,
+                                     int32_t *s16) {
     for (int64_t sb = 0; sb < K / 256; sb++) {
         const float *xs = x + sb * 256;
         __m512 amax = _mm512_setzero_ps();
@@ -608,6 +620,7 @@ static AVX512Q void quantize_row_q8k(const float *x, int64_t K, int8_t *v, float
             _mm_storeu_si128((__m128i *)(v + sb * 256 + i), _mm512_cvtsepi32_epi8(q));
             const int32_t sum = _mm512_reduce_add_epi32(q);
             e16[sb * 16 + i / 16] = dd * (float)sum;
+            s16[sb * 16 + i / 16] = sum;
             if (i % 32 == 0) e32[sb * 8 + i / 32] = (float)sum;
             else e32[sb * 8 + i / 32] = dd * (e32[sb * 8 + i / 32] + (float)sum);
         }
@@ -828,6 +841,70 @@ INLINEQ void panel_q4k(const int R, const uint8_t *pw, const xk_t *xs, int64_t K
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, lanes, acc[r]);
 }
 
+// Q6_K panels against x rounded per super-block: each half group's integer dot
+// product (Q6_K's offset of 32 taken off in int32) weighted by its int8 scale.
+INLINEQ void panel_q6k(const int R, const uint8_t *pw, const xk_t *xs, int64_t K, float *y, int64_t ldy,
+                       __mmask16 lanes) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
+    __m512 acc[PANEL_X];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        const uint8_t *o = pw + sb * panel_group_bytes(T_Q6_K);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + PANEL_6_D)));
+        __m512i isb[PANEL_X];
+        for (int r = 0; r < R; r++) isb[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+        for (int g = 0; g < 8; g++) {
+            const uint8_t *og = o + 384 * g;
+            __m512i u[8];
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m512i t = _mm512_loadu_si512((const void *)(og + 64 * k));
+                u[k] = _mm512_and_si512(t, low4);
+                u[k + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low4);
+            }
+            const __m512i t0 = _mm512_loadu_si512((const void *)(og + 256));
+            const __m512i t1 = _mm512_loadu_si512((const void *)(og + 320));
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                const __m512i t = c < 4 ? t0 : t1;
+                const int q = c % 4;   // bits 2q, 2q + 1 of each byte, to bits 4, 5
+                const __m512i hb = q <= 2 ? _mm512_slli_epi16(t, 4 - 2 * q) : _mm512_srli_epi16(t, 2 * q - 4);
+                u[c] = _mm512_or_si512(u[c], _mm512_and_si512(hb, bits45));
+            }
+            const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(o + PANEL_6_SC + PANEL * 2 * g)));
+            const __m512i sc1 = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(o + PANEL_6_SC + PANEL * (2 * g + 1))));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const int8_t *v = xs[r].v + sb * 256 + g * GROUP;
+                const int32_t *sv = xs[r].s16 + sb * 16 + 2 * g;
+                __m512i s0 = _mm512_set1_epi32(-32 * sv[0]), s1 = _mm512_set1_epi32(-32 * sv[1]);
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    int32_t w0, w1;
+                    memcpy(&w0, v + 4 * c, 4);
+                    memcpy(&w1, v + 16 + 4 * c, 4);
+                    s0 = _mm512_dpbusd_epi32(s0, u[c], _mm512_set1_epi32(w0));
+                    s1 = _mm512_dpbusd_epi32(s1, u[c + 4], _mm512_set1_epi32(w1));
+                }
+                isb[r] = _mm512_add_epi32(isb[r], _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0),
+                                                                   _mm512_mullo_epi32(s1, sc1)));
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r].d[sb])), acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, lanes, acc[r]);
+}
+
+#define PANEL6_R(R) case R: panel_q6k(R, pw, xs, K, y, ldy, lanes); break;
+static AVX512Q void panel_T_Q6_K(int rows, const uint8_t *pw, const xk_t *xs, int64_t K, float *y, int64_t ldy,
+                                 __mmask16 lanes) {
+    switch (rows) { PANEL6_R(1) PANEL6_R(2) PANEL6_R(3) PANEL6_R(4) PANEL6_R(5) PANEL6_R(6) PANEL6_R(7) PANEL6_R(8) }
+}
+
 #define PANELK_R(R) case R: panel_q4k(R, pw, xs, K, y, ldy, lanes); break;
 static AVX512Q void panel_T_Q4_K(int rows, const uint8_t *pw, const xk_t *xs, int64_t K, float *y, int64_t ldy,
                                  __mmask16 lanes) {
@@ -846,6 +923,7 @@ static AVX512Q void rows_panel(int type, const xq_t *xs, const xk_t *xks, int64_
             const int rows = (int)(M - m0 < PANEL_X ? M - m0 : PANEL_X);
             float *out = y + m0 * ldy + y0 + n;
             if (type == T_Q4_K) panel_T_Q4_K(rows, pw, xks + m0, K, out, ldy, lanes);
+            else if (type == T_Q6_K) panel_T_Q6_K(rows, pw, xks + m0, K, out, ldy, lanes);
             else if (type == T_Q8_0) panel_T_Q8_0(rows, pw, xs + m0, K, out, ldy, lanes);
             else if (type == T_Q4_0) panel_T_Q4_0(rows, pw, xs + m0, K, out, ldy, lanes);
             else panel_T_Q4_1(rows, pw, xs + m0, K, out, ldy, lanes);
@@ -972,7 +1050,7 @@ int gguf_gemm_q8_usable(void) { return vnni_usable(); }
 // columns (see "int8 activations on panels"); 0 where the type has none.
 int64_t gguf_panel_bytes(int type, int64_t rows, int64_t K) {
     if (!panel_type(type) || K <= 0 || K % block_values(type) || rows <= 0) return 0;
-    return (rows + PANEL - 1) / PANEL * (K / (type == T_Q4_K ? 256 : GROUP)) * panel_group_bytes(type);
+    return (rows + PANEL - 1) / PANEL * (K / block_values(type)) * panel_group_bytes(type);
 }
 
 // Row j of a Q4_K panel super-block o from the super-block b: each group's 32
@@ -990,6 +1068,23 @@ static void pack_q4k(const uint8_t *b, int j, uint8_t *o) {
     memcpy(o + PANEL_K_D + 2 * PANEL + 2 * j, b + 2, 2);
 }
 
+// Row j of a Q6_K panel super-block o from the super-block b.
+static void pack_q6k(const uint8_t *b, int j, uint8_t *o) {
+    for (int g = 0; g < 8; g++) {
+        const int h = g >> 2, k = g & 3;   // as widen() reads group g
+        const uint8_t *ql = b + 64 * h + 32 * (k & 1), *qh = b + 128 + 32 * h;
+        uint8_t v[32], pairs[16], top[8] = {0};
+        for (int i = 0; i < 32; i++) v[i] = (uint8_t)(((ql[i] >> (4 * (k >> 1))) & 0xF) | (((qh[i] >> (2 * k)) & 3) << 4));
+        for (int i = 0; i < 16; i++) pairs[i] = (uint8_t)((v[i] & 0xF) | ((v[i + 16] & 0xF) << 4));
+        for (int i = 0; i < 32; i++)   // value i: chunk c = i / 4 (0..7), byte t = i % 4
+            top[(i / 16) * 4 + i % 4] |= (uint8_t)((v[i] >> 4) << (2 * ((i / 4) % 4)));
+        for (int q = 0; q < 4; q++) memcpy(o + 384 * g + 64 * q + 4 * j, pairs + 4 * q, 4);
+        for (int q = 0; q < 2; q++) memcpy(o + 384 * g + 256 + 64 * q + 4 * j, top + 4 * q, 4);
+    }
+    for (int half = 0; half < 16; half++) o[PANEL_6_SC + PANEL * half + j] = b[192 + half];
+    memcpy(o + PANEL_6_D + 2 * j, b + 208, 2);
+}
+
 // Copy a part's rows (read through map when not NULL) into panels at out
 // (gguf_panel_bytes of them); 0, or -1 for a type without panels.
 int gguf_panel_pack(int type, const uint8_t *w, const int64_t *map, int64_t rows, int64_t K, uint8_t *out,
@@ -1005,8 +1100,8 @@ int gguf_panel_pack(int type, const uint8_t *w, const int64_t *map, int64_t rows
             for (int j = 0; j < PANEL && p * PANEL + j < rows; j++) {
                 const int64_t row = p * PANEL + j;
                 const uint8_t *b = w + (map ? map[row] : row) * row_bytes + g * bb;
-                if (type == T_Q4_K) {
-                    pack_q4k(b, j, o);
+                if (type == T_Q4_K || type == T_Q6_K) {
+                    (type == T_Q4_K ? pack_q4k : pack_q6k)(b, j, o);
                     continue;
                 }
                 if (type == T_Q8_0) {
@@ -1059,16 +1154,17 @@ int gguf_gemm_q8_panels(const float *x, int64_t M, int64_t K, int parts, const u
     int8_t *vk = kquant ? malloc((size_t)(M * K)) : NULL;
     float *dk = kquant ? malloc((size_t)(M * (K / 256)) * sizeof(float)) : NULL;
     float *sk = kquant ? malloc((size_t)(M * (K / 16 + K / 32)) * sizeof(float)) : NULL;
+    int32_t *ik = kquant ? malloc((size_t)(M * (K / 16)) * sizeof(int32_t)) : NULL;
     xk_t *xks = kquant ? malloc((size_t)M * sizeof(xk_t)) : NULL;
-    if (!v || !dx || !dxs || !s16 || !xs || (kquant && (!vk || !dk || !sk || !xks))) {
-        free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(xks);
+    if (!v || !dx || !dxs || !s16 || !xs || (kquant && (!vk || !dk || !sk || !ik || !xks))) {
+        free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(ik); free(xks);
         return -3;
     }
     if (kquant)
         for (int64_t m = 0; m < M; m++) {
             float *e = sk + m * (K / 16 + K / 32);
-            quantize_row_q8k(x + m * K, K, vk + m * K, dk + m * (K / 256), e, e + K / 32);
-            xks[m] = (xk_t){vk + m * K, dk + m * (K / 256), e, e + K / 32};
+            quantize_row_q8k(x + m * K, K, vk + m * K, dk + m * (K / 256), e, e + K / 32, ik + m * (K / 16));
+            xks[m] = (xk_t){vk + m * K, dk + m * (K / 256), e, e + K / 32, ik + m * (K / 16)};
         }
     for (int64_t m = 0; m < M; m++) {
         quantize_row_q8(x + m * K, K, v + m * K, dx + m * groups, dxs + m * groups, s16 + m * groups * 2);
@@ -1086,7 +1182,7 @@ int gguf_gemm_q8_panels(const float *x, int64_t M, int64_t K, int parts, const u
         else if (types[p] >= T_Q4_K) rows_k(types[p], xks, M, K, w[p], maps[p], y, N, y0, n0, n1);
         else rows_q8(types[p], xs, M, K, w[p], maps[p], y, N, y0, n0, n1);
     }
-    free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(xks);
+    free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(ik); free(xks);
     return 0;
 #else
     (void)x; (void)M; (void)w; (void)maps; (void)panels; (void)y; (void)threads; (void)chunks;
