@@ -14,6 +14,10 @@ With ``int8_activations`` (``quantization=w8a8`` on a GGUF model) x is
 rounded to int8 as llama.cpp rounds it (per group of 32 for the 32-value
 types, per super-block of 256 for the K-quants) and each group's product is an
 integer dot product (AVX-512 VNNI); see the kernel's "int8 activations".
+Parts of the types that have them are then read from panels of 16 rows copied
+once when the setting is applied (``pack_panels``; the kernel's "int8
+activations on panels"), the original blocks staying mapped for the default
+products and ``dequantized``.
 
 The calls are ``torch.library`` operators, so a compiled step keeps them as
 opaque calls.

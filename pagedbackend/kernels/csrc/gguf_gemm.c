@@ -716,7 +716,8 @@ static AVX512Q void rows_k(int type, const xk_t *xs, int64_t M, int64_t K, const
 }
 
 // ---------------------------------------------------------------- int8 activations on panels
-// A part's weight rows (Q8_0, Q4_0, Q4_1) copied at load into panels of PANEL
+// A part's weight rows (Q8_0, Q4_0, Q4_1; Q4_K and Q6_K below, with their
+// layouts beside PANEL_K_D and PANEL_6_SC) copied at load into panels of PANEL
 // rows, so that one 512-bit register holds 4 consecutive values of each of 16
 // rows: vpdpbusd with 4 bytes of an x row broadcast adds that x group's
 // products into 16 outputs at once, with no sums across lanes, and a group's
