@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from pagedbackend.kernels import native
+from pagedbackend.kernels import hugepages, native
 
 # ggml type ids the kernels take.
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -180,7 +180,7 @@ def pack_panels(weight: torch.Tensor, row_map: torch.Tensor, type_id: int, cols:
     lib = load_library()
     rows = row_map.numel() or weight.shape[0]
     size = lib.gguf_panel_bytes(type_id, rows, cols)
-    out = torch.empty(size, dtype=torch.uint8)
+    out = hugepages.empty((size,), torch.uint8)
     if size and lib.gguf_panel_pack(type_id, weight.data_ptr(), row_map.data_ptr() if row_map.numel() else None,
                                     rows, cols, out.data_ptr(), torch.get_num_threads()):
         raise ValueError("gguf_panel_pack refused the weight")
