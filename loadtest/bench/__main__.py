@@ -30,6 +30,7 @@ BENCHMARKS = {
     "quant_kernels": "weight-only int8 / int4 and bf16 matmuls vs fp32 on SmolLM2's linear shapes",
     "quant_quality": "quantization none / int8 / int4: perplexity, greedy agreement, offline tokens/s",
     "bf16_gemm": "bfloat16 products per Llama-3.2-1B shape: the paired kernel, the kernel on the loaded layout, torch's GEMM",
+    "gguf_gemm": "GGUF products per Llama-3.2-1B shape and block type: exact, int8 activations from blocks and from panels",
     "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
     "kv_cache_dtype": "KV cache in bfloat16 / int8 vs float32: decode kernel time at 4k and 16k, quality, capacity",
     "fleet": "replicas behind Dynamo's KV router vs round-robin and random on multi-turn chat; the hop's cost",

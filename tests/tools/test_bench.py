@@ -446,6 +446,23 @@ def test_bf16_gemm_bench_times_every_path_this_cpu_has(tmp_path):
         assert row["torch"]["x_torch"] == 1 and all(row[p]["gflops"] > 0 for p in paths)
 
 
+def test_gguf_gemm_bench_times_every_product_of_a_type_after_checking_it(tmp_path):
+    from loadtest.bench import gguf_gemm
+    from pagedbackend.models.gguf_linear import int8_activations_unavailable
+    result = gguf_gemm.main(["--quick", "--types", "Q4_0,Q5_K", "--shapes", "o", "--threads", "1",
+                             "--out", str(tmp_path)])
+    assert [(r["type"], r["m"]) for r in result["rows"]] == [("Q4_0", 1), ("Q4_0", 32), ("Q5_K", 1), ("Q5_K", 32)]
+    int8 = int8_activations_unavailable() is None
+    for row in result["rows"]:   # Q5_K has no panels: its int8 products read the blocks only
+        products = {key for key in row if isinstance(row[key], dict)}
+        expected = {"default"} | ({"int8 blocks"} if int8 else set())
+        assert products == expected | ({"int8 panels"} if int8 and row["type"] == "Q4_0" else set())
+        assert all(row[p]["gflops"] > 0 for p in products)
+        assert ("panels_x_blocks" in row) == ("int8 panels" in products)
+    with pytest.raises(SystemExit, match="unknown type 'Q3_K'"):
+        gguf_gemm.main(["--quick", "--types", "Q3_K", "--out", str(tmp_path)])
+
+
 def test_cpu_kernels_bench_times_each_kernel_beside_what_it_replaces(tmp_path):
     from pagedbackend.kernels import sdpa_attention as sa
     from pagedbackend.kernels import native
