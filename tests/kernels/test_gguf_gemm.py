@@ -144,7 +144,7 @@ def test_int8_activations_on_panels_read_rows_through_a_map_past_one_panel():
     assert [p.numel() for p in layer.panels] == [48 * K // 32 * 18, 32 * K // 32 * 20, 16 * K // 32 * 34,
                                                  K // 256 * 2368, 2 * K // 256 * 3360]   # Q4_K: 148 bytes for 144
     g = torch.Generator().manual_seed(7)
-    for rows in (1, 8, 9, 40):
+    for rows in (1, 8, 9, 13, 40):   # tiles of 8 rows of x, the last one of 1 to 8
         x = torch.randn(rows, K, generator=g)
         expected = torch.cat([rounded_to_int8(x, 32) @ torch.cat([wa[order], wb, wc]).double().T,
                               rounded_to_int8(x, 256) @ torch.cat([wd, we]).double().T], 1)

@@ -733,7 +733,53 @@ static AVX512Q void rows_k(int type, const xk_t *xs, int64_t M, int64_t K, const
 // x is rounded per group of 32 as for rows_q8, and each product is the same
 // integer dot product scaled the same way; only the order of the float sums
 // differs.
-INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xq_t *xs, int64_t K, float *y,
+//
+// The panels read x by tiles of R <= PANEL_X rows interleaved word by word
+// (word j, values 4j .. 4j + 3, of the tile's row r at w[j * R + r]), and
+// each group's scalars likewise ([g * R + r]): one pointer serves the tile,
+// every vpdpbusd takes its broadcast word at a fixed offset from it, and a
+// tile of fewer rows (one row, in a one-stream decode) is as compact as they.
+typedef struct { const int32_t *w; const float *dx, *dxs; const int32_t *neg8, *neg128; } xt_t;
+typedef struct { const int32_t *w; const float *d, *e32; const int32_t *s16; } xkt_t;
+
+static void xtile_words(const int8_t *const *v, int R, int64_t K, int32_t *w) {
+    for (int64_t j = 0; j < K / 4; j++)
+        for (int r = 0; r < R; r++) memcpy(w + j * R + r, v[r] + 4 * j, 4);
+}
+
+// Tile t of x as the 32-value types' panels read it (rows xs[0 .. R)); buffers
+// of K * PANEL_X bytes (w) and K / 32 * PANEL_X values (the rest).
+static void xtile_q8(const xq_t *xs, int R, int64_t K, int32_t *w, float *dx, float *dxs, int32_t *neg8,
+                    int32_t *neg128) {
+    const int8_t *v[PANEL_X];
+    for (int r = 0; r < R; r++) v[r] = xs[r].v;
+    xtile_words(v, R, K, w);
+    for (int64_t g = 0; g < K / GROUP; g++)
+        for (int r = 0; r < R; r++) {
+            const int64_t i = g * R + r;
+            const int32_t sum = xs[r].s16[2 * g] + xs[r].s16[2 * g + 1];
+            dx[i] = xs[r].dx[g];
+            dxs[i] = xs[r].dxs[g];
+            neg8[i] = -8 * sum;
+            neg128[i] = -128 * sum;
+        }
+}
+
+// The same for the K-quants' panels: d per super-block, e32 (the minimums'
+// weights) per group of 32, s16 per half group; K / 256 * PANEL_X values of d,
+// 8 times as many of e32 and 16 times of s16.
+static void xtile_q8k(const xk_t *xs, int R, int64_t K, int32_t *w, float *d, float *e32, int32_t *s16) {
+    const int8_t *v[PANEL_X];
+    for (int r = 0; r < R; r++) v[r] = xs[r].v;
+    xtile_words(v, R, K, w);
+    for (int r = 0; r < R; r++) {
+        for (int64_t sb = 0; sb < K / 256; sb++) d[sb * R + r] = xs[r].d[sb];
+        for (int64_t g = 0; g < K / 32; g++) e32[g * R + r] = xs[r].e32[g];
+        for (int64_t h = 0; h < K / 16; h++) s16[h * R + r] = xs[r].s16[h];
+    }
+}
+
+INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xt_t *xt, int64_t K, float *y,
                      int64_t ldy, __mmask16 lanes) {
     const int64_t groups = K / GROUP, vb = panel_values_bytes(type), gb = panel_group_bytes(type);
     const int offset = type == T_Q8_0 ? 128 : type == T_Q4_0 ? 8 : 0;
@@ -757,27 +803,23 @@ INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xq_t 
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + vb)));
         const __m512 m = type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + vb + 32)))
                                         : _mm512_setzero_ps();
+        const int32_t *xw = xt->w + g * 8 * R, *neg = (offset == 128 ? xt->neg128 : xt->neg8) + g * R;
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const int8_t *v = xs[r].v + g * GROUP;
-            __m512i s = offset ? _mm512_set1_epi32(-offset * (xs[r].s16[2 * g] + xs[r].s16[2 * g + 1]))
-                               : _mm512_setzero_si512();
+            __m512i s = offset ? _mm512_set1_epi32(neg[r]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
-            for (int c = 0; c < 8; c++) {
-                int32_t word;
-                memcpy(&word, v + 4 * c, 4);
-                s = _mm512_dpbusd_epi32(s, u[c], _mm512_set1_epi32(word));
-            }
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xs[r].dx[g])), acc[r]);
-            if (type == T_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r].dxs[g]), acc[r]);
+            for (int c = 0; c < 8; c++) s = _mm512_dpbusd_epi32(s, u[c], _mm512_set1_epi32(xw[c * R + r]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xt->dx[g * R + r])),
+                                     acc[r]);
+            if (type == T_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xt->dxs[g * R + r]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, lanes, acc[r]);
 }
 
-#define PANEL_R(type, R) case R: panel32(type, R, pw, xs, K, y, ldy, lanes); break;
+#define PANEL_R(type, R) case R: panel32(type, R, pw, xt, K, y, ldy, lanes); break;
 #define PANEL_TYPE(type)                                                                               \
-    static AVX512Q void panel_##type(int rows, const uint8_t *pw, const xq_t *xs, int64_t K, float *y, \
+    static AVX512Q void panel_##type(int rows, const uint8_t *pw, const xt_t *xt, int64_t K, float *y, \
                                      int64_t ldy, __mmask16 lanes) {                                   \
         switch (rows) {                                                                                \
             PANEL_R(type, 1) PANEL_R(type, 2) PANEL_R(type, 3) PANEL_R(type, 4)                        \
@@ -792,7 +834,7 @@ PANEL_TYPE(T_Q4_1)
 // integer dot product is weighted by its integer scale in int32 (vpmulld), so a
 // super-block needs one float multiply-add per 16 outputs, and its minimums one
 // more per group (dmin m_g times the x group's dx * sum(v)).
-INLINEQ void panel_q4k(const int R, const uint8_t *pw, const xk_t *xs, int64_t K, float *y, int64_t ldy,
+INLINEQ void panel_q4k(const int R, const uint8_t *pw, const xkt_t *xt, int64_t K, float *y, int64_t ldy,
                        __mmask16 lanes) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[PANEL_X];
@@ -813,16 +855,12 @@ INLINEQ void panel_q4k(const int R, const uint8_t *pw, const xk_t *xs, int64_t K
                 u[k + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low4);
             }
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(o + PANEL_K_SC + PANEL * g)));
+            const int32_t *xw = xt->w + (sb * 64 + g * 8) * R;
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                const int8_t *v = xs[r].v + sb * 256 + g * GROUP;
                 __m512i s = _mm512_setzero_si512();
 #pragma GCC unroll 8
-                for (int c = 0; c < 8; c++) {
-                    int32_t word;
-                    memcpy(&word, v + 4 * c, 4);
-                    s = _mm512_dpbusd_epi32(s, u[c], _mm512_set1_epi32(word));
-                }
+                for (int c = 0; c < 8; c++) s = _mm512_dpbusd_epi32(s, u[c], _mm512_set1_epi32(xw[c * R + r]));
                 isb[r] = _mm512_add_epi32(isb[r], _mm512_mullo_epi32(s, sc));
             }
         }
@@ -833,9 +871,11 @@ INLINEQ void panel_q4k(const int R, const uint8_t *pw, const xk_t *xs, int64_t K
                 _mm_loadu_si128((const __m128i *)(o + PANEL_K_SC + 8 * PANEL + PANEL * g)))));
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r].d[sb])), acc[r]);
+            __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb[r]), _mm512_mul_ps(d, _mm512_set1_ps(xt->d[sb * R + r])),
+                                       acc[r]);
 #pragma GCC unroll 8
-            for (int g = 0; g < 8; g++) a = _mm512_fnmadd_ps(mins[g], _mm512_set1_ps(xs[r].e32[sb * 8 + g]), a);
+            for (int g = 0; g < 8; g++)
+                a = _mm512_fnmadd_ps(mins[g], _mm512_set1_ps(xt->e32[(sb * 8 + g) * R + r]), a);
             acc[r] = a;
         }
     }
@@ -844,7 +884,7 @@ INLINEQ void panel_q4k(const int R, const uint8_t *pw, const xk_t *xs, int64_t K
 
 // Q6_K panels against x rounded per super-block: each half group's integer dot
 // product (Q6_K's offset of 32 taken off in int32) weighted by its int8 scale.
-INLINEQ void panel_q6k(const int R, const uint8_t *pw, const xk_t *xs, int64_t K, float *y, int64_t ldy,
+INLINEQ void panel_q6k(const int R, const uint8_t *pw, const xkt_t *xt, int64_t K, float *y, int64_t ldy,
                        __mmask16 lanes) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
     __m512 acc[PANEL_X];
@@ -876,18 +916,14 @@ INLINEQ void panel_q6k(const int R, const uint8_t *pw, const xk_t *xs, int64_t K
             const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(o + PANEL_6_SC + PANEL * 2 * g)));
             const __m512i sc1 = _mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const __m128i *)(o + PANEL_6_SC + PANEL * (2 * g + 1))));
+            const int32_t *xw = xt->w + (sb * 64 + g * 8) * R, *sv = xt->s16 + (sb * 16 + 2 * g) * R;
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                const int8_t *v = xs[r].v + sb * 256 + g * GROUP;
-                const int32_t *sv = xs[r].s16 + sb * 16 + 2 * g;
-                __m512i s0 = _mm512_set1_epi32(-32 * sv[0]), s1 = _mm512_set1_epi32(-32 * sv[1]);
+                __m512i s0 = _mm512_set1_epi32(-32 * sv[r]), s1 = _mm512_set1_epi32(-32 * sv[R + r]);
 #pragma GCC unroll 4
                 for (int c = 0; c < 4; c++) {
-                    int32_t w0, w1;
-                    memcpy(&w0, v + 4 * c, 4);
-                    memcpy(&w1, v + 16 + 4 * c, 4);
-                    s0 = _mm512_dpbusd_epi32(s0, u[c], _mm512_set1_epi32(w0));
-                    s1 = _mm512_dpbusd_epi32(s1, u[c + 4], _mm512_set1_epi32(w1));
+                    s0 = _mm512_dpbusd_epi32(s0, u[c], _mm512_set1_epi32(xw[c * R + r]));
+                    s1 = _mm512_dpbusd_epi32(s1, u[c + 4], _mm512_set1_epi32(xw[(c + 4) * R + r]));
                 }
                 isb[r] = _mm512_add_epi32(isb[r], _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0),
                                                                    _mm512_mullo_epi32(s1, sc1)));
@@ -895,26 +931,27 @@ INLINEQ void panel_q6k(const int R, const uint8_t *pw, const xk_t *xs, int64_t K
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r].d[sb])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb[r]), _mm512_mul_ps(d, _mm512_set1_ps(xt->d[sb * R + r])),
+                                     acc[r]);
     }
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, lanes, acc[r]);
 }
 
-#define PANEL6_R(R) case R: panel_q6k(R, pw, xs, K, y, ldy, lanes); break;
-static AVX512Q void panel_T_Q6_K(int rows, const uint8_t *pw, const xk_t *xs, int64_t K, float *y, int64_t ldy,
+#define PANEL6_R(R) case R: panel_q6k(R, pw, xt, K, y, ldy, lanes); break;
+static AVX512Q void panel_T_Q6_K(int rows, const uint8_t *pw, const xkt_t *xt, int64_t K, float *y, int64_t ldy,
                                  __mmask16 lanes) {
     switch (rows) { PANEL6_R(1) PANEL6_R(2) PANEL6_R(3) PANEL6_R(4) PANEL6_R(5) PANEL6_R(6) PANEL6_R(7) PANEL6_R(8) }
 }
 
-#define PANELK_R(R) case R: panel_q4k(R, pw, xs, K, y, ldy, lanes); break;
-static AVX512Q void panel_T_Q4_K(int rows, const uint8_t *pw, const xk_t *xs, int64_t K, float *y, int64_t ldy,
+#define PANELK_R(R) case R: panel_q4k(R, pw, xt, K, y, ldy, lanes); break;
+static AVX512Q void panel_T_Q4_K(int rows, const uint8_t *pw, const xkt_t *xt, int64_t K, float *y, int64_t ldy,
                                  __mmask16 lanes) {
     switch (rows) { PANELK_R(1) PANELK_R(2) PANELK_R(3) PANELK_R(4) PANELK_R(5) PANELK_R(6) PANELK_R(7) PANELK_R(8) }
 }
 
 // y[0 .. M, y0 + n0 .. y0 + n1) from the panels of a part (n0 a multiple of
-// PANEL); x as xs (32-value types) or xks (Q4_K) rounds it.
-static AVX512Q void rows_panel(int type, const xq_t *xs, const xk_t *xks, int64_t M, int64_t K,
+// PANEL); x in tiles as xts (32-value types) or xkts (K-quants) round it.
+static AVX512Q void rows_panel(int type, const xt_t *xts, const xkt_t *xkts, int64_t M, int64_t K,
                                const uint8_t *panels, float *y, int64_t ldy, int64_t y0, int64_t n0, int64_t n1) {
     const int64_t panel_bytes = gguf_panel_bytes(type, PANEL, K);
     for (int64_t n = n0; n < n1; n += PANEL) {
@@ -923,11 +960,12 @@ static AVX512Q void rows_panel(int type, const xq_t *xs, const xk_t *xks, int64_
         for (int64_t m0 = 0; m0 < M; m0 += PANEL_X) {
             const int rows = (int)(M - m0 < PANEL_X ? M - m0 : PANEL_X);
             float *out = y + m0 * ldy + y0 + n;
-            if (type == T_Q4_K) panel_T_Q4_K(rows, pw, xks + m0, K, out, ldy, lanes);
-            else if (type == T_Q6_K) panel_T_Q6_K(rows, pw, xks + m0, K, out, ldy, lanes);
-            else if (type == T_Q8_0) panel_T_Q8_0(rows, pw, xs + m0, K, out, ldy, lanes);
-            else if (type == T_Q4_0) panel_T_Q4_0(rows, pw, xs + m0, K, out, ldy, lanes);
-            else panel_T_Q4_1(rows, pw, xs + m0, K, out, ldy, lanes);
+            const int64_t t = m0 / PANEL_X;
+            if (type == T_Q4_K) panel_T_Q4_K(rows, pw, xkts + t, K, out, ldy, lanes);
+            else if (type == T_Q6_K) panel_T_Q6_K(rows, pw, xkts + t, K, out, ldy, lanes);
+            else if (type == T_Q8_0) panel_T_Q8_0(rows, pw, xts + t, K, out, ldy, lanes);
+            else if (type == T_Q4_0) panel_T_Q4_0(rows, pw, xts + t, K, out, ldy, lanes);
+            else panel_T_Q4_1(rows, pw, xts + t, K, out, ldy, lanes);
         }
     }
 }
@@ -1161,15 +1199,43 @@ int gguf_gemm_q8_panels(const float *x, int64_t M, int64_t K, int parts, const u
         free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(ik); free(xks);
         return -3;
     }
-    if (kquant)
-        for (int64_t m = 0; m < M; m++) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++) {
+        if (kquant) {
             float *e = sk + m * (K / 16 + K / 32);
             quantize_row_q8k(x + m * K, K, vk + m * K, dk + m * (K / 256), e, e + K / 32, ik + m * (K / 16));
             xks[m] = (xk_t){vk + m * K, dk + m * (K / 256), e, e + K / 32, ik + m * (K / 16)};
         }
-    for (int64_t m = 0; m < M; m++) {
         quantize_row_q8(x + m * K, K, v + m * K, dx + m * groups, dxs + m * groups, s16 + m * groups * 2);
         xs[m] = (xq_t){v + m * K, dx + m * groups, dxs + m * groups, s16 + m * groups * 2};
+    }
+    // The tiles the panels read (see "int8 activations on panels").
+    int any_panels = 0;
+    for (int p = 0; p < parts; p++) any_panels |= panels && panels[p];
+    const int64_t tiles = any_panels ? (M + PANEL_X - 1) / PANEL_X : 0;
+    const int64_t tw = K / 4 * PANEL_X, tg = K / GROUP * PANEL_X;   // words and groups' values a tile
+    int32_t *t32 = tiles ? malloc((size_t)(tiles * (tw + 4 * tg)) * sizeof(int32_t)) : NULL;
+    int32_t *tk = tiles && kquant ? malloc((size_t)(tiles * (tw + tg / 8 + tg + 2 * tg)) * sizeof(int32_t)) : NULL;
+    xt_t *xts = tiles ? malloc((size_t)tiles * sizeof(xt_t)) : NULL;
+    xkt_t *xkts = tiles && kquant ? malloc((size_t)tiles * sizeof(xkt_t)) : NULL;
+    if (tiles && (!t32 || !xts || (kquant && (!tk || !xkts)))) {
+        free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(ik); free(xks);
+        free(t32); free(tk); free(xts); free(xkts);
+        return -3;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (tiles >= 2)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int R = (int)(M - t * PANEL_X < PANEL_X ? M - t * PANEL_X : PANEL_X);
+        int32_t *b = t32 + t * (tw + 4 * tg);
+        xtile_q8(xs + t * PANEL_X, R, K, b, (float *)(b + tw), (float *)(b + tw + tg), b + tw + 2 * tg, b + tw + 3 * tg);
+        xts[t] = (xt_t){b, (const float *)(b + tw), (const float *)(b + tw + tg), b + tw + 2 * tg, b + tw + 3 * tg};
+        if (kquant) {
+            int32_t *c = tk + t * (tw + tg / 8 + tg + 2 * tg);
+            float *d = (float *)(c + tw), *e = d + tg / 8;
+            int32_t *h = (int32_t *)(e + tg);
+            xtile_q8k(xks + t * PANEL_X, R, K, c, d, e, h);
+            xkts[t] = (xkt_t){c, d, e, h};
+        }
     }
     int64_t chunk = N / ((int64_t)threads * 4);
     if (chunk < 4) chunk = 4;
@@ -1179,11 +1245,12 @@ int gguf_gemm_q8_panels(const float *x, int64_t M, int64_t K, int parts, const u
     for (int64_t c = 0; c < chunks; c++) {
         int64_t y0, n0, n1;
         const int p = chunk_span(c, chunk, rows, &y0, &n0, &n1);
-        if (panels && panels[p]) rows_panel(types[p], xs, xks, M, K, panels[p], y, N, y0, n0, n1);
+        if (panels && panels[p]) rows_panel(types[p], xts, xkts, M, K, panels[p], y, N, y0, n0, n1);
         else if (types[p] >= T_Q4_K) rows_k(types[p], xks, M, K, w[p], maps[p], y, N, y0, n0, n1);
         else rows_q8(types[p], xs, M, K, w[p], maps[p], y, N, y0, n0, n1);
     }
     free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(ik); free(xks);
+    free(t32); free(tk); free(xts); free(xkts);
     return 0;
 #else
     (void)x; (void)M; (void)w; (void)maps; (void)panels; (void)y; (void)threads; (void)chunks;
