@@ -461,6 +461,10 @@ def test_gguf_gemm_bench_times_every_product_of_a_type_after_checking_it(tmp_pat
         assert ("panels_x_blocks" in row) == ("int8 panels" in products)
     with pytest.raises(SystemExit, match="unknown type 'Q3_K'"):
         gguf_gemm.main(["--quick", "--types", "Q3_K", "--out", str(tmp_path)])
+    if int8:   # the kernel as of a revision, on the same panels, checked equal before it is timed
+        result = gguf_gemm.main(["--quick", "--types", "Q4_0", "--shapes", "o", "--threads", "1", "--cpu-time",
+                                 "--against", "HEAD", "--out", str(tmp_path)])
+        assert result["cpu_time"] and all(row["x_rev"] > 0 and "panels @HEAD" in row for row in result["rows"])
 
 
 def test_cpu_kernels_bench_times_each_kernel_beside_what_it_replaces(tmp_path):

@@ -747,8 +747,8 @@ static void xtile_words(const int8_t *const *v, int R, int64_t K, int32_t *w) {
         for (int r = 0; r < R; r++) memcpy(w + j * R + r, v[r] + 4 * j, 4);
 }
 
-// Tile t of x as the 32-value types' panels read it (rows xs[0 .. R)); buffers
-// of K * PANEL_X bytes (w) and K / 32 * PANEL_X values (the rest).
+// A tile of x as the 32-value types' panels read it (rows xs[0 .. R)); buffers
+// of K * R bytes (w) and K / 32 * R values (the rest).
 static void xtile_q8(const xq_t *xs, int R, int64_t K, int32_t *w, float *dx, float *dxs, int32_t *neg8,
                     int32_t *neg128) {
     const int8_t *v[PANEL_X];
@@ -767,7 +767,7 @@ static void xtile_q8(const xq_t *xs, int R, int64_t K, int32_t *w, float *dx, fl
 
 // The same for the K-quants' panels: d per super-block, e32 (the minimums'
 // weights) per group of 32, and Q6_K's offset -32 sum(v) per half group;
-// K / 256 * PANEL_X values of d, 8 times as many of e32 and 16 times of neg32.
+// K / 256 * R values of d, 8 times as many of e32 and 16 times of neg32.
 static void xtile_q8k(const xk_t *xs, int R, int64_t K, int32_t *w, float *d, float *e32, int32_t *neg32) {
     const int8_t *v[PANEL_X];
     for (int r = 0; r < R; r++) v[r] = xs[r].v;
@@ -1212,10 +1212,12 @@ int gguf_gemm_q8_panels(const float *x, int64_t M, int64_t K, int parts, const u
     // The tiles the panels read (see "int8 activations on panels").
     int any_panels = 0;
     for (int p = 0; p < parts; p++) any_panels |= panels && panels[p];
+    // Per row of x: K / 4 words, and 4 (32-value types) or 1 + 8 + 16 (K-quants)
+    // values per 256 columns; a tile holds its rows' share (R rows, not PANEL_X).
     const int64_t tiles = any_panels ? (M + PANEL_X - 1) / PANEL_X : 0;
-    const int64_t tw = K / 4 * PANEL_X, tg = K / GROUP * PANEL_X;   // words and groups' values a tile
-    int32_t *t32 = tiles ? malloc((size_t)(tiles * (tw + 4 * tg)) * sizeof(int32_t)) : NULL;
-    int32_t *tk = tiles && kquant ? malloc((size_t)(tiles * (tw + tg / 8 + tg + 2 * tg)) * sizeof(int32_t)) : NULL;
+    const int64_t row32 = K / 4 + 4 * (K / GROUP), rowk = K / 4 + K / 256 + K / 32 + K / 16;
+    int32_t *t32 = tiles ? malloc((size_t)(M * row32) * sizeof(int32_t)) : NULL;
+    int32_t *tk = tiles && kquant ? malloc((size_t)(M * rowk) * sizeof(int32_t)) : NULL;
     xt_t *xts = tiles ? malloc((size_t)tiles * sizeof(xt_t)) : NULL;
     xkt_t *xkts = tiles && kquant ? malloc((size_t)tiles * sizeof(xkt_t)) : NULL;
     if (tiles && (!t32 || !xts || (kquant && (!tk || !xkts)))) {
@@ -1226,11 +1228,12 @@ int gguf_gemm_q8_panels(const float *x, int64_t M, int64_t K, int parts, const u
 #pragma omp parallel for num_threads(threads) schedule(static) if (tiles >= 2)
     for (int64_t t = 0; t < tiles; t++) {
         const int R = (int)(M - t * PANEL_X < PANEL_X ? M - t * PANEL_X : PANEL_X);
-        int32_t *b = t32 + t * (tw + 4 * tg);
+        const int64_t tw = K / 4 * R, tg = K / GROUP * R;   // the tile's words, and values per group
+        int32_t *b = t32 + t * PANEL_X * row32;
         xtile_q8(xs + t * PANEL_X, R, K, b, (float *)(b + tw), (float *)(b + tw + tg), b + tw + 2 * tg, b + tw + 3 * tg);
         xts[t] = (xt_t){b, (const float *)(b + tw), (const float *)(b + tw + tg), b + tw + 2 * tg, b + tw + 3 * tg};
         if (kquant) {
-            int32_t *c = tk + t * (tw + tg / 8 + tg + 2 * tg);
+            int32_t *c = tk + t * PANEL_X * rowk;
             float *d = (float *)(c + tw), *e = d + tg / 8;
             int32_t *h = (int32_t *)(e + tg);
             xtile_q8k(xks + t * PANEL_X, R, K, c, d, e, h);
