@@ -4,8 +4,8 @@ on SmolLM2-135M in float32 (docs/kv_cache_dtype.md):
 - Capacity: one engine per dtype built with ``--kv-cache-bytes``; the blocks
   its block manager holds, and how many sequences of each context fit them
   (blocks // blocks of one sequence, ``ceil(context / block_size)``).
-- Decode: ``--seqs`` sequences of each context decoding together, engine
-  steps timed (scheduling, the forward with its decode attention over the
+- Decode: ``--seqs`` sequences of each context decoding together, eager
+  engine steps timed (scheduling, the forward with its decode attention over the
   cache, sampling, detokenising), one engine per dtype, each pool sized for
   the sequences (a float32 pool of ``--kv-cache-bytes`` may hold fewer).
   The engines take turns, ``--steps`` steps each, the order rotated round
@@ -60,10 +60,10 @@ def model_for(positions: int) -> str:
     return str(built_once(cache_root() / f"bench-kv-memory-{source.name}-{positions}", build))
 
 
-def settings(model: str, dtype: str, compile_step: bool) -> dict:
-    """Every engine's: float32, the cache in ``dtype``, prefix caching off
-    (copies of one prompt hold blocks of their own), a prompt whole in one step."""
-    return dict(model=model, dtype="float32", kv_cache_dtype=dtype, compile=compile_step,
+def settings(model: str, dtype: str) -> dict:
+    """Every engine's: float32, eager steps, the cache in ``dtype``, prefix caching
+    off (copies of one prompt hold blocks of their own), a prompt whole in one step."""
+    return dict(model=model, dtype="float32", kv_cache_dtype=dtype, compile=False,
                 enable_prefix_caching=False, tpot_target_s=0.0, long_prefill_token_threshold=0)
 
 
@@ -83,7 +83,7 @@ def capacity(model: str, dtypes: Sequence[str], kv_cache_bytes: int, contexts: S
     from pagedbackend import LLM
     rows = {}
     for dtype in dtypes:
-        llm = LLM(**settings(model, dtype, False), kv_cache_bytes=kv_cache_bytes, max_model_len=min(contexts))
+        llm = LLM(**settings(model, dtype), kv_cache_bytes=kv_cache_bytes, max_model_len=min(contexts))
         manager, runner = llm.engine.block_manager, llm.engine.runner
         blocks, size = manager.num_total_blocks, runner.block_size
         assert blocks == runner.num_kv_blocks, "the block manager and the cache disagree"
@@ -104,7 +104,7 @@ def reference_kv(model: str, prompt: List[int]) -> tuple:
     from pagedbackend import LLM
     from pagedbackend.worker import SeqEntry
     n = -(-len(prompt) // 16)
-    llm = LLM(**settings(model, "auto", False), block_size=16, num_kv_blocks=pool_blocks(n + 1),
+    llm = LLM(**settings(model, "auto"), block_size=16, num_kv_blocks=pool_blocks(n + 1),
               max_model_len=len(prompt) + 1)
     runner = llm.engine.runner
     table = list(range(1, n + 1))   # block 0: the warm-ups' slot
@@ -119,16 +119,17 @@ def reference_kv(model: str, prompt: List[int]) -> tuple:
     return kv, seconds
 
 
-def decode_engine(model: str, dtype: str, prompt: List[int], seqs: int, max_tokens: int, kv: torch.Tensor,
-                  compile_step: bool):
+def decode_engine(model: str, dtype: str, prompt: List[int], seqs: int, max_tokens: int, kv: torch.Tensor):
     """An engine whose ``seqs`` copies of ``prompt`` hold ``kv`` (float32
     rows) in its format, each with its first token: ready to decode."""
     from pagedbackend import LLM, SamplingParams
+    from pagedbackend.kernels.kv_cache_dtype import encode
     length = len(prompt) + max_tokens
-    llm = LLM(**settings(model, dtype, compile_step), block_size=16, max_model_len=length,
+    llm = LLM(**settings(model, dtype), block_size=16, max_model_len=length,
               num_kv_blocks=pool_blocks(seqs * -(-length // 16)), max_num_seqs=seqs,
               max_num_batched_tokens=max(2048, seqs * len(prompt)))
     engine, runner = llm.engine, llm.engine.runner
+    assert runner.kv_scales is None, "fp8 scales other than 1: the rows would need k / k_scale"
     tables = {}
 
     def skipped(entries, *rest):   # the prefill step: blocks allocated, nothing computed
@@ -152,13 +153,8 @@ def decode_engine(model: str, dtype: str, prompt: List[int], seqs: int, max_toke
             index = torch.tensor(table[:n])
             for kv_index in range(2):
                 for slot in range(kv.shape[1]):   # a layer at a time: one float32 layer in flight
-                    runner.kv_cache[kv_index, slot, index] = _encode(kv[kv_index, slot, :n], runner.kv_cache.dtype)
+                    runner.kv_cache[kv_index, slot, index] = encode(kv[kv_index, slot, :n], runner.kv_cache.dtype)
     return llm
-
-
-def _encode(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    from pagedbackend.kernels.kv_cache_dtype import encode
-    return encode(rows, dtype)
 
 
 def timed_steps(llm, steps: int, seqs: int) -> float:
@@ -173,10 +169,10 @@ def timed_steps(llm, steps: int, seqs: int) -> float:
 
 
 def bench_decode(model: str, dtypes: Sequence[str], context: int, seqs: int, steps: int, rounds: int,
-                 kv: torch.Tensor, prompt: List[int], compile_step: bool) -> List[dict]:
+                 kv: torch.Tensor, prompt: List[int]) -> List[dict]:
     """Decode tok/s of ``seqs`` sequences of ``context`` per dtype, the engines by turns."""
     max_tokens = 1 + steps * (rounds + 1) + 4   # the skipped prefill's token, a warm-up, the rounds
-    engines = {d: decode_engine(model, d, prompt[:context], seqs, max_tokens, kv, compile_step) for d in dtypes}
+    engines = {d: decode_engine(model, d, prompt[:context], seqs, max_tokens, kv) for d in dtypes}
     try:
         for llm in engines.values():
             timed_steps(llm, steps, seqs)   # warm-up: the first steps' one-off costs
@@ -222,7 +218,6 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8, help="engine steps an engine takes in its turn")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-cache-bytes", type=int, default=2 * 2 ** 30, help="the capacity part's budget")
-    ap.add_argument("--compile", action="store_true", help="compiled decode steps (default: eager)")
     add_common_args(ap, threads=2)
     args = ap.parse_args(argv)
     if args.quick:
@@ -233,7 +228,7 @@ def main(argv=None):
     model = model_for(contexts[-1] + 1 + args.steps * (args.rounds + 1) + 4)
     result = {"model": model, "dtype": "float32", "threads": torch.get_num_threads(), "seqs": args.seqs,
               "steps": args.steps, "rounds": args.rounds, "kv_cache_bytes": args.kv_cache_bytes,
-              "compiled_step": args.compile, "contexts": contexts}
+              "compiled_step": False, "contexts": contexts}
     result["capacity"] = capacity(model, dtypes, args.kv_cache_bytes, contexts)
     for d, row in result["capacity"].items():
         print(f"{d}: {row['blocks']:,} blocks of {row['block_bytes']:,} bytes ({row['tokens']:,} tokens) in "
@@ -244,8 +239,7 @@ def main(argv=None):
     print(f"reference prefill: {len(prompt):,} tokens in {seconds:.1f} s", flush=True)
     result["decode"] = []
     for context in contexts:
-        rows = bench_decode(model, dtypes, context, args.seqs, args.steps, args.rounds, kv, prompt,
-                            args.compile)
+        rows = bench_decode(model, dtypes, context, args.seqs, args.steps, args.rounds, kv, prompt)
         result["decode"] += rows
         for row in rows:
             print(f"context {context:,}: {row['kv_cache_dtype']} {row['tok_s']:.2f} tok/s "

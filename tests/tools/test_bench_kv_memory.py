@@ -2,6 +2,7 @@
 from each engine, the decode figures, and a decode over the copied K/V that
 continues as the model does over its own prefill."""
 import json
+import pathlib
 
 import pytest
 
@@ -16,7 +17,7 @@ def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("kv_memory")
     result = kv_memory.main(["--contexts", str(CONTEXT), "--seqs", str(SEQS), "--steps", "2", "--rounds", "1",
                              "--kv-cache-bytes", str(32 * 2 ** 20), "--dtypes", "auto,bfloat16,int8",
-                             "--out", str(out)])
+                             "--threads", "1", "--out", str(out)])
     assert json.loads((out / "kv_memory.json").read_text())["capacity"] == result["capacity"]
     return result
 
@@ -59,3 +60,14 @@ def test_a_decode_over_the_copied_kv_continues_as_over_a_real_prefill(result):
         out = llm.generate([prompt + [0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     auto = next(row for row in result["decode"] if row["kv_cache_dtype"] == "auto")
     assert auto["tokens"][1:] == out.outputs[0].token_ids
+
+
+def test_a_context_past_the_model_positions_gets_a_copy_with_more():
+    from pagedbackend.models.default_model import prepare_default_model
+    source = prepare_default_model()
+    assert kv_memory.model_for(4096) == str(source)
+    folder = pathlib.Path(kv_memory.model_for(9000))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["max_position_embeddings"] == 9000
+    assert config == {**json.loads((source / "config.json").read_text()), "max_position_embeddings": 9000}
+    assert (folder / "model.safetensors").resolve() == (source / "model.safetensors").resolve()
