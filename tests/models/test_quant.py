@@ -332,8 +332,9 @@ def test_compiled_int8_step_computes_what_the_eager_one_does(tiny_model_dir):
 # token equal on the Intel one, 55 / 128 with 6 first tokens equal on the AMD
 # one (near-ties fall either way). A broken model matches almost nothing.
 # int4 on the default model: its fp32 weights are the Q4_1 blocks' values, so
-# only the int8 LM head and the order of the float sums differ.
-GREEDY_FLOORS = {"int8": (0.6, 8, 6), "w8a8": (0.25, 1, 5), "int4": (0.6, 8, 6)}
+# only the int8 LM head (bf16 rows) and the order of the float sums differ
+# (16 tokens of 8 prompts: 72 % the same, 5 prompts' first 8, 2026-12-07).
+GREEDY_FLOORS = {"int8": (0.6, 8, 6), "w8a8": (0.25, 1, 5), "int4": (0.6, 8, 5)}
 
 
 @pytest.mark.parametrize("mode", ["int8", "w8a8", "int4"])
