@@ -142,13 +142,19 @@ class EngineConfig:
     # captured at load (worker/cuda_graphs.py).
     enforce_eager: bool = False
     # Weight-only quantisation of the linear layers: "none", "int8" (per output
-    # channel) or "int4" (groups of 32; the default model serves its GGUF's own
-    # Q4_1 blocks). The LM head is int8 in both. "w8a8": int8's weights, and
+    # channel) or "int4" (Q4_1 blocks of 32, multiplied by the GGUF kernel; the
+    # default model serves its GGUF's own blocks). The LM head is int8 in both.
+    # "w8a8": int8's weights, and
     # the activations rounded to int8 per row at each matmul (int32 products);
     # on a GGUF file, its own blocks times activations rounded to int8 as
     # llama.cpp rounds them. CPU only, tensor_parallel_size 1, dtype float32 or bfloat16. Speed and
     # quality: BENCHMARKS.md, "quant_quality" and "quant_kernels".
     quantization: str = "none"
+    # Activations of the int4 layers (quantization=int4, and self_int4's draft):
+    # "float" (the run's dtype, exact float32 products) or "int8" (rounded to
+    # int8 per group of 32 as llama.cpp rounds them, integer products: needs
+    # AVX-512 VNNI, and keeps a second copy of the 4-bit weights as panels).
+    int4_activations: str = "float"
     # Kernel of the float32 and int8 linear layers: "packed" (weights packed at
     # load for a C kernel built on this machine, fastest at decode-sized steps;
     # CPU, float32 activations (int8 layers widen bfloat16 ones), needs gcc),
@@ -271,6 +277,7 @@ class EngineConfig:
         choice("attention_backend", ("auto", "triton", "torch", "sdpa"))
         choice("device", ("auto", "cpu", "cuda"))
         choice("quantization", QUANTIZATION_MODES)
+        choice("int4_activations", ("float", "int8"))
         choice("linear_backend", ("auto", "torch", "packed"))
         choice("moe_backend", ("auto", "packed", "triton", "torch"))
         choice("runner", ("auto", "generate", "pooling"))
@@ -331,6 +338,10 @@ class EngineConfig:
         if spec is not None and spec.method not in ("ngram", "suffix") and self.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config.method {spec.method} does not support tensor_parallel_size > 1 "
                              "(ngram and suffix do)")
+        int4_draft = spec is not None and (spec.method == "self_int4" or spec.quantization == "int4")
+        if self.int4_activations != "float" and self.quantization != "int4" and not int4_draft:
+            raise ValueError(f"int4_activations={self.int4_activations} applies to int4 layers: use it with "
+                             "quantization=int4 or an int4 draft (self_int4)")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

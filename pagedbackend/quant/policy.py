@@ -8,8 +8,9 @@ and what this machine can run.
   (bfloat16 products: AMX tiles, AVX512-BF16, or oneDNN where faster);
 - ``int8``: int8 weights (``int8``), packed the same way (in any model dtype:
   the layer widens the rows of x to float32) or in torch's kernel;
-- ``int4``: int4 weights in groups (``int4``; the default model's shipped
-  Q4_1 blocks), an int8 LM head, as the GGUF keeps it at 8 bits;
+- ``int4``: Q4_1 blocks of 32 (``int4``; the default model's shipped ones)
+  through the GGUF kernel, x as given or, with ``int4_activations=int8``,
+  rounded to int8; an int8 LM head, as the GGUF keeps it at 8 bits;
 - ``w8a8``: int8 weights and activations (``w8a8``) after smoothing
   (``smooth``), the LM head too; on a GGUF model, the file's blocks times
   activations rounded to int8 (``gguf_linear``'s int8 activations).
@@ -30,8 +31,6 @@ from pagedbackend.models import bf16_linear, default_model, gguf_linear, moe
 from pagedbackend.quant import int4, smooth
 from pagedbackend.quant.int8 import INT8_KERNEL_MAX_ROWS, Int8Linear, PackedInt8Linear
 from pagedbackend.quant.w8a8 import W8A8Linear
-
-INT4_GROUP_SIZE = 32   # where the weights are rounded here (not the GGUF's blocks)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -78,11 +77,16 @@ def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
         return LinearPlan()
     if mode == "int4":
         _require_cpu(mode, device)
+        int8_activations = config.int4_activations == "int8"
+        reason = int4.unavailable(int8_activations)
+        if reason is not None:
+            raise ValueError(f"quantization=int4 with int4_activations={config.int4_activations} cannot run "
+                             f"here: {reason}" + ("; use int4_activations=float" if int8_activations else ""))
         ready = None
         if config.model == "default":   # its GGUF's 4-bit values, not a second rounding
             ready = default_model.q4_1_weights(model.args.num_heads, model.args.num_kv_heads)
         for names, linear in model.hf_projections():
-            linear.use_matmul(int4.int4_layer(linear.weight, names, INT4_GROUP_SIZE, ready))
+            linear.use_matmul(int4.int4_layer(linear.weight, names, ready, int8_activations))
         model.use_head_matmul(Int8Linear(model.head_weight()))
         return LinearPlan()
     if mode == "none" and _bf16_usable(config, device, dtype):
@@ -113,8 +117,8 @@ def _serve_through(model: nn.Module, layer: Callable[[torch.Tensor], nn.Module])
 
 def _require_cpu(mode: str, device: torch.device) -> None:
     if device.type != "cpu":
-        raise ValueError(f"quantization={mode} runs on CPU only (torch's weight-only kernels used "
-                         f"here are CPU kernels); got device {device.type}: use quantization=none")
+        raise ValueError(f"quantization={mode} runs on CPU only (its kernels are "
+                         f"CPU kernels); got device {device.type}: use quantization=none")
 
 
 def _bf16_usable(config, device: torch.device, dtype: torch.dtype) -> bool:

@@ -167,4 +167,23 @@ def test_builds_held_to_avx2_or_the_baseline_compute_the_same(capability):
                           "-n", "0", __file__, "-k", "not held_to", "-rs"], env=env, capture_output=True, text=True,
                          timeout=600, cwd=pathlib.Path(__file__).parents[2])
     assert run.returncode == 0, run.stdout[-3000:]
-    assert "7 passed" in run.stdout and "lacks AVX-512" in run.stdout, run.stdout[-3000:]
+    assert "8 passed" in run.stdout and "lacks AVX-512" in run.stdout, run.stdout[-3000:]
+
+
+def test_int4_layers_are_q4_1_blocks_the_reference_dequantises_to_their_weights():
+    """``quantization=int4``'s layer packs (q, d, m) as GGUF Q4_1 blocks: gguf-py
+    reads them back as exactly ``dequantize_int4``'s weights, they unpack to the
+    same (q, d, m), and the kernel multiplies by those weights."""
+    from pagedbackend.models.gguf_q4 import unpack_q4_1
+    from pagedbackend.quant.int4 import Int4Linear, dequantize_int4, pack_q4_1, quantize_int4
+    weight = torch.randn(24, K, generator=torch.Generator().manual_seed(5))
+    q, d, m = quantize_int4(weight)
+    blocks = pack_q4_1(q, d, m)
+    reference = dequantize_int4(q, d, m)
+    by_gguf = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    assert torch.equal(torch.from_numpy(by_gguf.copy()), reference)
+    assert all(torch.equal(a.to(b.dtype), b) for a, b in zip(unpack_q4_1(blocks.numpy(), K), (q, d, m)))
+    layer = Int4Linear(q, d, m)
+    assert torch.equal(layer.dequantized(), reference)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(layer(x).double(), x.double() @ reference.double().T, rtol=1e-5, atol=1e-4)
