@@ -1211,18 +1211,21 @@ int gguf_gemm_q8_panels(const float *x, int64_t M, int64_t K, int parts, const u
         quantize_row_q8(x + m * K, K, v + m * K, dx + m * groups, dxs + m * groups, s16 + m * groups * 2);
         xs[m] = (xq_t){v + m * K, dx + m * groups, dxs + m * groups, s16 + m * groups * 2};
     }
-    // The tiles the panels read (see "int8 activations on panels").
-    int any_panels = 0;
-    for (int p = 0; p < parts; p++) any_panels |= panels && panels[p];
+    // The tiles the panels read (see "int8 activations on panels"): of x as the
+    // 32-value types round it where one of their parts has panels (t32), as the
+    // K-quants round it where one of theirs has (tk).
+    int panels32 = 0, panelsk = 0;
+    for (int p = 0; p < parts; p++)
+        if (panels && panels[p]) *(types[p] >= T_Q4_K ? &panelsk : &panels32) = 1;
     // Per row of x: K / 4 words, and 4 (32-value types) or 1 + 8 + 16 (K-quants)
     // values per 256 columns; a tile holds its rows' share (R rows, not PANEL_X).
-    const int64_t tiles = any_panels ? (M + PANEL_X - 1) / PANEL_X : 0;
+    const int64_t tiles = panels32 || panelsk ? (M + PANEL_X - 1) / PANEL_X : 0;
     const int64_t row32 = K / 4 + 4 * (K / GROUP), rowk = K / 4 + K / 256 + K / 32 + K / 16;
-    int32_t *t32 = tiles ? malloc((size_t)(M * row32) * sizeof(int32_t)) : NULL;
-    int32_t *tk = tiles && kquant ? malloc((size_t)(M * rowk) * sizeof(int32_t)) : NULL;
-    xt_t *xts = tiles ? malloc((size_t)tiles * sizeof(xt_t)) : NULL;
-    xkt_t *xkts = tiles && kquant ? malloc((size_t)tiles * sizeof(xkt_t)) : NULL;
-    if (tiles && (!t32 || !xts || (kquant && (!tk || !xkts)))) {
+    int32_t *t32 = panels32 ? malloc((size_t)(M * row32) * sizeof(int32_t)) : NULL;
+    int32_t *tk = panelsk ? malloc((size_t)(M * rowk) * sizeof(int32_t)) : NULL;
+    xt_t *xts = panels32 ? malloc((size_t)tiles * sizeof(xt_t)) : NULL;
+    xkt_t *xkts = panelsk ? malloc((size_t)tiles * sizeof(xkt_t)) : NULL;
+    if ((panels32 && (!t32 || !xts)) || (panelsk && (!tk || !xkts))) {
         free(v); free(dx); free(dxs); free(s16); free(xs); free(vk); free(dk); free(sk); free(ik); free(xks);
         free(t32); free(tk); free(xts); free(xkts);
         return -3;
@@ -1231,10 +1234,14 @@ int gguf_gemm_q8_panels(const float *x, int64_t M, int64_t K, int parts, const u
     for (int64_t t = 0; t < tiles; t++) {
         const int R = (int)(M - t * PANEL_X < PANEL_X ? M - t * PANEL_X : PANEL_X);
         const int64_t tw = K / 4 * R, tg = K / GROUP * R;   // the tile's words, and values per group
-        int32_t *b = t32 + t * PANEL_X * row32;
-        xtile_q8(xs + t * PANEL_X, R, K, b, (float *)(b + tw), (float *)(b + tw + tg), b + tw + 2 * tg, b + tw + 3 * tg);
-        xts[t] = (xt_t){b, (const float *)(b + tw), (const float *)(b + tw + tg), b + tw + 2 * tg, b + tw + 3 * tg};
-        if (kquant) {
+        if (panels32) {
+            int32_t *b = t32 + t * PANEL_X * row32;
+            float *dxt = (float *)(b + tw), *dxst = dxt + tg;
+            int32_t *neg8 = b + tw + 2 * tg, *neg128 = neg8 + tg;
+            xtile_q8(xs + t * PANEL_X, R, K, b, dxt, dxst, neg8, neg128);
+            xts[t] = (xt_t){b, dxt, dxst, neg8, neg128};
+        }
+        if (panelsk) {
             int32_t *c = tk + t * PANEL_X * rowk;
             float *d = (float *)(c + tw), *e = d + tg / 8;
             int32_t *h = (int32_t *)(e + tg);
