@@ -20,7 +20,12 @@ activations on panels"), the original blocks staying mapped for the default
 products and ``dequantized``.
 
 The calls are ``torch.library`` operators, so a compiled step keeps them as
-opaque calls.
+opaque calls. Each has a Python kernel (ctypes) and a C++ twin
+(``gguf_linear_native``, ``gguf_linear_q8_native``: ``csrc/gguf_ops.cpp``,
+built at first use against the installed torch) that does the same checks and
+calls the same C function without entering Python; layers call the twins
+wherever they build, unless ``EngineConfig.native_ops`` is false (as the
+packed layers do: ``kernels.packed_linear.native_ops``).
 """
 import ctypes
 import threading
@@ -210,6 +215,41 @@ def _gguf_embedding_fake(ids, weight, type_id, cols):
     return torch.empty((*ids.shape, cols), dtype=torch.float32, device=ids.device)
 
 
+def native_ops_usable() -> bool:
+    """Whether layers call the C++ operators: the process's ``native_ops``
+    setting is on and ``csrc/gguf_ops.cpp`` builds (once per process)."""
+    global _native
+    with _native_lock:
+        if _native is None:
+            from pagedbackend.kernels.packed_linear import native_ops
+            _native = False
+            if native_ops().settings[0]:
+                try:
+                    _hand_over(native.load_op_library("gguf_ops"))
+                    _native = True
+                except RuntimeError:
+                    pass   # the Python operators serve (no C++ compiler, or torch's headers missing)
+        return _native
+
+
+_native: Optional[bool] = None
+_native_lock = threading.Lock()
+
+
+def _hand_over(ops: ctypes.CDLL) -> None:
+    lib = load_library()
+    names = list(TYPE_IDS)
+    address = lambda f: ctypes.cast(f, ctypes.c_void_p)   # noqa: E731
+    ops.gguf_ops_set_kernels(address(lib.gguf_gemm_parts), address(lib.gguf_gemm_q8_panels),
+                             address(lib.gguf_get_rows), address(lib.gguf_panel_bytes), WIDEN_ROWS, len(names),
+                             (ctypes.c_int * len(names))(*[TYPE_IDS[n] for n in names]),
+                             (ctypes.c_longlong * len(names))(*[BLOCK_VALUES[n] for n in names]),
+                             (ctypes.c_longlong * len(names))(*[BLOCK_BYTES[n] for n in names]),
+                             ",".join(names).encode())
+    torch.library.register_fake("pagedbackend::gguf_linear_native")(_gguf_linear_fake)
+    torch.library.register_fake("pagedbackend::gguf_linear_q8_native")(_gguf_linear_q8_fake)
+
+
 _ops.impl("gguf_linear", _gguf_linear_cpu, "CPU")
 _ops.impl("gguf_embedding", _gguf_embedding_cpu, "CPU")
 _ops.impl("gguf_linear_q8", _gguf_linear_q8_cpu, "CPU")
@@ -241,6 +281,7 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(w.shape[0] for w in shards)
         self._int8_activations = False
         load_library()
+        self.native = False   # the C++ operators: set by quant.policy (native_ops_usable)
 
     @property
     def int8_activations(self) -> bool:
@@ -271,11 +312,13 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        ops = torch.ops.pagedbackend
         if self.int8_activations:
-            y = torch.ops.pagedbackend.gguf_linear_q8(flat, self.weights, self.row_maps, self.panels, self.types,
-                                                     self.out_features)
+            op = ops.gguf_linear_q8_native if self.native else ops.gguf_linear_q8
+            y = op(flat, self.weights, self.row_maps, self.panels, self.types, self.out_features)
         else:
-            y = torch.ops.pagedbackend.gguf_linear(flat, self.weights, self.row_maps, self.types, self.out_features)
+            op = ops.gguf_linear_native if self.native else ops.gguf_linear
+            y = op(flat, self.weights, self.row_maps, self.types, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:

@@ -44,6 +44,15 @@ class LinearPlan:
     warm_up_rows: Tuple[int, ...] = ()
 
 
+def _gguf_native(model: nn.Module, config) -> None:
+    """The GGUF layers call the C++ operators where they build and ``native_ops`` allows."""
+    packed_linear.native_ops().configure(config.native_ops, config.int8_bf16)
+    native = gguf_linear.native_ops_usable()
+    for layer in model.modules():
+        if isinstance(layer, gguf_linear.GGUFLinear):
+            layer.native = native
+
+
 @torch.no_grad()
 def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
           calibration: Optional[smooth.Calibration] = None) -> LinearPlan:
@@ -64,6 +73,7 @@ def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
             for layer in model.modules():
                 if isinstance(layer, gguf_linear.GGUFLinear):
                     layer.int8_activations = True
+        _gguf_native(model, config)
         return LinearPlan("gguf")
     if mode != "none" and moe.experts_of(model):
         raise ValueError(f"quantization={mode} does not cover the expert weights of a mixture-of-experts "
@@ -88,6 +98,7 @@ def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
         for names, linear in model.hf_projections():
             linear.use_matmul(int4.int4_layer(linear.weight, names, ready, int8_activations))
         model.use_head_matmul(Int8Linear(model.head_weight()))
+        _gguf_native(model, config)
         return LinearPlan()
     if mode == "none" and _bf16_usable(config, device, dtype):
         _serve_through(model, bf16_linear.Bf16Linear)

@@ -167,7 +167,7 @@ def test_builds_held_to_avx2_or_the_baseline_compute_the_same(capability):
                           "-n", "0", __file__, "-k", "not held_to", "-rs"], env=env, capture_output=True, text=True,
                          timeout=600, cwd=pathlib.Path(__file__).parents[2])
     assert run.returncode == 0, run.stdout[-3000:]
-    assert "8 passed" in run.stdout and "lacks AVX-512" in run.stdout, run.stdout[-3000:]
+    assert "9 passed" in run.stdout and "lacks AVX-512" in run.stdout, run.stdout[-3000:]
 
 
 def test_int4_layers_are_q4_1_blocks_the_reference_dequantises_to_their_weights():
@@ -187,3 +187,42 @@ def test_int4_layers_are_q4_1_blocks_the_reference_dequantises_to_their_weights(
     assert torch.equal(layer.dequantized(), reference)
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(layer(x).double(), x.double() @ reference.double().T, rtol=1e-5, atol=1e-4)
+
+
+def test_the_cpp_operators_give_the_python_operators_bits_and_messages():
+    """``gguf_linear_native`` and ``gguf_linear_q8_native`` (csrc/gguf_ops.cpp,
+    what layers call where it builds) give the same bits as the Python
+    operators for every part kind, a row map, bfloat16 rows, a call past
+    WIDEN_ROWS, and refuse bad arguments with the same messages."""
+    from pagedbackend.models import gguf_linear
+    if not gguf_linear.native_ops_usable():
+        pytest.skip("the C++ operators did not build here (no C++ compiler or torch headers)")
+    qa, _ = weights("Q4_K", 9, seed=50)
+    qb, _ = weights("Q8_0", 6, seed=51)
+    qc, _ = weights("Q6_K", 17, seed=52)
+    order = torch.randperm(9, generator=torch.Generator().manual_seed(8))
+    layer = GGUFLinear([torch.from_numpy(q) for q in (qa, qb, qc)], ["Q4_K", "Q8_0", "Q6_K"], K, [order, None, None])
+    ops = torch.ops.pagedbackend
+    g = torch.Generator().manual_seed(9)
+    int8 = int8_activations_unavailable() is None
+    for rows, dtype in ((1, torch.float32), (5, torch.bfloat16), (gguf_linear.WIDEN_ROWS, torch.float32)):
+        x = torch.randn(rows, K, generator=g).to(dtype)
+        args = (layer.weights, layer.row_maps, layer.types, layer.out_features)
+        assert torch.equal(ops.gguf_linear_native(x, *args), ops.gguf_linear(x, *args))
+        if int8:
+            layer.int8_activations = True
+            args = (layer.weights, layer.row_maps, layer.panels, layer.types, layer.out_features)
+            native_y = ops.gguf_linear_q8_native(x, *args)
+            assert native_y.dtype == dtype and torch.equal(native_y, ops.gguf_linear_q8(x, *args))
+            layer.int8_activations = False
+    x = torch.randn(2, K)
+    bad = [(dict(types=[99, 8, 14]), "ggml type 99 is not one the GGUF kernels take"),
+           (dict(out=33), "gguf_linear weights have 32 rows, not 33"),
+           (dict(x=torch.randn(2, K // 2)), r"a Q4_K weight of 384 columns is uint8 \[rows, 144\] contiguous"),
+           (dict(maps=[order[:4], layer.row_maps[1], layer.row_maps[2]]), "a row map has one int64 index per weight row")]
+    for change, message in bad:
+        call = (change.get("x", x), layer.weights, change.get("maps", layer.row_maps), change.get("types", layer.types),
+                change.get("out", layer.out_features))
+        for op in (ops.gguf_linear, ops.gguf_linear_native):
+            with pytest.raises(ValueError, match=message):
+                op(*call)
