@@ -151,10 +151,11 @@ class EngineConfig:
     # quality: BENCHMARKS.md, "quant_quality" and "quant_kernels".
     quantization: str = "none"
     # Activations of the int4 layers (quantization=int4, and self_int4's draft):
-    # "float" (the run's dtype, exact float32 products) or "int8" (rounded to
+    # "float" (the run's dtype, exact float32 products), "int8" (rounded to
     # int8 per group of 32 as llama.cpp rounds them, integer products: needs
-    # AVX-512 VNNI, and keeps a second copy of the 4-bit weights as panels).
-    int4_activations: str = "float"
+    # AVX-512 VNNI, and keeps a second copy of the 4-bit weights as panels) or
+    # "auto": int8 where the CPU has AVX-512 VNNI, else float.
+    int4_activations: str = "auto"
     # Kernel of the float32 and int8 linear layers: "packed" (weights packed at
     # load for a C kernel built on this machine, fastest at decode-sized steps;
     # CPU, float32 activations (int8 layers widen bfloat16 ones), needs gcc),
@@ -173,7 +174,7 @@ class EngineConfig:
     # (num_experts / tensor_parallel_size of them) instead of every expert's
     # slice of the intermediate dimension.
     enable_expert_parallel: bool = False
-    # Packed and w8a8 layers call their C++ torch operators (a compiled step
+    # Packed, w8a8 and GGUF (also int4) layers call their C++ torch operators (a compiled step
     # calls them without entering Python; BENCHMARKS.md, "native_ops_ab") where
     # they build; False keeps the operators whose Python kernels call the C
     # kernels through ctypes. One setting per process: the first engine whose
@@ -277,7 +278,7 @@ class EngineConfig:
         choice("attention_backend", ("auto", "triton", "torch", "sdpa"))
         choice("device", ("auto", "cpu", "cuda"))
         choice("quantization", QUANTIZATION_MODES)
-        choice("int4_activations", ("float", "int8"))
+        choice("int4_activations", ("auto", "float", "int8"))
         choice("linear_backend", ("auto", "torch", "packed"))
         choice("moe_backend", ("auto", "packed", "triton", "torch"))
         choice("runner", ("auto", "generate", "pooling"))
@@ -339,7 +340,7 @@ class EngineConfig:
             raise ValueError(f"speculative_config.method {spec.method} does not support tensor_parallel_size > 1 "
                              "(ngram and suffix do)")
         int4_draft = spec is not None and (spec.method == "self_int4" or spec.quantization == "int4")
-        if self.int4_activations != "float" and self.quantization != "int4" and not int4_draft:
+        if self.int4_activations == "int8" and self.quantization != "int4" and not int4_draft:
             raise ValueError(f"int4_activations={self.int4_activations} applies to int4 layers: use it with "
                              "quantization=int4 or an int4 draft (self_int4)")
 

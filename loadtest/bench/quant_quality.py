@@ -94,9 +94,11 @@ def common_prefix(a, b) -> int:
 def measure(mode: str, args, agree_prompts, text_ids, work_prompts, work_lengths) -> dict:
     from pagedbackend import LLM
     start = time.perf_counter()
-    quantization, _, backend = mode.partition("/")
+    setting, _, backend = mode.partition("/")
+    quantization, _, activations = setting.partition(":")
+    extra = {"int4_activations": activations} if activations else {}
     llm = LLM(**settings_with_environment(dict(
-        model=args.model, quantization=quantization, linear_backend=backend or "auto", compile=args.compile,
+        model=args.model, quantization=quantization, linear_backend=backend or "auto", compile=args.compile, **extra,
         max_num_seqs=64, enable_prefix_caching=False, seed=args.seed)))
     load_s = time.perf_counter() - start
     ppl = perplexity(llm, text_ids)
@@ -124,7 +126,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--order", default="none,int8,int4",
-                    help="settings, in run order; SETTING/BACKEND also sets linear_backend (int8/torch)")
+                    help="settings, in run order; SETTING/BACKEND also sets linear_backend (int8/torch), "
+                         "int4:ACTIVATIONS int4_activations (int4:float, int4:int8)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--ppl-tokens", type=int, default=1024)
     ap.add_argument("--requests", type=int, default=32, help="offline workload size")

@@ -8,7 +8,8 @@ packed once at load, so ``kernels/csrc/gguf_gemm.c`` multiplies: each block
 widened in registers to exactly the float32 weights ``dequantize_int4`` gives
 (``d * q``, then ``+ m``, each rounded alone), times x in the run's dtype
 (float32 products; bfloat16 rows widen exactly). With ``int8_activations``
-(``EngineConfig.int4_activations="int8"``) x is rounded to int8 per group of
+(``EngineConfig.int4_activations``: "int8", or "auto" where the CPU has
+AVX-512 VNNI) x is rounded to int8 per group of
 32 as llama.cpp rounds it and the products are integer dot products read from
 panels of 16 rows (AVX-512 VNNI; ``gguf_linear``'s docstring). The default
 model's shipped Q4_1 values (``models.default_model.q4_1_weights``) are packed

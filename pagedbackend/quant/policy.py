@@ -9,8 +9,9 @@ and what this machine can run.
 - ``int8``: int8 weights (``int8``), packed the same way (in any model dtype:
   the layer widens the rows of x to float32) or in torch's kernel;
 - ``int4``: Q4_1 blocks of 32 (``int4``; the default model's shipped ones)
-  through the GGUF kernel, x as given or, with ``int4_activations=int8``,
-  rounded to int8; an int8 LM head, as the GGUF keeps it at 8 bits;
+  through the GGUF kernel, x rounded to int8 (``int4_activations``: by
+  default where the CPU has AVX-512 VNNI) or as given; an int8 LM head, as
+  the GGUF keeps it at 8 bits;
 - ``w8a8``: int8 weights and activations (``w8a8``) after smoothing
   (``smooth``), the LM head too; on a GGUF model, the file's blocks times
   activations rounded to int8 (``gguf_linear``'s int8 activations).
@@ -87,7 +88,8 @@ def apply(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
         return LinearPlan()
     if mode == "int4":
         _require_cpu(mode, device)
-        int8_activations = config.int4_activations == "int8"
+        int8_activations = config.int4_activations == "int8" or (
+            config.int4_activations == "auto" and int4.unavailable(True) is None)
         reason = int4.unavailable(int8_activations)
         if reason is not None:
             raise ValueError(f"quantization=int4 with int4_activations={config.int4_activations} cannot run "

@@ -520,11 +520,14 @@ def test_quant_quality_bench_compares_settings_and_kernels_with_fp32(default_mod
     from pagedbackend.kernels import native
     if native.unavailable(torch.device("cpu"), torch.float32):
         pytest.skip("no C compiler here for the packed kernels")
-    result = quant_quality.main(["--quick", "--order", "none,int8,int8/torch", "--threads", "1",
+    result = quant_quality.main(["--quick", "--order", "none,int8,int8/torch,int4:float", "--threads", "1",
                                  "--out", str(tmp_path)])
     rows = {r["quantization"]: r for r in result["rows"]}
-    assert list(rows) == ["none", "int8", "int8/torch"]
-    assert [rows[m]["linear_backend"] for m in rows] == ["packed", "packed", "torch"]
+    assert list(rows) == ["none", "int8", "int8/torch", "int4:float"]
+    assert [rows[m]["linear_backend"] for m in rows] == ["packed", "packed", "torch", "torch"]
+    # int4:ACTIVATIONS sets int4_activations: float rows, so no panel copy beside the 4-bit blocks
+    assert rows["int4:float"]["weight_bytes"] < rows["int8"]["weight_bytes"]
+    assert rows["int4:float"]["perplexity"] == pytest.approx(rows["none"]["perplexity"], rel=0.05)
     assert rows["none"]["identical_outputs"] == result["prompts"] and rows["none"]["position_match"] == 1.0
     for mode in ("int8", "int8/torch"):
         assert 0 <= rows[mode]["position_match"] <= 1 and rows[mode]["offline_tokens_per_s"] > 0
