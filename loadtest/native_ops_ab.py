@@ -17,6 +17,10 @@ variants alternating step by step so that a noisy host weighs on both alike.
 - ``--compare w8a8_kernel``: ``quantization=w8a8`` with every matmul through
   ``torch._int_mm`` against steps of up to 16 rows through the VNNI kernel
   (``kernels/csrc/w8a8_gemm.c``, the default where the CPU has AVX-512 VNNI).
+- ``--compare gguf_ops``: a GGUF model's (``--model FILE.gguf``, with
+  ``--quantization w8a8`` its int8-activation products) layers through the
+  operators with Python kernels against the C++ ones (``csrc/gguf_ops.cpp``;
+  two models, one compiled step each).
 
     python -m loadtest.native_ops_ab --rows 5 --steps 60 [--compare guards]
 """
@@ -31,7 +35,8 @@ VARIANTS = {"ops": ("Python kernels", "C++ kernels"),
             "guards": ("module guards checked", "module guards dropped"),
             "kv_write": ("KV write by index_copy_", "KV write by the C kernel"),
             "decode_step": ("attention by the general path", "attention by the step's function"),
-            "w8a8_kernel": ("w8a8 by torch._int_mm", "w8a8 by the VNNI kernel")}
+            "w8a8_kernel": ("w8a8 by torch._int_mm", "w8a8 by the VNNI kernel"),
+            "gguf_ops": ("GGUF layers' Python kernels", "GGUF layers' C++ kernels")}
 
 
 def main(argv=None) -> int:
@@ -42,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compare", choices=sorted(VARIANTS), default="ops")
+    ap.add_argument("--quantization", default="none", help="the engine's quantization (gguf_ops: none or w8a8)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -70,6 +76,15 @@ def main(argv=None) -> int:
             return runner
     elif args.compare == "guards":
         runners = {False: make_runner(guard_model=True), True: make_runner(guard_model=False)}
+        variant = runners.__getitem__
+    elif args.compare == "gguf_ops":
+        from pagedbackend.models.gguf_linear import GGUFLinear
+        runners = {False: make_runner(args.quantization), True: make_runner(args.quantization)}
+        layers = [m for m in runners[False].model.modules() if isinstance(m, GGUFLinear)]
+        if not layers or not all(m.native for m in runners[True].model.modules() if isinstance(m, GGUFLinear)):
+            raise SystemExit("--compare gguf_ops needs a GGUF model whose layers build the C++ operators")
+        for layer in layers:
+            layer.native = False
         variant = runners.__getitem__
     elif args.compare == "w8a8_kernel":
         runner = make_runner(quantization="w8a8")
