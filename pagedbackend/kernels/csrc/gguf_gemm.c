@@ -740,7 +740,7 @@ static AVX512Q void rows_k(int type, const xk_t *xs, int64_t M, int64_t K, const
 // every vpdpbusd takes its broadcast word at a fixed offset from it, and a
 // tile of fewer rows (one row, in a one-stream decode) is as compact as they.
 typedef struct { const int32_t *w; const float *dx, *dxs; const int32_t *neg8, *neg128; } xt_t;
-typedef struct { const int32_t *w; const float *d, *e32; const int32_t *s16; } xkt_t;
+typedef struct { const int32_t *w; const float *d, *e32; const int32_t *neg32; } xkt_t;
 
 static void xtile_words(const int8_t *const *v, int R, int64_t K, int32_t *w) {
     for (int64_t j = 0; j < K / 4; j++)
@@ -766,18 +766,17 @@ static void xtile_q8(const xq_t *xs, int R, int64_t K, int32_t *w, float *dx, fl
 }
 
 // The same for the K-quants' panels: d per super-block, e32 (the minimums'
-// weights) per group of 32, and sum(v) per half group (for Q6_K's offset: as
-// a scalar taken times -32 in the kernel, which measured faster at one row
-// than the product stored here); K / 256 * R values of d, 8 times as many of
-// e32 and 16 times of s16.
-static void xtile_q8k(const xk_t *xs, int R, int64_t K, int32_t *w, float *d, float *e32, int32_t *s16) {
+// weights) per group of 32, and -32 sum(v) per half group (Q6_K's offset,
+// which starts each half group's integer sum); K / 256 * R values of d, 8
+// times as many of e32 and 16 times of neg32.
+static void xtile_q8k(const xk_t *xs, int R, int64_t K, int32_t *w, float *d, float *e32, int32_t *neg32) {
     const int8_t *v[PANEL_X];
     for (int r = 0; r < R; r++) v[r] = xs[r].v;
     xtile_words(v, R, K, w);
     for (int r = 0; r < R; r++) {
         for (int64_t sb = 0; sb < K / 256; sb++) d[sb * R + r] = xs[r].d[sb];
         for (int64_t g = 0; g < K / 32; g++) e32[g * R + r] = xs[r].e32[g];
-        for (int64_t h = 0; h < K / 16; h++) s16[h * R + r] = xs[r].s16[h];
+        for (int64_t h = 0; h < K / 16; h++) neg32[h * R + r] = -32 * xs[r].s16[h];
     }
 }
 
@@ -931,14 +930,14 @@ INLINEQ void panel_q6k(const int R, const uint8_t *pw, const xkt_t *xt, int64_t 
             if (R > 1)
 #pragma GCC unroll 6
                 for (int p = 0; p < 384; p += 64) _mm_prefetch((const char *)og + PF_AHEAD + p, _MM_HINT_T0);
-            const int32_t *xw = xt->w + (sb * 64 + g * 8) * R, *sv = xt->s16 + (sb * 16 + 2 * g) * R;
+            const int32_t *xw = xt->w + (sb * 64 + g * 8) * R, *neg = xt->neg32 + (sb * 16 + 2 * g) * R;
             // the two halves one after the other (values 0..15: registers 0..3; 16..31: 4..7)
 #pragma GCC unroll 2
             for (int half = 0; half < 2; half++) {
                 const __m512i top = _mm512_loadu_si512((const void *)(og + 256 + 64 * half));
                 __m512i s[PANEL_X];
 #pragma GCC unroll 8
-                for (int r = 0; r < R; r++) s[r] = _mm512_set1_epi32(-32 * sv[half * R + r]);
+                for (int r = 0; r < R; r++) s[r] = _mm512_set1_epi32(neg[half * R + r]);
 #pragma GCC unroll 4
                 for (int q = 0; q < 4; q++) {
                     const __m512i t = _mm512_loadu_si512((const void *)(og + 64 * q));
