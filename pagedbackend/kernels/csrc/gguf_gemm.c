@@ -780,15 +780,22 @@ static void xtile_q8k(const xk_t *xs, int R, int64_t K, int32_t *w, float *d, fl
     }
 }
 
-// s += u's bytes times the 4 bytes of word i at base broadcast to every lane:
-// vpdpbusd with its memory operand broadcast (a load, no broadcast instruction
-// of its own, which gcc 12 emits for _mm512_set1_epi32 of memory). The word is
-// given as an address and a constant offset, not as a memory operand, so that
-// the compiler still keeps the accumulators of a loop in registers; the x
-// tiles are not written while the panels run, so the asm reads no memory that
-// changes under it.
-#define DPBUSD_X(s, u, base, i) \
-    __asm__("vpdpbusd %c3(%2)%{1to16%}, %1, %0" : "+v"(s) : "v"(u), "r"(base), "i"(4 * (i)))
+// s += u's bytes times the 4 bytes of word i at base broadcast to every lane,
+// in a tile of R rows: for 2 rows or more, vpdpbusd with its memory operand
+// broadcast (a load, no broadcast instruction of its own, which gcc 12 emits
+// for _mm512_set1_epi32 of memory). The word is given as an address and a
+// constant offset, not as a memory operand, so that the compiler still keeps
+// the accumulators of a loop in registers; the x tiles are not written while
+// the panels run, so the asm reads no memory that changes under it. One row's
+// single chain of sums keeps the separate broadcast, which measured as fast or
+// faster there (Q4_1, Q8_0).
+#define DPBUSD_X(s, u, base, i)                                                               \
+    do {                                                                                      \
+        if (R == 1)                                                                           \
+            s = _mm512_dpbusd_epi32(s, u, _mm512_set1_epi32((base)[i]));                      \
+        else                                                                                  \
+            __asm__("vpdpbusd %c3(%2)%{1to16%}, %1, %0" : "+v"(s) : "v"(u), "r"(base), "i"(4 * (i))); \
+    } while (0)
 // A panel kernel's prefetch, for tiles of 2 rows or more, as it reads n bytes
 // at o: those PF_L2 bytes ahead to L2, and those PF_L1 ahead (fetched to L2
 // already) to L1. Over weights larger than the cache one tile of 8 rows runs
