@@ -788,7 +788,9 @@ static void xtile_q8k(const xk_t *xs, int R, int64_t K, int32_t *w, float *d, fl
 // the accumulators of a loop in registers; the x tiles are not written while
 // the panels run, so the asm reads no memory that changes under it. One row's
 // single chain of sums keeps the separate broadcast, which measured as fast or
-// faster there (Q4_1, Q8_0).
+// faster there (Q4_1, Q8_0). (The offset is a constant once the loops are
+// unrolled, which an unoptimised build does not do: there, the intrinsic.)
+#ifdef __OPTIMIZE__
 #define DPBUSD_X(s, u, base, i)                                                               \
     do {                                                                                      \
         if (R == 1)                                                                           \
@@ -796,6 +798,9 @@ static void xtile_q8k(const xk_t *xs, int R, int64_t K, int32_t *w, float *d, fl
         else                                                                                  \
             __asm__("vpdpbusd %c3(%2)%{1to16%}, %1, %0" : "+v"(s) : "v"(u), "r"(base), "i"(4 * (i))); \
     } while (0)
+#else
+#define DPBUSD_X(s, u, base, i) (s = _mm512_dpbusd_epi32(s, u, _mm512_set1_epi32((base)[i])))
+#endif
 // A panel kernel's prefetch, for tiles of 2 rows or more, as it reads n bytes
 // at o: those PF_L2 bytes ahead to L2, and those PF_L1 ahead (fetched to L2
 // already) to L1. Over weights larger than the cache one tile of 8 rows runs
