@@ -829,6 +829,10 @@ INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xt_t 
         const uint8_t *o = pw + g * gb;
         if (R > 1) PANEL_PREFETCH(o, gb);
         const int32_t *xw = xt->w + g * 8 * R, *neg = (offset == 128 ? xt->neg128 : xt->neg8) + g * R;
+        // the scales first: their loads start the group's last cache line early (a one-row loop waits on memory)
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + vb)));
+        const __m512 m = type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + vb + 32)))
+                                        : _mm512_setzero_ps();
         __m512i s[PANEL_X];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) s[r] = offset ? _mm512_set1_epi32(neg[r]) : _mm512_setzero_si512();
@@ -849,9 +853,6 @@ INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xt_t 
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) DPBUSD_X(s[r], hi, xw, (k + 4) * R + r);
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + vb)));
-        const __m512 m = type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + vb + 32)))
-                                        : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xt->dx[g * R + r])),
