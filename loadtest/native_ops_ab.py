@@ -78,13 +78,15 @@ def main(argv=None) -> int:
         runners = {False: make_runner(guard_model=True), True: make_runner(guard_model=False)}
         variant = runners.__getitem__
     elif args.compare == "gguf_ops":
-        from pagedbackend.models.gguf_linear import GGUFLinear
-        runners = {False: make_runner(args.quantization), True: make_runner(args.quantization)}
-        layers = [m for m in runners[False].model.modules() if isinstance(m, GGUFLinear)]
-        if not layers or not all(m.native for m in runners[True].model.modules() if isinstance(m, GGUFLinear)):
+        from pagedbackend.models import gguf_linear
+        gguf_linear._native = False   # the layers of the first runner are given the Python operators
+        runners = {False: make_runner(args.quantization)}
+        gguf_linear._native = None
+        runners[True] = make_runner(args.quantization)
+        natives = {k: {m.native for m in r.model.modules() if isinstance(m, gguf_linear.GGUFLinear)}
+                   for k, r in runners.items()}
+        if natives != {False: {False}, True: {True}}:
             raise SystemExit("--compare gguf_ops needs a GGUF model whose layers build the C++ operators")
-        for layer in layers:
-            layer.native = False
         variant = runners.__getitem__
     elif args.compare == "w8a8_kernel":
         runner = make_runner(quantization="w8a8")
