@@ -415,7 +415,9 @@ static inline __attribute__((always_inline)) void item(const float *q, const cha
 #ifdef VECTOR_PATH
     else {
         int chunks = dim / LANES;
-        float tile[LANES * 256] __attribute__((aligned(64)));   /* LANES rows of dim <= 256 */
+        /* LANES rows of dim <= 256, widened; an int8 row's scales beside (applied to
+           each group's partial sum, as the rows are read in place) */
+        float tile[LANES * 256] __attribute__((aligned(64))), tile_scales[LANES * 256 / GROUP];
         /* rows of the tile in hand and of the next one (fetched meanwhile); (tb, to):
            the block and offset of the next position to look up */
         const char *keys[LANES], *ahead[LANES];
@@ -438,7 +440,9 @@ static inline __attribute__((always_inline)) void item(const float *q, const cha
                         kp[j] = (const float *)k;   /* read in place (a float32 cache) or widened per use */
                     } else {
 #pragma GCC unroll 16
-                        for (int c = 0; c < chunks; c++) vstore(tile + j * dim + c * LANES, scaled_at(k, dim, c * LANES, kind));
+                        for (int c = 0; c < chunks; c++) vstore(tile + j * dim + c * LANES, vector_at(k, c * LANES, kind));
+                        if (kind == KV_I8)
+                            for (int g = 0; g < dim / GROUP; g++) tile_scales[j * (dim / GROUP) + g] = scale_at(k, dim, g * GROUP, kind);
                         kp[j] = tile + j * dim;
                     }
                 }
@@ -448,10 +452,20 @@ static inline __attribute__((always_inline)) void item(const float *q, const cha
 #pragma GCC unroll 16
                     for (int j = 0; j < LANES; j++) {
                         vec a = vzero();
+                        if (kind == KV_I8) {   /* each group's partial sum times its scale */
 #pragma GCC unroll 16
-                        for (int c = 0; c < chunks; c++)
-                            a = vfma(vload(qr + c * LANES), WIDEN_ONCE(kind) ? vload(kp[j] + c * LANES)
-                                     : vector_at((const char *)kp[j], c * LANES, kind), a);
+                            for (int g = 0; g < dim; g += GROUP) {
+                                vec ag = vzero();
+                                for (int c = g / LANES; c < (g + GROUP) / LANES; c++)
+                                    ag = vfma(vload(qr + c * LANES), vload(kp[j] + c * LANES), ag);
+                                a = vfma(ag, vset1(tile_scales[j * (dim / GROUP) + g / GROUP]), a);
+                            }
+                        } else {
+#pragma GCC unroll 16
+                            for (int c = 0; c < chunks; c++)
+                                a = vfma(vload(qr + c * LANES), WIDEN_ONCE(kind) ? vload(kp[j] + c * LANES)
+                                         : vector_at((const char *)kp[j], c * LANES, kind), a);
+                        }
                         part[j] = a;
                     }
                     float sums[LANES];
