@@ -2,11 +2,13 @@
  * sequence against every key it has, read in place through its block table
  * (no gather into a padded copy). The cache holds float32, bfloat16, int8 or
  * fp8 rows (kind KV_F32, KV_BF16, KV_I8, KV_E4M3, KV_E5M2; kernels/kv_cache_dtype.py;
- * an fp8 byte is widened exactly, through float16 or a table): an int8
- * row is dim int8 values and then a float16 scale per GROUP of them,
- * dequantised in registers (a key group's scale multiplies its part of the
- * dot product, a value group's scale the softmax weight it is summed with),
- * so the cache is read at its own width.
+ * an fp8 byte is widened exactly, by bit moves, through float16 or a table):
+ * an int8 row is dim int8 values and then a float16 scale per GROUP of them,
+ * dequantised on the way (a key group's scale multiplies its part of the dot
+ * product; a value group's scale its values, an exact product, once for all
+ * the query rows that sum them), so the cache is read at its own width. A
+ * key row is widened once per tile for all query rows of its head (int8,
+ * e4m3; the cheaper kinds at each use), a value row once per run of rows.
  *
  * q [n, heads, dim]; k_cache, v_cache [blocks, block_size, kv_heads, row];
  * tables [n, max_blocks] (int32); lens [n] (keys per sequence, >= 1);
@@ -33,11 +35,19 @@
 #include <omp.h>
 #endif
 
-/* The cache's element kinds; each function below takes one as a constant
- * (every call is inlined with it), so each kind gets its own loops. */
+/* The cache's element kinds. Each function below takes one, and every call
+ * is inlined; but decode_kind's parallel region is outlined into a function
+ * of its own before inlining, so in there the kind is a value, tested in the
+ * loops (a branch that always goes the same way), not a constant. Switching
+ * on it inside the region, for loops of each kind, measured mixed (e5m2 10 %
+ * faster, e4m3 8 % slower, kernel alone at 16k context). */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
 #define GROUP 16   /* int8 channels per scale (dim a multiple of it) */
 #define IS_FP8(kind) ((kind) == KV_E4M3 || (kind) == KV_E5M2)
+/* Kinds whose key rows the score pass widens once into a float32 tile for
+ * all query rows of their head (int8's scale, e4m3's re-biasing: more than a
+ * shift or two), the others widened at each use. */
+#define WIDEN_ONCE(kind) ((kind) == KV_I8 || (kind) == KV_E4M3)
 
 /* Bytes of one cache row (one token, one KV head) of dim values. */
 static inline __attribute__((always_inline)) size_t row_bytes(int dim, int kind) {
@@ -184,14 +194,14 @@ static inline __attribute__((always_inline)) vec vector_at(const char *row, int 
     if (kind == 1)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const unsigned short *)row + d))), 16));
-    if (IS_FP8(kind)) {   /* through float16 (exact): e5m2 is a float16's top byte; e4m3's seven
-                             bits sit three lower and its bias is 8 less (times 2^8). NaN (e4m3's
-                             0x7F/0xFF) reads 480 here, NaN through scalar_at's table. */
-        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + d)));
-        if (kind == KV_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
-        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
-        return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+    if (kind == KV_E5M2)   /* a float16's top byte (exact) */
+        return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + d))), 8));
+    if (kind == KV_E4M3) {   /* sign-extended, its seven bits moved to float32's exponent and mantissa
+                                (bias 127 - 7 short: times 2^120; exact, subnormals too). NaN (0x7F/0xFF)
+                                reads 480 here, NaN through scalar_at's table. */
+        __m512i x = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))), 20);
+        x = _mm512_and_si512(x, _mm512_set1_epi32((int)0x87F00000u));
+        return _mm512_mul_ps(_mm512_castsi512_ps(x), _mm512_set1_ps(0x1p120f));
     }
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
 }
@@ -235,54 +245,134 @@ static inline __attribute__((always_inline)) vec vector_at(const char *row, int 
 #define ACCUMULATORS 8
 #endif
 
-/* Keys ahead of the one in hand whose rows are fetched into the cache
- * (prefetch): a row sits in a block anywhere in the pool, and without it each
- * pass waits on memory at every row it loads. */
-#define PREFETCH_KEYS 16
+/* Rows are fetched into the cache (prefetch) one tile or chunk of keys ahead:
+ * a row sits in a block anywhere in the pool, and without it each pass waits
+ * on memory at every row it loads. Each pass fetches the next tile's rows a
+ * head at a time, beside its work on that head, not all at once: a burst of
+ * a whole tile's lines fills the core's queue of misses and stalls it. Every
+ * line of [p, p + bytes) (rows need not start on a line). */
 static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    const char *line = (const char *)((size_t)p & ~(size_t)63);
+    for (; line < p + bytes; line += 64) __builtin_prefetch(line, 0, 3);
 }
 
-/* Query rows [r0, r0 + R) (R a constant, R * dim / LANES <= ACCUMULATORS):
- * o_r = norms[r] * sum_t p_r[t] v_t, every output vector held in a register across all
- * keys and each value row loaded once for the R rows. */
-static inline __attribute__((always_inline)) void weigh_values(
-        const char *v_cache, float *out, const int *table, int first, int end, int group,
-        int kv_heads, int dim, int block_size, int h0, int r0, int R, const float *scores,
-        const float *norms, int len, int kind) {
+/* LANES values of a cache row from element d as float32, its group's
+ * scale applied (int8: exact, an int8 times a float16 fits float32's
+ * mantissa). */
+static inline __attribute__((always_inline)) vec scaled_at(const char *row, int dim, int d, int kind) {
+    vec x = vector_at(row, d, kind);
+    return kind == KV_I8 ? vmul(x, vset1(scale_at(row, dim, d, kind))) : x;
+}
+
+/* Keys a value pass takes at a time: up to a block's end, at most this many,
+ * so that the chunk's rows of all the item's heads stay in L1 while each
+ * head's runs of query rows read them. */
+#define CHUNK_KEYS 16
+
+/* Query rows [r0, r0 + R) of KV head h (R a constant, R * dim / LANES <=
+ * ACCUMULATORS, all rows of one head), keys of one chunk: slots slot0.. of
+ * positions t0..t1-1: acc (in out) += p_r[t] v_t, each value vector widened
+ * once for the R rows. */
+static inline __attribute__((always_inline)) void weigh_chunk(
+        const char *v_cache, float *out, size_t slot0, int t0, int t1, int kv_heads, int dim, int h,
+        int r0, int R, const float *scores, int len, int first, const char *next, int next_keys, int kind) {
     vec acc[ACCUMULATORS];
     int chunks = dim / LANES;
     size_t rb = row_bytes(dim, kind);
     if (R * chunks > ACCUMULATORS) __builtin_unreachable();   /* the caller's runs fit */
-    for (int i = 0; i < R * chunks; i++) acc[i] = vzero();
-    int head_lo = h0 + r0 / group, heads_read = (r0 + R - 1) / group - r0 / group + 1;
-    for (int t = first; t < end; t++) {
-        size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
-        if (t + PREFETCH_KEYS < end) {   /* the rows of these heads PREFETCH_KEYS keys on */
-            int ahead = t + PREFETCH_KEYS;
-            size_t ahead_slot = (size_t)table[ahead / block_size] * block_size + ahead % block_size;
-            prefetch_bytes(v_cache + (ahead_slot * kv_heads + head_lo) * rb, heads_read * rb);
-        }
-        /* unrolled whole, so that every accumulator index is a constant and
-         * the accumulators stay in registers (not a store and reload each) */
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const char *v = v_cache + (slot * kv_heads + h0 + (r0 + r) / group) * rb;
-            float w = scores[(size_t)(r0 + r) * len + t - first];
-            vec p = vset1(w);
+    for (int r = 0; r < R; r++)
 #pragma GCC unroll 16
-            for (int c = 0; c < chunks; c++) {
-                if (kind == KV_I8 && c * LANES % GROUP == 0) p = vset1(w * scale_at(v, dim, c * LANES, kind));
-                acc[r * chunks + c] = vfma(p, vector_at(v, c * LANES, kind), acc[r * chunks + c]);
-            }
+        for (int c = 0; c < chunks; c++) acc[r * chunks + c] = vload(out + (size_t)(r0 + r) * dim + c * LANES);
+    const float *w = scores + (size_t)r0 * len + t0 - first;
+    for (int t = t0; t < t1; t++, w++) {
+        const char *v = v_cache + ((slot0 + (size_t)(t - t0)) * kv_heads + h) * rb;
+        if (t - t0 < next_keys) prefetch_bytes(next + (size_t)(t - t0) * kv_heads * rb, rb);
+#pragma GCC unroll 16
+        for (int c = 0; c < chunks; c++) {
+            vec x = scaled_at(v, dim, c * LANES, kind);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) acc[r * chunks + c] = vfma(vset1(w[(size_t)r * len]), x, acc[r * chunks + c]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        vec norm = vset1(norms[r0 + r]);
-        for (int c = 0; c < chunks; c++)
-            vstore(out + (size_t)(r0 + r) * dim + c * LANES, vmul(acc[r * chunks + c], norm));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 16
+        for (int c = 0; c < chunks; c++) vstore(out + (size_t)(r0 + r) * dim + c * LANES, acc[r * chunks + c]);
+}
+
+/* o_r = norms[r] * sum_t p_r[t] v_t for the item's rows (KV heads h0..h1-1):
+ * keys a chunk at a time (within one block, so its rows lie together), and
+ * in each chunk every head's rows in runs of as many as the accumulators
+ * hold, so that each value row is read from memory once and widened once
+ * per run. */
+static inline __attribute__((always_inline)) void weigh_values(
+        const char *v_cache, float *out, const int *table, int first, int end, int group,
+        int kv_heads, int dim, int block_size, int h0, int h1, const float *scores,
+        const float *norms, int len, int kind) {
+    size_t rb = row_bytes(dim, kind);
+    int rows = (h1 - h0) * group;
+    int per = ACCUMULATORS / (dim / LANES);
+    per = per > 4 ? 4 : per;
+    memset(out, 0, sizeof(float) * (size_t)rows * dim);
+    for (int t0 = first; t0 < end;) {
+        int t1 = (t0 / block_size + 1) * block_size;
+        t1 = t1 > end ? end : t1;
+        t1 = t1 - t0 > CHUNK_KEYS ? t0 + CHUNK_KEYS : t1;
+        size_t slot0 = (size_t)table[t0 / block_size] * block_size + t0 % block_size;
+        int next_keys = 0;   /* the next chunk's rows, fetched a head at a time by the runs of its first rows */
+        size_t next = 0;
+        if (t1 < end) {
+            int n1 = (t1 / block_size + 1) * block_size;
+            n1 = n1 > end ? end : n1;
+            next_keys = n1 - t1 > CHUNK_KEYS ? CHUNK_KEYS : n1 - t1;
+            next = (size_t)table[t1 / block_size] * block_size + t1 % block_size;
+        }
+        for (int h = h0; h < h1; h++)
+            for (int r0 = (h - h0) * group; r0 < (h - h0 + 1) * group;) {
+                int run = (h - h0 + 1) * group - r0 < per ? (h - h0 + 1) * group - r0 : per;
+#define WEIGH(R) weigh_chunk(v_cache, out, slot0, t0, t1, kv_heads, dim, h, r0, R, scores, len, first, \
+                                 v_cache + (next * kv_heads + h) * rb, r0 == (h - h0) * group ? next_keys : 0, kind)
+                switch (run) {
+                case 4: WEIGH(4); break;
+                case 3: WEIGH(3); break;
+                case 2: WEIGH(2); break;
+                default: WEIGH(1);
+                }
+#undef WEIGH
+                r0 += run;
+            }
+        t0 = t1;
+    }
+    for (int r = 0; r < rows; r++) {
+        vec norm = vset1(norms[r]);
+        for (int c = 0; c < dim / LANES; c++)
+            vstore(out + (size_t)r * dim + c * LANES, vmul(vload(out + (size_t)r * dim + c * LANES), norm));
     }
 }
+#endif
+
+#ifdef VECTOR_PATH
+/* rows[j] = the cache row (all heads; stride bytes a slot) of position
+ * pos + j for the LANES positions from pos, those from `end` on repeating the
+ * first; (*b, *o) the block and offset of pos, advanced past the last one
+ * looked up (no division a key). */
+static inline __attribute__((always_inline)) void tile_rows(const char **rows, const char *cache, const int *table,
+                                                            int *b, int *o, int pos, int end, int block_size,
+                                                            size_t stride) {
+    for (int j = 0; j < LANES; j++) {
+        if (pos + j >= end) {
+            rows[j] = j ? rows[0] : cache;
+            continue;
+        }
+        rows[j] = cache + ((size_t)table[*b] * block_size + *o) * stride;
+        if (++*o == block_size) {
+            *o = 0;
+            ++*b;
+        }
+    }
+}
+
 #endif
 
 /* Query heads [h0 * group, h1 * group) of one sequence against its keys
@@ -331,43 +421,65 @@ static inline __attribute__((always_inline)) void item(const float *q, const cha
 #ifdef VECTOR_PATH
     else {
         int chunks = dim / LANES;
+        /* LANES rows of dim <= 256, widened; an int8 row's scales beside (applied to
+           each group's partial sum, as the rows are read in place) */
+        float tile[LANES * 256] __attribute__((aligned(64))), tile_scales[LANES * 256 / GROUP];
+        /* rows of the tile in hand and of the next one (fetched meanwhile); (tb, to):
+           the block and offset of the next position to look up */
+        const char *keys[LANES], *ahead[LANES];
+        int tb = first / block_size, to = first % block_size;
+        tile_rows(keys, k_cache, table, &tb, &to, first, end, block_size, (size_t)kv_heads * rb);
         for (int t0 = first; t0 < end; t0 += LANES) {
             int count = end - t0 < LANES ? end - t0 : LANES;
-            const char *keys[LANES];   /* a last, partial tile repeats its first key */
-            for (int j = 0; j < LANES; j++) {
-                int t = t0 + (j < count ? j : 0);
-                keys[j] = k_cache + ((size_t)table[t / block_size] * block_size + t % block_size) * kv_heads * rb;
-                if (t0 + LANES + j < end) {   /* the next tile's rows of this item's heads */
-                    int ahead = t0 + LANES + j;
-                    const char *row = k_cache + ((size_t)table[ahead / block_size] * block_size
-                                                 + ahead % block_size) * kv_heads * rb;
-                    prefetch_bytes(row + (size_t)h0 * rb, (size_t)(h1 - h0) * rb);
-                }
+            if (t0 + LANES < end) {   /* the next tile's rows of this item's heads */
+                tile_rows(ahead, k_cache, table, &tb, &to, t0 + LANES, end, block_size, (size_t)kv_heads * rb);
             }
-            for (int r = 0; r < rows; r++) {
-                const float *qr = q + (size_t)r * dim;
-                size_t head = (size_t)(h0 + r / group) * rb;
-                vec part[LANES];
-#pragma GCC unroll 16
+            for (int h = h0; h < h1; h++) {
+                if (t0 + LANES < end)   /* the next tile's rows of this head, a head at a time */
+                    for (int j = 0; j < LANES && t0 + LANES + j < end; j++) prefetch_bytes(ahead[j] + (size_t)h * rb, rb);
+                /* the tile's rows of head h as float32, widened (and scaled) once for the
+                   head's `group` query rows; a float32 cache is read in place */
+                const float *kp[LANES];
                 for (int j = 0; j < LANES; j++) {
-                    const char *k = keys[j] + head;
-                    vec a = vzero();
-                    if (kind == KV_I8) {   /* each group's partial sum times its scale */
-                        for (int g = 0; g < dim; g += GROUP) {
-                            vec ag = vzero();
-                            for (int c = g / LANES; c < (g + GROUP) / LANES; c++)
-                                ag = vfma(vload(qr + c * LANES), vector_at(k, c * LANES, kind), ag);
-                            a = vfma(ag, vset1(scale_at(k, dim, g, kind)), a);
-                        }
+                    const char *k = keys[j] + (size_t)h * rb;
+                    if (!WIDEN_ONCE(kind)) {
+                        kp[j] = (const float *)k;   /* read in place (a float32 cache) or widened per use */
                     } else {
-                        for (int c = 0; c < chunks; c++) a = vfma(vload(qr + c * LANES), vector_at(k, c * LANES, kind), a);
+#pragma GCC unroll 16
+                        for (int c = 0; c < chunks; c++) vstore(tile + j * dim + c * LANES, vector_at(k, c * LANES, kind));
+                        if (kind == KV_I8)
+                            for (int g = 0; g < dim / GROUP; g++) tile_scales[j * (dim / GROUP) + g] = scale_at(k, dim, g * GROUP, kind);
+                        kp[j] = tile + j * dim;
                     }
-                    part[j] = a;
                 }
-                float sums[LANES];
-                vstore(sums, lane_sums(part));
-                for (int j = 0; j < count; j++) scores[(size_t)r * len + t0 + j - first] = sums[j] * scale;
+                for (int r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {
+                    const float *qr = q + (size_t)r * dim;
+                    vec part[LANES];
+#pragma GCC unroll 16
+                    for (int j = 0; j < LANES; j++) {
+                        vec a = vzero();
+                        if (kind == KV_I8) {   /* each group's partial sum times its scale */
+#pragma GCC unroll 16
+                            for (int g = 0; g < dim; g += GROUP) {
+                                vec ag = vzero();
+                                for (int c = g / LANES; c < (g + GROUP) / LANES; c++)
+                                    ag = vfma(vload(qr + c * LANES), vload(kp[j] + c * LANES), ag);
+                                a = vfma(ag, vset1(tile_scales[j * (dim / GROUP) + g / GROUP]), a);
+                            }
+                        } else {
+#pragma GCC unroll 16
+                            for (int c = 0; c < chunks; c++)
+                                a = vfma(vload(qr + c * LANES), WIDEN_ONCE(kind) ? vload(kp[j] + c * LANES)
+                                         : vector_at((const char *)kp[j], c * LANES, kind), a);
+                        }
+                        part[j] = a;
+                    }
+                    float sums[LANES];
+                    vstore(sums, lane_sums(part));
+                    for (int j = 0; j < count; j++) scores[(size_t)r * len + t0 + j - first] = sums[j] * scale;
+                }
             }
+            memcpy(keys, ahead, sizeof keys);
         }
     }
 #endif
@@ -391,22 +503,8 @@ static inline __attribute__((always_inline)) void item(const float *q, const cha
     }
 #ifdef VECTOR_PATH
     if (vectorised) {
-        /* rows in runs of as many as the accumulators hold (at most four) */
-        int per = ACCUMULATORS / (dim / LANES);
-        per = per > 4 ? 4 : per;
-        for (int r0 = 0; r0 < rows;) {
-            int run = rows - r0 < per ? rows - r0 : per;
-#define WEIGH(R) weigh_values(v_cache, out, table, first, end, group, kv_heads, dim, block_size, h0, r0, R, \
-                              scores, norms, len, kind)
-            switch (run) {
-            case 4: WEIGH(4); break;
-            case 3: WEIGH(3); break;
-            case 2: WEIGH(2); break;
-            default: WEIGH(1);
-            }
-#undef WEIGH
-            r0 += run;
-        }
+        weigh_values(v_cache, out, table, first, end, group, kv_heads, dim, block_size, h0, h1, scores, norms,
+                     len, kind);
         return;
     }
 #endif
