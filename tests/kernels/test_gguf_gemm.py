@@ -219,9 +219,12 @@ def test_the_cpp_operators_give_the_python_operators_bits_and_messages():
     bad = [(dict(types=[99, 8, 14]), "ggml type 99 is not one the GGUF kernels take"),
            (dict(out=33), "gguf_linear weights have 32 rows, not 33"),
            (dict(x=torch.randn(2, K // 2)), r"a Q4_K weight of 384 columns is uint8 \[rows, 144\] contiguous"),
+           (dict(weights=[layer.weights[0].to(torch.float16), *layer.weights[1:]]),
+            r"a Q4_K weight of 768 columns is uint8 \[rows, 432\] contiguous; got torch.float16 \(9, 432\)"),
            (dict(maps=[order[:4], layer.row_maps[1], layer.row_maps[2]]), "a row map has one int64 index per weight row")]
     for change, message in bad:
-        call = (change.get("x", x), layer.weights, change.get("maps", layer.row_maps), change.get("types", layer.types),
+        call = (change.get("x", x), change.get("weights", layer.weights), change.get("maps", layer.row_maps),
+                change.get("types", layer.types),
                 change.get("out", layer.out_features))
         for op in (ops.gguf_linear, ops.gguf_linear_native):
             with pytest.raises(ValueError, match=message):

@@ -46,9 +46,20 @@ std::string shape_of(const at::Tensor &t) {
     return s + (t.dim() == 1 ? ",)" : ")");
 }
 
+// The dtype as torch names it in Python (the Python operator's messages print torch.dtype).
 std::string dtype_name(const at::Tensor &t) {
-    std::string s = c10::toString(t.scalar_type());
-    return "torch." + std::string(s == "Byte" ? "uint8" : s == "Float" ? "float32" : s == "Long" ? "int64" : s);
+    switch (t.scalar_type()) {
+        case at::kByte: return "torch.uint8";
+        case at::kChar: return "torch.int8";
+        case at::kShort: return "torch.int16";
+        case at::kInt: return "torch.int32";
+        case at::kLong: return "torch.int64";
+        case at::kHalf: return "torch.float16";
+        case at::kBFloat16: return "torch.bfloat16";
+        case at::kFloat: return "torch.float32";
+        case at::kDouble: return "torch.float64";
+        default: return std::string("torch.") + c10::toString(t.scalar_type());
+    }
 }
 
 void check_weight(const at::Tensor &w, int64_t type, int64_t cols) {
