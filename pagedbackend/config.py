@@ -160,8 +160,10 @@ class EngineConfig:
     # load for a C kernel built on this machine, fastest at decode-sized steps;
     # CPU, float32 activations (int8 layers widen bfloat16 ones), needs gcc),
     # "torch" (F.linear, or torch's int8 kernel) or "auto" (packed where it can
-    # run, else torch with one log line). See BENCHMARKS.md, "cpu_kernels" and
-    # "quant_kernels".
+    # run, else torch with one log line). Steps past the packed kernel's rows,
+    # and every layer of an encoder (BERT, XLM-RoBERTa), multiply through
+    # oneDNN's inner product unless this is "torch". See BENCHMARKS.md,
+    # "cpu_kernels", "quant_kernels" and "embed".
     linear_backend: str = "auto"
     # Kernel of the experts of a mixture-of-experts model (docs/moe.md):
     # "packed" (kernels/csrc/fused_moe.c: the step's tokens grouped by expert,

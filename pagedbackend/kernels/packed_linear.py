@@ -9,9 +9,10 @@ while every chunk of rows multiplies it, prefetches the next one, and splits
 the blocks over torch's OpenMP threads (BENCHMARKS.md, "cpu_kernels"). It is
 compiled on this machine at first use and loaded by ``native``, which also
 says whether it can serve (``native.unavailable``). Above
-``KERNEL_MAX_ROWS`` rows (long prefills) torch's GEMM wins even after
-unpacking the weight for the call, so it is used there and one packed copy
-serves every step.
+``KERNEL_MAX_ROWS`` rows (long prefills) oneDNN's GEMM wins even after
+unpacking the weight for the call (``onednn_linear.dense_linear``; torch's
+``F.linear`` where torch lacks oneDNN), so it is used there and one packed
+copy serves every step.
 
 The call is a ``torch.library`` operator, so a compiled step keeps it in its
 graph as an opaque call, as it keeps torch's own GEMM. Two versions of each
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from pagedbackend.config import EngineConfig
-from pagedbackend.kernels import native
+from pagedbackend.kernels import native, onednn_linear
 from pagedbackend.kernels.moe_cpu import exact_in_bfloat16
 
 logger = logging.getLogger("pagedbackend")
@@ -210,6 +211,7 @@ def load_native_ops() -> None:
             ops.packed_ops_set_kernels(ctypes.cast(library.packed_gemm, ctypes.c_void_p),
                                        ctypes.cast(library.packed_gemm_bf16, ctypes.c_void_p),
                                        ctypes.cast(library.packed_gemm_i8, ctypes.c_void_p), KERNEL_MAX_ROWS)
+            ops.packed_ops_set_prefill(int(onednn_linear.unavailable() is None))
             torch.library.register_fake("pagedbackend::packed_linear_native")(_packed_linear_fake)
             torch.library.register_fake("pagedbackend::packed_linear_int8_native")(_packed_linear_int8_fake)
             torch.library.register_fake("pagedbackend::w8a8_linear_native")(_w8a8_linear_fake)
@@ -287,8 +289,8 @@ def _packed_linear_cpu(x: torch.Tensor, packed: torch.Tensor, out_features: int)
     if x.dtype != torch.float32 or packed.dtype not in (torch.float32, torch.bfloat16) or packed.shape[1] != k:
         raise ValueError(f"packed_linear takes float32 [rows, {packed.shape[1]}] inputs for this "
                          f"weight; got {x.dtype} {tuple(x.shape)}")
-    if rows > KERNEL_MAX_ROWS:   # a prefill: torch's GEMM on the weight unpacked for this call
-        return torch.nn.functional.linear(x, unpack(packed, out_features).float())
+    if rows > KERNEL_MAX_ROWS:   # a prefill: oneDNN's GEMM on the weight unpacked for this call
+        return onednn_linear.dense_linear(x, unpack(packed, out_features).float())
     x = x.contiguous()
     y = x.new_empty((rows, out_features))
     if rows:
@@ -352,9 +354,9 @@ def _packed_linear_int8_cpu(x: torch.Tensor, qpacked: torch.Tensor, scales: torc
             or scales.dtype != torch.float32 or scales.numel() != blocks * cols):
         raise ValueError(f"packed_linear_int8 takes float32 [rows, {qpacked.shape[1]}] inputs for "
                          f"this weight; got {x.dtype} {tuple(x.shape)}")
-    if rows > KERNEL_MAX_ROWS:   # a prefill: torch's GEMM on the weight widened for this call
+    if rows > KERNEL_MAX_ROWS:   # a prefill: oneDNN's GEMM on the weight widened for this call
         weight = unpack(qpacked, out_features).float() * scales[:out_features, None]
-        return torch.nn.functional.linear(x, weight)
+        return onednn_linear.dense_linear(x, weight)
     x = x.contiguous()
     y = x.new_empty((rows, out_features))
     if rows:

@@ -27,6 +27,7 @@ import torch
 
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.kv_groups import kv_layout
+from pagedbackend.kernels import onednn_linear
 from pagedbackend.models.bert import Encoder, parse_encoder_config
 from pagedbackend.models.default_model import resolve_model_path
 from pagedbackend.worker.loader import DTYPES, fit_model_len, read_safetensors, resolve_device
@@ -50,6 +51,11 @@ class EncoderRunner:
             self.model = Encoder(args).to(self.dtype)
         self.model.load_weights(read_safetensors(self.model_path))
         self.model.eval()
+        # every step is a prefill: oneDNN's inner product on weights in its own layout beats
+        # F.linear from one input's rows up (kernels.onednn_linear); linear_backend=torch keeps F.linear
+        self.linear_backend = "torch"
+        if config.linear_backend != "torch" and self.device.type == "cpu" and onednn_linear.use_in(self.model):
+            self.linear_backend = "onednn"
         self.vocab_size, self.hidden_size = args.vocab_size, args.hidden_size
         self.num_labels = args.num_labels if args.classifier else 0   # a cross-encoder's scores
         self.max_model_len = fit_model_len(config.max_model_len, args.served_positions)
@@ -115,8 +121,8 @@ class EncoderRunner:
         return False
 
     def describe(self) -> Dict[str, object]:
-        return {"linear_backend": "torch", "native_ops": False, "attention_backend": "encoder (sdpa, no KV cache)",
-                "lora_kernel": None}
+        return {"linear_backend": self.linear_backend, "native_ops": False,
+                "attention_backend": "encoder (sdpa, no KV cache)", "lora_kernel": None}
 
     def shutdown(self) -> None:
         """Nothing to stop."""

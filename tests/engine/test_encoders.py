@@ -12,6 +12,7 @@ import torch
 from loadtest.tiny_embedder import cosine_distance, hf_embeddings
 from loadtest.tiny_encoder import build_tiny_encoder, hf_scores
 from pagedbackend import LLM, InvalidRequestError, PoolingParams
+from pagedbackend.kernels import onednn_linear
 
 TOLERANCE = 1e-4   # cosine distance
 SETTINGS = {"compile": False}
@@ -53,6 +54,19 @@ def test_mean_pooling_folder_equals_transformers(mean_llm, mean_dir):
     assert_close(outs, hf_embeddings(mean_dir, batch, "MEAN"))
     assert [o.prompt_token_ids for o in outs] == batch
     assert all(abs(sum(x * x for x in o.outputs.embedding) - 1.0) < 1e-5 for o in outs)
+    # every projection multiplies through oneDNN in its own weight layout where torch has it
+    assert mean_llm.engine.runner.describe()["linear_backend"] == (
+        "onednn" if onednn_linear.unavailable() is None else "torch")
+
+
+def test_linear_backend_torch_keeps_f_linear(mean_llm, mean_dir):
+    batch = inputs(5, seed=6)
+    with LLM(model=str(mean_dir), linear_backend="torch", **SETTINGS) as plain:
+        assert plain.engine.runner.describe()["linear_backend"] == "torch"
+        outs = plain.embed(batch)
+    assert_close(outs, hf_embeddings(mean_dir, batch, "MEAN"))
+    for a, b in zip(outs, mean_llm.embed(batch)):
+        assert cosine_distance(a.outputs.embedding, b.outputs.embedding) < 1e-6
 
 
 def test_a_request_may_name_cls_and_skip_normalisation(mean_llm, mean_dir):

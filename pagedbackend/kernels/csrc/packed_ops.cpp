@@ -17,11 +17,19 @@
 // ones (or all, without that kernel) to torch._int_mm, scaled by
 // w8a8_gemm.c's w8a8_rescale; both sum in int32, exactly, and scale in the
 // same order, so they give the same bits.
+//
+// Steps past kernel_max_rows rows multiply the weight unpacked for the call
+// through oneDNN's inner product (mkldnn::_linear_pointwise, looked up in the
+// dispatcher) where Python found it working (packed_ops_set_prefill), else
+// through at::linear: kernels/onednn_linear.py's dense_linear.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -39,7 +47,19 @@ using rescale_w8a8 = void (*)(const int32_t *, const float *, const float *, flo
 gemm_w8a8 kernel_w8a8 = nullptr;
 rescale_w8a8 kernel_rescale = nullptr;
 int64_t w8a8_max_rows = 0;
-int64_t kernel_max_rows = 768;   // above this, torch's GEMM on the unpacked weight
+int64_t kernel_max_rows = 768;   // above this, prefill_linear on the unpacked weight
+bool prefill_onednn = false;
+
+// x @ weight^T for a plain [N, K] weight: oneDNN's inner product, or at::linear.
+at::Tensor prefill_linear(const at::Tensor &x, const at::Tensor &weight) {
+    static const std::optional<c10::OperatorHandle> onednn =
+        c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+    if (!prefill_onednn || !onednn.has_value()) return at::linear(x, weight);
+    std::vector<c10::IValue> stack{x.contiguous(), weight.contiguous(), c10::IValue(), std::string("none"),
+                                   c10::List<std::optional<at::Scalar>>(), std::string("")};
+    onednn->callBoxed(&stack);
+    return stack[0].toTensor();
+}
 
 std::string shape_of(const at::Tensor &t) {
     std::string s = "(";
@@ -62,7 +82,7 @@ at::Tensor packed_linear(const at::Tensor &x_in, const at::Tensor &packed, int64
     TORCH_CHECK(kernel_f32 != nullptr && kernel_bf16 != nullptr,
                 "packed_linear_native: the GEMM kernels were not handed over");
     int64_t rows = x_in.size(0), k = x_in.size(1);
-    if (rows > kernel_max_rows) return at::linear(x_in, unpack(packed, out_features).to(at::kFloat));
+    if (rows > kernel_max_rows) return prefill_linear(x_in, unpack(packed, out_features).to(at::kFloat));
     at::Tensor x = x_in.contiguous();
     at::Tensor y = at::empty({rows, out_features}, x.options());
     if (rows && bf16)
@@ -87,7 +107,7 @@ at::Tensor packed_linear_int8(const at::Tensor &x_in, const at::Tensor &qpacked,
     if (rows > kernel_max_rows) {
         at::Tensor weight = unpack(qpacked, out_features).to(at::kFloat) *
                             scales.slice(0, 0, out_features).unsqueeze(1);
-        return at::linear(x_in, weight);
+        return prefill_linear(x_in, weight);
     }
     at::Tensor x = x_in.contiguous();
     at::Tensor s = scales.contiguous();
@@ -134,6 +154,8 @@ extern "C" void packed_ops_set_w8a8(void *kernel, void *rescale, long long max_r
     kernel_rescale = reinterpret_cast<rescale_w8a8>(rescale);
     w8a8_max_rows = max_rows;
 }
+
+extern "C" void packed_ops_set_prefill(int onednn) { prefill_onednn = onednn != 0; }
 
 extern "C" void packed_ops_set_kernels(void *f32, void *bf16, void *i8, long long max_rows) {
     kernel_f32 = reinterpret_cast<gemm_f32>(f32);
