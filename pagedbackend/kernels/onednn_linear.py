@@ -15,7 +15,9 @@ inner product on the same plain weight reaches 190-208 (BENCHMARKS.md,
   dropped). The encoders (``worker.encoder_runner``) use it for every
   projection, where every step is a prefill and oneDNN is faster than
   ``F.linear`` at every row count from one input's ~16 rows up (float32
-  1.1-2x, bfloat16 1.05-2.7x).
+  1.1-2x, bfloat16 1.05-2.7x); an encoder layer's Q, K and V are one such
+  layer, and its MLP's GELU runs inside the up projection
+  (``models.bert.Encoder.use_onednn``).
 
 Where torch was built without oneDNN, or its op refuses a trial call,
 ``F.linear`` serves both (``unavailable`` says why).
@@ -52,19 +54,32 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-class OneDnnLinear(nn.Module):
-    """``nn.Linear``'s product with the weight held in oneDNN's layout."""
+# Activations oneDNN applies to the product in its own pass over the output
+# (a post-op): name -> (attr, algorithm) of _linear_pointwise. Its erf GELU and
+# ReLU give F.gelu's and F.relu's bits; its tanh GELU is within 1 ulp of F.gelu's.
+ACTIVATIONS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
 
-    def __init__(self, linear: nn.Linear):
+
+class OneDnnLinear(nn.Module):
+    """``nn.Linear``'s product with the weight held in oneDNN's layout; given
+    several linears, their outputs side by side (one GEMM for a Q, K and V);
+    ``activation`` (a key of ``ACTIVATIONS``) applied to the result."""
+
+    def __init__(self, linear, activation: Optional[str] = None):
         super().__init__()
-        weight = linear.weight.detach()
+        parts = list(linear) if isinstance(linear, (list, tuple)) else [linear]
+        if len({p.in_features for p in parts}) != 1 or len({p.bias is None for p in parts}) != 1:
+            raise ValueError("OneDnnLinear joins linears of one input width, all with a bias or none")
+        weight = torch.cat([p.weight.detach() for p in parts]) if len(parts) > 1 else parts[0].weight.detach()
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"OneDnnLinear takes a float32 or bfloat16 CPU weight; got {weight.dtype} "
                              f"on {weight.device}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = parts[0].in_features, weight.shape[0]
         self.dtype = weight.dtype
+        self.attr, self.algorithm = ACTIVATIONS[activation] if activation else ("none", "")
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-        self.bias = None if linear.bias is None else linear.bias.detach().to(weight.dtype).contiguous()
+        self.bias = None if parts[0].bias is None else torch.cat(
+            [p.bias.detach() for p in parts]).to(weight.dtype).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype or x.shape[-1] != self.in_features:
@@ -73,7 +88,7 @@ class OneDnnLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()
         if flat.shape[0] == 0:
             return x.new_empty((*x.shape[:-1], self.out_features))
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, self.attr, [], self.algorithm)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 

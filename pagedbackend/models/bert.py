@@ -19,11 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedbackend.kernels import onednn_linear
 from pagedbackend.models.model_args import UnsupportedModelError
 
 ENCODER_TYPES = ("bert", "xlm-roberta")   # model_type values served by this module
 _ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+# the same, as oneDNN's post-ops (kernels.onednn_linear.ACTIVATIONS)
+_ONEDNN_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class _SelfAttention(nn.Module):
         self.key = nn.Linear(a.hidden_size, a.hidden_size)
         self.value = nn.Linear(a.hidden_size, a.hidden_size)
         self.num_heads = a.num_heads
+        self.qkv = None   # query, key and value as one layer (Encoder.use_onednn)
 
 
 class _DenseNorm(nn.Module):
@@ -120,7 +124,7 @@ class _Attention(nn.Module):
         each input attends to all of itself (bidirectional) and nothing else."""
         sa = getattr(self, "self")
         d, heads = h.shape[-1], sa.num_heads
-        q, k, v = sa.query(h), sa.key(h), sa.value(h)
+        q, k, v = sa.qkv(h).split(d, dim=-1) if sa.qkv is not None else (sa.query(h), sa.key(h), sa.value(h))
         outs = []
         for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
             n = qi.shape[0]
@@ -133,7 +137,7 @@ class _Intermediate(nn.Module):
     def __init__(self, a: EncoderArgs):
         super().__init__()
         self.dense = nn.Linear(a.hidden_size, a.intermediate_size)
-        self.act = _ACTIVATIONS[a.hidden_act]
+        self.act = _ACTIVATIONS[a.hidden_act]   # identity once the dense layer applies it (use_onednn)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(h))
@@ -195,6 +199,19 @@ class Encoder(nn.Module):
         if args.classifier:
             self.classifier = _RobertaHead(args) if roberta else nn.Linear(args.hidden_size, args.num_labels)
         self.requires_grad_(False)
+
+    def use_onednn(self) -> None:
+        """Every projection through ``onednn_linear`` (weights in oneDNN's
+        layout): each layer's query, key and value as one product, the MLP's
+        activation inside its up projection; the rest one layer each."""
+        for layer in self.encoder.layer:
+            sa = getattr(layer.attention, "self")
+            sa.qkv = onednn_linear.OneDnnLinear([sa.query, sa.key, sa.value])
+            del sa.query, sa.key, sa.value
+            mlp = layer.intermediate
+            mlp.dense = onednn_linear.OneDnnLinear(mlp.dense, _ONEDNN_ACTIVATIONS[self.args.hidden_act])
+            mlp.act = nn.Identity()
+        onednn_linear.use_in(self)
 
     def positions(self, ids: torch.Tensor) -> torch.Tensor:
         """Position ids of one input: 0.. (BERT), or RoBERTa's past the padding index."""

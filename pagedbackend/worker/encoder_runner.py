@@ -54,7 +54,8 @@ class EncoderRunner:
         # every step is a prefill: oneDNN's inner product on weights in its own layout beats
         # F.linear from one input's rows up (kernels.onednn_linear); linear_backend=torch keeps F.linear
         self.linear_backend = "torch"
-        if config.linear_backend != "torch" and self.device.type == "cpu" and onednn_linear.use_in(self.model):
+        if config.linear_backend != "torch" and self.device.type == "cpu" and onednn_linear.unavailable() is None:
+            self.model.use_onednn()
             self.linear_backend = "onednn"
         self.vocab_size, self.hidden_size = args.vocab_size, args.hidden_size
         self.num_labels = args.num_labels if args.classifier else 0   # a cross-encoder's scores

@@ -74,3 +74,25 @@ def test_without_onednn_f_linear_serves(monkeypatch):
     assert torch.equal(onednn_linear.dense_linear(x, weight), F.linear(x, weight))
     model = nn.Sequential(nn.Linear(8, 8))
     assert onednn_linear.use_in(model) == 0 and isinstance(model[0], nn.Linear)
+
+
+@needs_onednn
+@pytest.mark.parametrize("activation,reference,tolerance", [
+    ("gelu", F.gelu, 0.0), ("relu", F.relu, 0.0),
+    ("gelu_tanh", lambda y: F.gelu(y, approximate="tanh"), 1e-6)])
+def test_joined_linears_with_an_activation(activation, reference, tolerance):
+    """Q, K and V as one layer (their outputs side by side), and an activation
+    applied by oneDNN to the product: the separate layers' results."""
+    torch.manual_seed(3)
+    parts = [nn.Linear(96, n) for n in (96, 32, 32)]
+    joined = onednn_linear.OneDnnLinear(parts, activation)
+    x = torch.randn(41, 96)
+    plain = onednn_linear.OneDnnLinear(parts)(x)
+    assert relative_error(plain, torch.cat([p(x) for p in parts], dim=-1)) < 1e-5
+    got = joined(x)
+    assert got.shape == (41, 160)
+    assert float((got - reference(plain)).abs().max()) <= tolerance
+    with pytest.raises(ValueError, match="one input width"):
+        onednn_linear.OneDnnLinear([nn.Linear(96, 8), nn.Linear(64, 8)])
+    with pytest.raises(ValueError, match="with a bias or none"):
+        onednn_linear.OneDnnLinear([nn.Linear(96, 8), nn.Linear(96, 8, bias=False)])
