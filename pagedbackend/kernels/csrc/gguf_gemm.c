@@ -805,7 +805,9 @@ static void xtile_q8k(const xk_t *xs, int R, int64_t K, int32_t *w, float *d, fl
 // at o: those PF_L2 bytes ahead to L2, and those PF_L1 ahead (fetched to L2
 // already) to L1. Over weights larger than the cache one tile of 8 rows runs
 // 1.2-1.5x as fast as with the hardware's prefetcher alone (AMD Zen 4), which
-// leaves the loop waiting for memory; one row's loop keeps up without.
+// leaves the loop waiting for memory. One row of x: Q4_K and Q6_K panels read
+// 1.23x and 1.39x the GB/s from memory with it (2 threads, 600 MB of panels,
+// 11 paired rounds); Q4_0's loop keeps up without (0.90x with it).
 #ifndef PF_L2
 #define PF_L2 12288
 #endif
@@ -894,7 +896,7 @@ INLINEQ void panel_q4k(const int R, const uint8_t *pw, const xkt_t *xt, int64_t 
 #pragma GCC unroll 1
         for (int g = 0; g < 8; g++) {
             const uint8_t *og = o + 256 * g;
-            if (R > 1) PANEL_PREFETCH(og, 256);
+            PANEL_PREFETCH(og, 256);
             const int32_t *xw = xt->w + (sb * 64 + g * 8) * R;
             __m512i s[PANEL_X];
 #pragma GCC unroll 8
@@ -945,7 +947,7 @@ INLINEQ void panel_q6k(const int R, const uint8_t *pw, const xkt_t *xt, int64_t 
 #pragma GCC unroll 1
         for (int g = 0; g < 8; g++) {
             const uint8_t *og = o + 384 * g;
-            if (R > 1) PANEL_PREFETCH(og, 384);
+            PANEL_PREFETCH(og, 384);
             const int32_t *xw = xt->w + (sb * 64 + g * 8) * R, *neg = xt->neg32 + (sb * 16 + 2 * g) * R;
             // the two halves one after the other (values 0..15: registers 0..3; 16..31: 4..7)
 #pragma GCC unroll 2
