@@ -82,8 +82,8 @@ SIGNATURES = {
     "omp_park": {"omp_park_team": ([_INT], _INT)},
     "packed_ops.cpp": {"packed_ops_set_kernels": ([_P] * 3 + [_LLONG], None),
                        "packed_ops_set_w8a8": ([_P, _P, _LLONG], None),
-                       "packed_ops_set_prefill": ([_INT], None)},
-    "gguf_ops.cpp": {"gguf_ops_set_kernels": ([_P] * 4 + [_LLONG, _INT, _P, _P, _P, ctypes.c_char_p], None)},
+                       "packed_ops_set_prefill": ([_INT], None),
+                       "gguf_ops_set_kernels": ([_P] * 4 + [_LLONG, _INT, _P, _P, _P, ctypes.c_char_p], None)},
 }
 
 _lock = threading.Lock()

@@ -21,8 +21,9 @@ products and ``dequantized``.
 
 The calls are ``torch.library`` operators, so a compiled step keeps them as
 opaque calls. Each has a Python kernel (ctypes) and a C++ twin
-(``gguf_linear_native``, ``gguf_linear_q8_native``: ``csrc/gguf_ops.cpp``,
-built at first use against the installed torch) that does the same checks and
+(``gguf_linear_native``, ``gguf_linear_q8_native``: ``csrc/packed_ops.cpp``,
+built at first use against the installed torch, one library with the packed
+layers' operators) that does the same checks and
 calls the same C function without entering Python; layers call the twins
 wherever they build, unless ``EngineConfig.native_ops`` is false (as the
 packed layers do: ``kernels.packed_linear.native_ops``).
@@ -217,7 +218,7 @@ def _gguf_embedding_fake(ids, weight, type_id, cols):
 
 def native_ops_usable() -> bool:
     """Whether layers call the C++ operators: the process's ``native_ops``
-    setting is on and ``csrc/gguf_ops.cpp`` builds (once per process)."""
+    setting is on and ``csrc/packed_ops.cpp`` builds (once per process)."""
     global _native
     with _native_lock:
         if _native is None:
@@ -225,7 +226,7 @@ def native_ops_usable() -> bool:
             _native = False
             if native_ops().settings[0]:
                 try:
-                    _hand_over(native.load_op_library("gguf_ops"))
+                    _hand_over(native.load_op_library("packed_ops"))
                     _native = True
                 except RuntimeError:
                     pass   # the Python operators serve (no C++ compiler, or torch's headers missing)

@@ -190,7 +190,7 @@ def test_int4_layers_are_q4_1_blocks_the_reference_dequantises_to_their_weights(
 
 
 def test_the_cpp_operators_give_the_python_operators_bits_and_messages():
-    """``gguf_linear_native`` and ``gguf_linear_q8_native`` (csrc/gguf_ops.cpp,
+    """``gguf_linear_native`` and ``gguf_linear_q8_native`` (csrc/packed_ops.cpp,
     what layers call where it builds) give the same bits as the Python
     operators for every part kind, a row map, bfloat16 rows, a call past
     WIDEN_ROWS, and refuse bad arguments with the same messages."""
