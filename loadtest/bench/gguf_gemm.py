@@ -21,7 +21,9 @@ called the same way ("panels @tree": straight into the library, without the
 operator's checks, which cost some tens of microseconds a call).
 ``--cpu-time``: the process's CPU time instead of the wall clock (with
 ``--threads 1``, a measure that a busy neighbour on the other cores moves
-little).
+little). ``--from-memory MB``: copies of each layer, MB of weights in all,
+called in turn, so that every call reads its weights from memory rather than
+from the cache (a decode step's case; one layer alone stays in L3).
 """
 import argparse
 import ctypes
@@ -87,12 +89,28 @@ def variants(lin: gguf_linear.GGUFLinear, old: Optional[Callable] = None,
     return found
 
 
+def in_turn(calls: List[Callable]) -> Callable:
+    """One call of ``calls`` after the other, round and round."""
+    state = {"next": 0}
+
+    def call(x):
+        state["next"] = (state["next"] + 1) % len(calls)
+        return calls[state["next"]](x)
+    return call
+
+
 def bench_shape(kind: str, k: int, n: int, ms: List[int], rounds: int, budget_s: float,
-                old: Optional[Callable] = None, rev: str = "", timer: Callable = time_calls) -> List[dict]:
+                old: Optional[Callable] = None, rev: str = "", timer: Callable = time_calls,
+                from_memory_mb: float = 0) -> List[dict]:
     lin = layer(kind, k, n, seed=k * 7 + n)
     weight_bytes = lin.weights[0].numel()
     reference = lin.dequantized().double()
     fns = variants(lin, old, rev)
+    copies = int(from_memory_mb * 1e6 // weight_bytes)
+    if copies > 1:   # the same blocks at other addresses: every call's products are the first's
+        others = [variants(gguf_linear.GGUFLinear([lin.weights[0].clone()], [kind], k), old, rev)
+                  for _ in range(copies - 1)]
+        fns = {name: in_turn([fn] + [o[name] for o in others]) for name, fn in fns.items()}
     g = torch.Generator().manual_seed(n)
     rows = []
     for m in ms:
@@ -131,6 +149,8 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=0.1, help="seconds of calls per variant per round")
     ap.add_argument("--against", metavar="REV", help="also the panel products of gguf_gemm.c at git revision REV")
     ap.add_argument("--cpu-time", action="store_true", help="time in the process's CPU time (use with --threads 1)")
+    ap.add_argument("--from-memory", type=float, default=0, metavar="MB",
+                    help="copies of each layer, MB of weights in all, called in turn (weights read from memory)")
     add_common_args(ap, threads=2)
     args = ap.parse_args(argv)
     set_threads(args.threads)
@@ -145,14 +165,16 @@ def main(argv=None):
     old = panels_at(args.against) if args.against and why is None else None
     timer = cpu_time_calls if args.cpu_time else time_calls
     print(f"{torch.get_num_threads()} threads; int8 activations: {why or 'yes'}"
-          f"{'; CPU time' if args.cpu_time else ''}")
+          f"{'; CPU time' if args.cpu_time else ''}"
+          f"{f'; weights from memory ({args.from_memory:.0f} MB of copies)' if args.from_memory else ''}")
     print("| type | shape | M | default GFLOP/s | int8 blocks | int8 panels | panels / blocks | best GB/s |"
           + (f" @{args.against} / this tree |" if old else ""))
     results = []
     for kind in kinds:
         for name in args.shapes.split(","):
             k, n = SHAPES[name]
-            for row in bench_shape(kind, k, n, ms, args.rounds, args.budget, old, args.against or "", timer):
+            for row in bench_shape(kind, k, n, ms, args.rounds, args.budget, old, args.against or "", timer,
+                                   args.from_memory):
                 row["shape"] = name
                 results.append(row)
                 cell = {v: f"{row[v]['gflops']:.0f}" if v in row else "-"
@@ -163,6 +185,7 @@ def main(argv=None):
                 print(f"| {kind} | {name} {k}->{n} | {row['m']} | {cell['default']} | {cell['int8 blocks']} | "
                       f"{cell['int8 panels']} | {ratio} | {best:.1f} |{against}", flush=True)
     result = {"threads": torch.get_num_threads(), "int8_activations": why or "yes", "cpu_time": args.cpu_time,
+              "from_memory_mb": args.from_memory,
               "against": args.against, "rows": results}
     print(f"wrote {write_result(args.out, 'gguf_gemm', result)}")
     return result

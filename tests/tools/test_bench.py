@@ -462,9 +462,16 @@ def test_gguf_gemm_bench_times_every_product_of_a_type_after_checking_it(tmp_pat
     with pytest.raises(SystemExit, match="unknown type 'Q3_K'"):
         gguf_gemm.main(["--quick", "--types", "Q3_K", "--out", str(tmp_path)])
     if int8:   # the kernel as of a revision, on the same panels, checked equal before it is timed
+        # ... and over copies of the layer called in turn (20 MB: 8 copies of 2.4 MB), each call's products checked
         result = gguf_gemm.main(["--quick", "--types", "Q4_0", "--shapes", "o", "--threads", "1", "--cpu-time",
-                                 "--against", "HEAD", "--out", str(tmp_path)])
+                                 "--against", "HEAD", "--from-memory", "20", "--out", str(tmp_path)])
         assert result["cpu_time"] and all(row["x_rev"] > 0 and "panels @HEAD" in row for row in result["rows"])
+        assert result["from_memory_mb"] == 20
+    calls = []
+    in_turn = gguf_gemm.in_turn([lambda x, i=i: calls.append(i) for i in range(3)])
+    for _ in range(7):
+        in_turn(None)
+    assert all(sorted(calls[i:i + 3]) == [0, 1, 2] for i in range(5))   # each in turn, none skipped
 
 
 def test_cpu_kernels_bench_times_each_kernel_beside_what_it_replaces(tmp_path):
