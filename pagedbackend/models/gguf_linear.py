@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from pagedbackend.kernels import hugepages, native
+from pagedbackend.kernels import hugepages, native, onednn_linear
 
 # ggml type ids the kernels take.
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -157,7 +157,7 @@ def _gguf_linear_cpu(x, weights, row_maps, types, out_features):
     if rows >= WIDEN_ROWS:   # a long prefill chunk: widen each block once, then one float32 GEMM
         widened = [_gguf_embedding_cpu(m if m.numel() else torch.arange(w.shape[0]), w, t, cols)
                    for w, m, t in zip(weights, row_maps, types)]
-        y = xf @ torch.cat(widened).T
+        y = onednn_linear.dense_linear(xf, torch.cat(widened))
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     y = _call_parts(load_library().gguf_gemm_parts, xf, weights, row_maps, types, sizes, out_features)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -247,6 +247,7 @@ def _hand_over(ops: ctypes.CDLL) -> None:
                              (ctypes.c_longlong * len(names))(*[BLOCK_VALUES[n] for n in names]),
                              (ctypes.c_longlong * len(names))(*[BLOCK_BYTES[n] for n in names]),
                              ",".join(names).encode())
+    ops.packed_ops_set_prefill(int(onednn_linear.unavailable() is None))   # its widened GEMM, as dense_linear
     torch.library.register_fake("pagedbackend::gguf_linear_native")(_gguf_linear_fake)
     torch.library.register_fake("pagedbackend::gguf_linear_q8_native")(_gguf_linear_q8_fake)
 

@@ -21,7 +21,8 @@
 // Steps past kernel_max_rows rows multiply the weight unpacked for the call
 // through oneDNN's inner product (mkldnn::_linear_pointwise, looked up in the
 // dispatcher) where Python found it working (packed_ops_set_prefill), else
-// through at::linear: kernels/onednn_linear.py's dense_linear.
+// through at::linear: kernels/onednn_linear.py's dense_linear. So does a GGUF
+// layer's call of widen_rows rows or more, on its blocks widened for the call.
 //
 // The GGUF linear layers, the same way:
 // pagedbackend::gguf_linear_native and pagedbackend::gguf_linear_q8_native do
@@ -276,7 +277,7 @@ at::Tensor gguf_linear(const at::Tensor &x, at::TensorList weights, at::TensorLi
                 TORCH_CHECK_INDEX(false, "token id outside the vocabulary of ", weights[i].size(0));
             widened.push_back(w);
         }
-        return finish(at::matmul(xf, at::cat(widened).t()), x);
+        return finish(prefill_linear(xf, at::cat(widened)), x);
     }
     at::Tensor y = at::empty({rows, out_features}, xf.options());
     if (rows) {
