@@ -80,15 +80,24 @@ static int block_bytes(int type) {
 // PANEL_6_D: 3,360 bytes, as many as the 16 rows' blocks.
 #define PANEL_6_SC (8 * 384)
 #define PANEL_6_D (PANEL_6_SC + 16 * PANEL)
+// A Q5_K panel super-block: as Q4_K's, each group's 256 bytes of low 4 bits
+// followed by 64 of their fifth bits (lane j holds, in byte t, those of values
+// t, 4 + t, 8 + t, 12 + t of row j at bits 0-3 and of 16 + t .. 28 + t at bits
+// 4-7); d and dmin at PANEL_5_D, the scales and minimums at PANEL_5_SC: 2,880
+// bytes for the 16 rows' 2,816.
+#define PANEL_5_GROUP 320
+#define PANEL_5_D (8 * PANEL_5_GROUP)
+#define PANEL_5_SC (PANEL_5_D + 4 * PANEL)
 
 static int panel_type(int type) {
-    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q6_K;
+    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
 static int64_t panel_values_bytes(int type) { return type == T_Q8_0 ? 512 : 256; }
 int64_t gguf_panel_bytes(int type, int64_t rows, int64_t K);
-// Bytes of a panel's group of 32 columns (32-value types) or super-block of 256 (Q4_K).
+// Bytes of a panel's group of 32 columns (32-value types) or super-block of 256 (K-quants).
 static int64_t panel_group_bytes(int type) {
     if (type == T_Q4_K) return PANEL_K_SC + 2 * 8 * PANEL;
+    if (type == T_Q5_K) return PANEL_5_SC + 2 * 8 * PANEL;
     if (type == T_Q6_K) return PANEL_6_D + 2 * PANEL;
     return panel_values_bytes(type) + 2 * PANEL + (type == T_Q4_1 ? 2 * PANEL : 0);
 }
@@ -716,8 +725,8 @@ static AVX512Q void rows_k(int type, const xk_t *xs, int64_t M, int64_t K, const
 }
 
 // ---------------------------------------------------------------- int8 activations on panels
-// A part's weight rows (Q8_0, Q4_0, Q4_1; Q4_K and Q6_K below, with their
-// layouts beside PANEL_K_D and PANEL_6_SC) copied at load into panels of PANEL
+// A part's weight rows (Q8_0, Q4_0, Q4_1; Q4_K, Q5_K and Q6_K below, with
+// their layouts beside PANEL_K_D, PANEL_5_GROUP and PANEL_6_SC) copied at load into panels of PANEL
 // rows, so that one 512-bit register holds 4 consecutive values of each of 16
 // rows: vpdpbusd with 4 bytes of an x row broadcast adds that x group's
 // products into 16 outputs at once, with no sums across lanes, and a group's
@@ -878,39 +887,47 @@ PANEL_TYPE(T_Q8_0)
 PANEL_TYPE(T_Q4_0)
 PANEL_TYPE(T_Q4_1)
 
-// Q4_K panels against x rounded per super-block (xk_t, as rowk): a group's
-// integer dot product is weighted by its integer scale in int32 (vpmulld), so a
-// super-block needs one float multiply-add per 16 outputs, and its minimums one
-// more per group (dmin m_g times the x group's dx * sum(v)).
-INLINEQ void panel_q4k(const int R, const uint8_t *pw, const xkt_t *xt, int64_t K, float *y, int64_t ldy,
-                       __mmask16 lanes) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+// Q4_K and Q5_K panels against x rounded per super-block (xk_t, as rowk): a
+// group's integer dot product is weighted by its integer scale in int32
+// (vpmulld), so a super-block needs one float multiply-add per 16 outputs, and
+// its minimums one more per group (dmin m_g times the x group's dx * sum(v)).
+// Q5_K's fifth bits join the low four as bit 4 of each byte before vpdpbusd.
+INLINEQ void panel_kq(const int type, const int R, const uint8_t *pw, const xkt_t *xt, int64_t K, float *y,
+                      int64_t ldy, __mmask16 lanes) {
+    const int five = type == T_Q5_K, gs = five ? PANEL_5_GROUP : 256;
+    const int at_d = five ? PANEL_5_D : PANEL_K_D, at_sc = five ? PANEL_5_SC : PANEL_K_SC;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     __m512 acc[PANEL_X];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < K / 256; sb++) {
-        const uint8_t *o = pw + sb * panel_group_bytes(T_Q4_K);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + PANEL_K_D)));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + PANEL_K_D + 2 * PANEL)));
+        const uint8_t *o = pw + sb * panel_group_bytes(type);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + at_d)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + at_d + 2 * PANEL)));
         __m512i isb[PANEL_X];
         for (int r = 0; r < R; r++) isb[r] = _mm512_setzero_si512();
 #pragma GCC unroll 1
         for (int g = 0; g < 8; g++) {
-            const uint8_t *og = o + 256 * g;
-            PANEL_PREFETCH(og, 256);
+            const uint8_t *og = o + gs * g;
+            PANEL_PREFETCH(og, gs);
             const int32_t *xw = xt->w + (sb * 64 + g * 8) * R;
+            const __m512i top = five ? _mm512_loadu_si512((const void *)(og + 256)) : _mm512_setzero_si512();
             __m512i s[PANEL_X];
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
                 const __m512i t = _mm512_loadu_si512((const void *)(og + 64 * k));
-                const __m512i lo = _mm512_and_si512(t, low4), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low4);
+                __m512i lo = _mm512_and_si512(t, low4), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low4);
+                if (five) {   // bit k of each top byte to bit 4 of lo, bit 4 + k to bit 4 of hi
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(top, 4 - k), bit4));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(top, k), bit4));
+                }
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) DPBUSD_X(s[r], lo, xw, k * R + r);
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) DPBUSD_X(s[r], hi, xw, (k + 4) * R + r);
             }
-            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(o + PANEL_K_SC + PANEL * g)));
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(o + at_sc + PANEL * g)));
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) isb[r] = _mm512_add_epi32(isb[r], _mm512_mullo_epi32(s[r], sc));
         }
@@ -918,7 +935,7 @@ INLINEQ void panel_q4k(const int R, const uint8_t *pw, const xkt_t *xt, int64_t 
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++)
             mins[g] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(o + PANEL_K_SC + 8 * PANEL + PANEL * g)))));
+                _mm_loadu_si128((const __m128i *)(o + at_sc + 8 * PANEL + PANEL * g)))));
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb[r]), _mm512_mul_ps(d, _mm512_set1_ps(xt->d[sb * R + r])),
@@ -986,11 +1003,17 @@ static AVX512Q void panel_T_Q6_K(int rows, const uint8_t *pw, const xkt_t *xt, i
     switch (rows) { PANEL6_R(1) PANEL6_R(2) PANEL6_R(3) PANEL6_R(4) PANEL6_R(5) PANEL6_R(6) PANEL6_R(7) PANEL6_R(8) }
 }
 
-#define PANELK_R(R) case R: panel_q4k(R, pw, xt, K, y, ldy, lanes); break;
-static AVX512Q void panel_T_Q4_K(int rows, const uint8_t *pw, const xkt_t *xt, int64_t K, float *y, int64_t ldy,
-                                 __mmask16 lanes) {
-    switch (rows) { PANELK_R(1) PANELK_R(2) PANELK_R(3) PANELK_R(4) PANELK_R(5) PANELK_R(6) PANELK_R(7) PANELK_R(8) }
-}
+#define PANELK_R(type, R) case R: panel_kq(type, R, pw, xt, K, y, ldy, lanes); break;
+#define PANELK_TYPE(type)                                                                                      \
+    static AVX512Q void panel_##type(int rows, const uint8_t *pw, const xkt_t *xt, int64_t K, float *y,        \
+                                     int64_t ldy, __mmask16 lanes) {                                           \
+        switch (rows) {                                                                                        \
+            PANELK_R(type, 1) PANELK_R(type, 2) PANELK_R(type, 3) PANELK_R(type, 4)                            \
+            PANELK_R(type, 5) PANELK_R(type, 6) PANELK_R(type, 7) PANELK_R(type, 8)                            \
+        }                                                                                                      \
+    }
+PANELK_TYPE(T_Q4_K)
+PANELK_TYPE(T_Q5_K)
 
 // y[0 .. M, y0 + n0 .. y0 + n1) from the panels of a part (n0 a multiple of
 // PANEL); x in tiles as xts (32-value types) or xkts (K-quants) round it.
@@ -1005,6 +1028,7 @@ static AVX512Q void rows_panel(int type, const xt_t *xts, const xkt_t *xkts, int
             float *out = y + m0 * ldy + y0 + n;
             const int64_t t = m0 / PANEL_X;
             if (type == T_Q4_K) panel_T_Q4_K(rows, pw, xkts + t, K, out, ldy, lanes);
+            else if (type == T_Q5_K) panel_T_Q5_K(rows, pw, xkts + t, K, out, ldy, lanes);
             else if (type == T_Q6_K) panel_T_Q6_K(rows, pw, xkts + t, K, out, ldy, lanes);
             else if (type == T_Q8_0) panel_T_Q8_0(rows, pw, xts + t, K, out, ldy, lanes);
             else if (type == T_Q4_0) panel_T_Q4_0(rows, pw, xts + t, K, out, ldy, lanes);
@@ -1150,6 +1174,25 @@ static void pack_q4k(const uint8_t *b, int j, uint8_t *o) {
     memcpy(o + PANEL_K_D + 2 * PANEL + 2 * j, b + 2, 2);
 }
 
+// Row j of a Q5_K panel super-block o from the super-block b: the low 4 bits
+// as pack_q4k pairs them, the fifth bits in the layout beside PANEL_5_GROUP.
+static void pack_q5k(const uint8_t *b, int j, uint8_t *o) {
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *q = b + 48 + 32 * (g / 2), *qh = b + 16;
+        uint8_t v[32], pairs[16], top[4] = {0};
+        for (int l = 0; l < 32; l++)
+            v[l] = (uint8_t)((g & 1 ? q[l] >> 4 : q[l] & 0x0f) | (((qh[l] >> g) & 1) << 4));
+        for (int i = 0; i < 16; i++) pairs[i] = (uint8_t)((v[i] & 0x0f) | ((v[i + 16] & 0x0f) << 4));
+        for (int i = 0; i < 32; i++)   // value i: byte i % 4, bit i / 4 (0..3) or 4 + (i - 16) / 4
+            top[i % 4] |= (uint8_t)((v[i] >> 4) << (i < 16 ? i / 4 : 4 + (i - 16) / 4));
+        for (int k = 0; k < 4; k++) memcpy(o + PANEL_5_GROUP * g + 64 * k + 4 * j, pairs + 4 * k, 4);
+        memcpy(o + PANEL_5_GROUP * g + 256 + 4 * j, top, 4);
+        scale_min_k4(b + 4, g, o + PANEL_5_SC + PANEL * g + j, o + PANEL_5_SC + 8 * PANEL + PANEL * g + j);
+    }
+    memcpy(o + PANEL_5_D + 2 * j, b, 2);
+    memcpy(o + PANEL_5_D + 2 * PANEL + 2 * j, b + 2, 2);
+}
+
 // Row j of a Q6_K panel super-block o from the super-block b.
 static void pack_q6k(const uint8_t *b, int j, uint8_t *o) {
     for (int g = 0; g < 8; g++) {
@@ -1182,8 +1225,8 @@ int gguf_panel_pack(int type, const uint8_t *w, const int64_t *map, int64_t rows
             for (int j = 0; j < PANEL && p * PANEL + j < rows; j++) {
                 const int64_t row = p * PANEL + j;
                 const uint8_t *b = w + (map ? map[row] : row) * row_bytes + g * bb;
-                if (type == T_Q4_K || type == T_Q6_K) {
-                    (type == T_Q4_K ? pack_q4k : pack_q6k)(b, j, o);
+                if (type >= T_Q4_K) {
+                    (type == T_Q4_K ? pack_q4k : type == T_Q5_K ? pack_q5k : pack_q6k)(b, j, o);
                     continue;
                 }
                 if (type == T_Q8_0) {
