@@ -33,6 +33,27 @@ class _Forward(torch.nn.Module):
         return self.model(input_ids, positions)
 
 
+def buffers_as_parameters(module: torch.nn.Module) -> int:
+    """Register every tensor buffer of ``module`` as a parameter (no gradient,
+    the same storage); returns how many. AOTInductor copies each buffer of an
+    exported module, in case the graph writes it (ours write none), and no
+    parameter: a model whose weights are buffers (packed, paired, GGUF blocks
+    and panels) would be held twice while its package builds, the copy
+    anonymous memory even where the weights are the file's mapping. The
+    builder's model is its own, so its buffers can change kind: the package's
+    constants keep their names, which is how an engine hands its tensors over."""
+    moved = 0
+    for sub in module.modules():
+        for name, tensor in list(sub._buffers.items()):
+            if tensor is None or tensor.is_mkldnn:
+                continue
+            del sub._buffers[name]
+            sub._non_persistent_buffers_set.discard(name)
+            sub.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+            moved += 1
+    return moved
+
+
 def build(config: EngineConfig, threads: int) -> pathlib.Path:
     """Export and compile the step of ``config``'s model into its package (in
     this process; ``step_package.build_in_subprocess`` runs it in one of its
@@ -45,6 +66,7 @@ def build(config: EngineConfig, threads: int) -> pathlib.Path:
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    buffers_as_parameters(runner.model)
     batch = runner.prepare([SeqEntry([1, 2, 3], 0, [1]), SeqEntry([4, 5], 0, [2])])
     tokens = torch.export.Dim("tokens", min=1)
     started = time.perf_counter()

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from pagedbackend.config import EngineConfig
-from pagedbackend.worker import step_package
+from pagedbackend.models.attention import step_context
+from pagedbackend.worker import step_build, step_package
+from pagedbackend.worker.batch import SeqEntry
 from pagedbackend.worker.compiled import compile_unavailable
 from pagedbackend.worker.model_runner import ModelRunner
 from runner_reference import greedy_hf, greedy_paged, load_hf, random_prompts
@@ -110,3 +112,25 @@ def test_an_engine_that_compiles_before_its_first_step_builds_its_package_and_se
     assert isinstance(runner.compiled, step_package.PackagedStep)
     assert runner.compiled.path == step_package.package_path(runner) and runner.compiled.path.is_file()
     assert greedy_paged(runner, prompts) == expected
+
+
+def test_the_builder_holds_the_weights_once_its_buffers_registered_as_parameters(reference):
+    """AOTInductor copies every buffer of the program it compiles (in case the
+    graph writes it) and no parameter; the builder registers its model's
+    buffers (the packed weights among them) as parameters on the same storage,
+    so the program it exports lifts no buffer, and nothing is copied (a 1 B
+    bfloat16 model: 1.9 GB less anonymous memory while it builds)."""
+    folder, _, _ = reference
+    runner = ModelRunner(config(folder, compile=False))
+    before = {name: t.data_ptr() for name, t in runner.model.named_buffers()}
+    assert before   # the packed weights are buffers
+    assert step_build.buffers_as_parameters(runner.model) >= len(before)
+    assert not dict(runner.model.named_buffers())
+    params = dict(runner.model.named_parameters())
+    assert all(params[name].data_ptr() == ptr and not params[name].requires_grad for name, ptr in before.items())
+    batch = runner.prepare([SeqEntry([1, 2, 3], 0, [1])])
+    with torch.inference_mode(), step_context(runner.kv_caches, batch.meta, runner.attention_ops):
+        program = torch.export.export(step_build._Forward(runner.model).eval(), (batch.input_ids, batch.positions),
+                                      strict=False)
+    assert not program.graph_signature.inputs_to_buffers
+    assert set(program.graph_signature.inputs_to_parameters.values()) >= {f"model.{name}" for name in before}
