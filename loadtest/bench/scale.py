@@ -33,7 +33,9 @@ achieved is ``2 x parameters (embedding table excluded) x tok/s``.
 
 Start-up: each setting's engine built in a fresh process of its own, after
 the rounds (the caches they filled are warm): seconds from starting the
-process to the engine built, and the process's RSS (and peak RSS) then.
+process to the engine built, and the process's RSS then, its peak RSS and
+its peak of anonymous memory (the peak RSS counts a checkpoint's mapped
+file pages, which are clean and reclaimable).
 
 Peers, run after our rounds on the same prompts and lengths: vLLM's CPU build
 (``--vllm-python``, ``dtype=bfloat16`` on the bfloat16 folder, its rounds in
@@ -242,22 +244,42 @@ def startup(setting: str, folder: pathlib.Path, args) -> dict:
         return {"error": f"{peer_servers.exit_description(done.returncode)}: {done.stderr[-1500:]}"}
     report = json.loads(lines[-1])
     return {"ready_s": round(report["ready_at"] - started, 1), "build_s": round(report["build_s"], 1),
-            "rss_mib": report["rss_mib"], "peak_rss_mib": report["peak_rss_mib"], "dtype": report["dtype"]}
+            "rss_mib": report["rss_mib"], "peak_rss_mib": report["peak_rss_mib"],
+            "peak_anon_mib": report["peak_anon_mib"], "dtype": report["dtype"]}
+
+
+def _status_mib() -> Dict[str, int]:
+    """This process's /proc status sizes (VmRSS, VmHWM, RssAnon, RssFile) in MiB."""
+    lines = pathlib.Path("/proc/self/status").read_text().splitlines()
+    return {key: round(int(value.split()[0]) / 1024) for key, value in (line.split(":", 1) for line in lines)
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
 
 
 def probe(spec: str) -> None:
-    """In a fresh process: build the engine, print when it was ready and the RSS then."""
+    """In a fresh process: build the engine, print when it was ready, the RSS
+    then and at its peak, and the peak of anonymous memory alone (sampled every
+    20 ms): the peak RSS counts the pages of a checkpoint's mapped files too,
+    which are clean and reclaimable."""
+    import threading
     spec = json.loads(spec)
     set_threads(spec["threads"])
     from pagedbackend import LLM
+    peak_anon, building = [0], threading.Event()
+
+    def sample():
+        while not building.wait(0.02):
+            peak_anon[0] = max(peak_anon[0], _status_mib()["RssAnon"])
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     start = time.perf_counter()
     llm = LLM(**spec["settings"])
     build_s = time.perf_counter() - start
-    status = dict(line.split(":", 1) for line in pathlib.Path("/proc/self/status").read_text().splitlines()
-                  if ":" in line)
-    mib = lambda key: round(int(status[key].split()[0]) / 1024)   # noqa: E731 (kB)
-    print(json.dumps({"ready_at": time.time(), "build_s": build_s, "rss_mib": mib("VmRSS"),
-                      "peak_rss_mib": mib("VmHWM"), "dtype": llm.engine.config.dtype}), flush=True)
+    building.set()
+    sampler.join()
+    status = _status_mib()
+    print(json.dumps({"ready_at": time.time(), "build_s": build_s, "rss_mib": status["VmRSS"],
+                      "peak_rss_mib": status["VmHWM"], "peak_anon_mib": max(peak_anon[0], status["RssAnon"]),
+                      "dtype": llm.engine.config.dtype}), flush=True)
 
 
 # ---------------------------------------------------------------- peers
@@ -375,7 +397,7 @@ def table(rows: List[dict], streams: List[int]) -> str:
     head = ["setting", "weights", "MB read / step"]
     for n in streams:
         head += [f"{n} stream{'s' * (n > 1)} tok/s", "of memory roofline" if n == 1 else "GFLOP/s"]
-    head += ["prefill tok/s", "ready s", "RSS MiB"]
+    head += ["prefill tok/s", "ready s", "RSS MiB", "peak anonymous MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)   # noqa: E731
     for r in rows:
@@ -383,7 +405,8 @@ def table(rows: List[dict], streams: List[int]) -> str:
         for n in streams:
             cells += [fmt(r[f"tok_s_{n}"], ".1f"),
                       fmt(r.get("roofline_fraction"), ".2f") if n == 1 else fmt(r.get(f"gflops_{n}"), ".0f")]
-        cells += [fmt(r.get("prefill_tok_s"), ".1f"), fmt(r.get("ready_s"), ".1f"), fmt(r.get("rss_mib"), ".0f")]
+        cells += [fmt(r.get("prefill_tok_s"), ".1f"), fmt(r.get("ready_s"), ".1f"), fmt(r.get("rss_mib"), ".0f"),
+                  fmt(r.get("peak_anon_mib"), ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

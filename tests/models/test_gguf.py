@@ -173,7 +173,7 @@ def round_linear_inputs(model: torch.nn.Module, group: int) -> None:
             module.register_forward_pre_hook(rounded)
 
 
-@pytest.mark.parametrize("scheme, group", [("Q8_0", 32), ("Q4_K_M", 256)])
+@pytest.mark.parametrize("scheme, group", [("Q8_0", 32), ("Q4_K_M", 256), ("Q5_K_M", 256)])
 def test_int8_activations_generate_what_transformers_generates_with_the_same_rounding(gguf_files, scheme, group):
     """``quantization=w8a8`` on a GGUF file: x rounded to int8 per group of 32
     (Q8_0) or super-block of 256 (K-quants), integer products. Each token the
@@ -194,6 +194,7 @@ def test_int8_activations_generate_what_transformers_generates_with_the_same_rou
         outs = llm.generate(prompts, greedy)
         layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, GGUFLinear)]
     assert layers and all(layer.int8_activations for layer in layers)
+    assert all(panel.numel() for layer in layers for panel in layer.panels)   # every type read from panels
     picked = same = 0
     for prompt, out in zip(prompts, outs):
         tokens = list(out.outputs[0].token_ids)

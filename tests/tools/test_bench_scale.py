@@ -41,6 +41,8 @@ def test_scale_bench_one_round_on_a_tiny_llama(tmp_path, capsys):
     for name in W8A8:   # the same file's bytes, read with int8 activations
         assert rows[name]["weights"] == "Q4_K_M" and rows[name]["step_bytes"] == rows["ours Q4_K_M"]["step_bytes"]
     assert rows["ours Q4_0"]["ready_s"] > 0 and rows["ours Q4_0"]["rss_mib"] > 100
+    # anonymous memory alone: at least the interpreter and torch, at most the whole peak
+    assert 50 < rows["ours Q4_0"]["peak_anon_mib"] <= rows["ours Q4_0"]["peak_rss_mib"]
     assert "ready_s" not in rows["ours auto"]   # its start-up was not asked for
     assert len(result["bandwidth_gbs"]) == 2 and min(result["bandwidth_gbs"]) > 0
     assert any(s.startswith("vLLM") for s in result["skipped"])
