@@ -7,7 +7,8 @@ experts as 3-D ``ffn_{gate,up,down}_exps`` tensors, one expert after another) wi
 ``gguf`` package's writer, quantised per a scheme: ``Q8_0``, ``Q4_0``,
 ``Q4_1``, and the mixtures ``Q4_K_M`` (Q4_K, with Q6_K for the output and for
 attn_v and ffn_down in the layers llama.cpp gives more bits) and ``Q5_K_M``
-(the same with Q5_K). gguf-py quantises Q8_0, Q4_0 and Q4_1 itself; it only
+(the same with Q5_K); a K-quant tensor whose rows are not whole super-blocks
+of 256 takes llama-quantize's fallback (Q5_0, Q5_1, Q8_0). gguf-py quantises Q8_0, Q4_0 and Q4_1 itself; it only
 reads K-quants, so ``quantize_k`` writes their blocks here (plain min/max
 rounding per sub-block: valid blocks, not llama.cpp's search for the best
 scales). The tokenizer is a byte-level BPE of a few hundred tokens trained on
@@ -157,8 +158,21 @@ def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def tensor_kind(name: str, scheme: str, layers: int) -> str:
-    """The GGUF type of tensor ``name`` in a file of ``scheme``."""
+# llama-quantize's types for a K-quant tensor whose rows are not whole super-blocks of 256.
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def tensor_kind(name: str, scheme: str, layers: int, cols: int = QK_K) -> str:
+    """The GGUF type of tensor ``name`` (rows of ``cols`` values) in a file of
+    ``scheme``; a K-quant tensor whose rows are not whole super-blocks falls
+    back to a 32-value type, as llama-quantize does (``K_FALLBACK``)."""
+    kind = _scheme_kind(name, scheme, layers)
+    if kind in K_FALLBACK and cols % QK_K:
+        kind = K_FALLBACK[kind]
+    return kind
+
+
+def _scheme_kind(name: str, scheme: str, layers: int) -> str:
     if name.endswith(("norm.weight", ".bias", "ffn_gate_inp.weight")):   # llama.cpp keeps routers float
         return "F32"
     if scheme in FLOAT_SCHEMES:   # a converted, unquantised file: every matrix in that type
@@ -256,7 +270,7 @@ def write_gguf(path, state: Dict[str, torch.Tensor], cfg: dict, arch: str, schem
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, t in gguf_tensors(state, cfg, arch).items():
-        kind = tensor_kind(name, scheme, cfg["num_hidden_layers"])
+        kind = tensor_kind(name, scheme, cfg["num_hidden_layers"], t.shape[-1])
         if kind == "F32":
             writer.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
         elif kind == "F16":

@@ -25,9 +25,9 @@ DEFAULT_ALIGNMENT = 32
 # ggml type id -> (name, values per block, bytes per block): the float and
 # quantised types a GGUF of the served families holds.
 GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q4_0", 32, 18),
-              3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-              14: ("Q6_K", 256, 210)}
-QUANTIZED = frozenset(("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+              3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
+              12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+QUANTIZED = frozenset(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 # Metadata value types: id -> struct format (scalars), 8 string, 9 array.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 

@@ -39,7 +39,7 @@ def gguf_files(tmp_path_factory):
     return file
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_blocks_widen_to_the_reference_values_and_multiply_in_any_dtype(kind):
     import gguf
     rng = np.random.default_rng(1)
@@ -140,6 +140,23 @@ def test_engine_generates_what_transformers_generates_from_the_same_file(gguf_fi
     assert windows == ([16, 16] if family == "gemma3" else [None, None])   # sequences run past three windows
     if family == "qwen3_moe":   # quantised experts from their blocks; float ones by the float kernel
         assert moe_kernel == ("packed" if scheme == "F16" else "gguf")
+
+
+@pytest.mark.parametrize("scheme, fallbacks", [("Q4_K_M", {"Q5_0", "Q8_0"}), ("Q5_K_M", {"Q5_1", "Q8_0"})])
+def test_k_quant_files_with_rows_that_are_not_whole_super_blocks_hold_fallback_types(tmp_path, scheme, fallbacks):
+    """llama-quantize writes a K-quant tensor whose rows are not whole
+    super-blocks of 256 (an MLP of 320 here; Gemma 3 1B's 1152, Qwen2.5 0.5B's
+    896) as Q5_0 (for Q4_K), Q5_1 (Q5_K) or Q8_0 (Q6_K): such a file loads,
+    and the engine generates what transformers generates from it."""
+    path = build_tiny_gguf(tmp_path, "llama", scheme, intermediate_size=320)
+    hf = load_hf_gguf(path)
+    prompts = prompts_for()
+    expected = [hf_greedy(hf, p) for p in prompts]
+    with LLM(model=str(path), compile=False, block_size=8, num_kv_blocks=64) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+        types = set(llm.engine.runner.model.gguf_types)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert fallbacks <= types and {scheme[:4], "Q6_K"} <= types
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_file(gguf_files):

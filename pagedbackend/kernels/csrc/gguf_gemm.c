@@ -1,5 +1,5 @@
 // Products with GGUF weights in their own blocks: y[M, N] = x[M, K] W^T, where
-// each of W's N rows is a row of GGUF blocks (Q8_0, Q4_0, Q4_1: 32 values per
+// each of W's N rows is a row of GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: 32 values per
 // block; Q4_K, Q5_K, Q6_K: 256 per super-block), read where the file maps them.
 // A block is widened to float32 in registers, 32 values at a time, with the
 // same float operations as the reference dequantisation (gguf-py and
@@ -20,7 +20,7 @@
 #include <string.h>
 #include <omp.h>
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 #define ROW_TILE 8
 #define GROUP 32
 
@@ -55,6 +55,8 @@ static int block_bytes(int type) {
     switch (type) {
         case T_Q4_0: return 18;
         case T_Q4_1: return 20;
+        case T_Q5_0: return 22;
+        case T_Q5_1: return 24;
         case T_Q8_0: return 34;
         case T_Q4_K: return 144;
         case T_Q5_K: return 176;
@@ -137,6 +139,17 @@ static inline void widen(int type, const uint8_t *b, int g, float *restrict w) {
             for (int i = 0; i < 16; i++) {
                 w[i] = d * (float)(q[i] & 0xF) + m;
                 w[i + 16] = d * (float)(q[i] >> 4) + m;
+            }
+            break;
+        }
+        case T_Q5_0:
+        case T_Q5_1: {   // d * (q - 16); d * q + m: q's fifth bit for value i is bit i of qh
+            const float d = half_to_float(b), m = type == T_Q5_1 ? half_to_float(b + 2) : 0.0f;
+            const uint8_t *qh = b + (type == T_Q5_0 ? 2 : 4), *q = qh + 4;
+            const uint32_t h = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+            for (int i = 0; i < 32; i++) {
+                const int v = ((i < 16 ? q[i] : q[i - 16] >> 4) & 0xF) | (int)((h >> i) & 1) << 4;
+                w[i] = type == T_Q5_0 ? d * (float)(v - 16) : d * (float)v + m;
             }
             break;
         }
@@ -233,6 +246,17 @@ INLINE512 float h2f(const uint8_t *p) {
 // float(q) for 16 signed bytes.
 INLINE512 __m512 i8_ps(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
 
+// The 32 five-bit values of a Q5_0 / Q5_1 block from its qh (4 bytes) and
+// the 16 bytes of nibbles after it: value i in byte i.
+INLINE512 __m256i q5_values(const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(qh + 4));
+    const __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0f)), hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    return _mm256_or_si256(v, _mm256_and_si256(_mm256_movm_epi8((__mmask32)h), _mm256_set1_epi8(16)));
+}
+
 // A block's (super-block's) scales that its groups share: for Q4_K/Q5_K the 8
 // d * sc and dmin * m of scale_min_k4; for Q6_K the 16 d * sc.
 typedef struct { float s[16], m[8]; } scales_t;
@@ -283,6 +307,23 @@ INLINE512 void decode(const int type, const uint8_t *b, const int g, const scale
             const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
             *lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q), t);
             *hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(q, 4)), t);
+            break;
+        }
+        case T_Q5_0:
+        case T_Q5_1: {   // d * (q - 16); d * q + m: two tables of 16, bit i of qh the fifth bit of value i
+            const __m512 d = _mm512_set1_ps(h2f(b));
+            __m512 t0, t1;
+            if (type == T_Q5_0) {
+                t0 = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.0f)));
+                t1 = _mm512_mul_ps(d, iota);
+            } else {
+                const __m512 m = _mm512_set1_ps(h2f(b + 2));
+                t0 = _mm512_add_ps(_mm512_mul_ps(d, iota), m);
+                t1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16.0f))), m);
+            }
+            const __m256i v = q5_values(b + (type == T_Q5_0 ? 2 : 4));
+            *lo = _mm512_permutex2var_ps(t0, _mm512_cvtepu8_epi32(_mm256_castsi256_si128(v)), t1);
+            *hi = _mm512_permutex2var_ps(t0, _mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1)), t1);
             break;
         }
         case T_Q4_K: {   // d * sc * q - dmin * m
@@ -389,6 +430,8 @@ INLINE512 void widen512(const int type, const uint8_t *row, int64_t K, float *ou
 TILE_TYPE(T_Q8_0)
 TILE_TYPE(T_Q4_0)
 TILE_TYPE(T_Q4_1)
+TILE_TYPE(T_Q5_0)
+TILE_TYPE(T_Q5_1)
 TILE_TYPE(T_Q4_K)
 TILE_TYPE(T_Q5_K)
 TILE_TYPE(T_Q6_K)
@@ -397,6 +440,8 @@ TILE_TYPE(T_Q6_K)
         case T_Q8_0: CALL(T_Q8_0); break;                                                    \
         case T_Q4_0: CALL(T_Q4_0); break;                                                    \
         case T_Q4_1: CALL(T_Q4_1); break;                                                    \
+        case T_Q5_0: CALL(T_Q5_0); break;                                                    \
+        case T_Q5_1: CALL(T_Q5_1); break;                                                    \
         case T_Q4_K: CALL(T_Q4_K); break;                                                    \
         case T_Q5_K: CALL(T_Q5_K); break;                                                    \
         case T_Q6_K: CALL(T_Q6_K); break;                                                    \
@@ -442,10 +487,12 @@ static AVX512 void rows_avx512(int type, const float *x, int64_t M, int64_t K, c
 // computed as x * (1 / dx)), and each group's product with a weight group is
 // an integer dot product (VNNI vpdpbusd: unsigned weight values u times signed
 // v, exact in int32), scaled in float32. A weight group is w = a * u + c: Q8_0
-// u = q + 128 (its sign bit flipped), c = -128 a; Q4_0 c = -8 a; Q6_K u its six
-// bits, c = -32 a per half of 16; those constant offsets enter the integer sum
-// as -c/a * sum(v) (in lane 0, or lanes 0 and 4 for Q6_K's halves). Q4_1, Q4_K
-// and Q5_K's minimums add c * dx * sum(v) in float32.
+// u = q + 128 (its sign bit flipped), c = -128 a; Q4_0 c = -8 a; Q5_0 u its five
+// bits, c = -16 a; Q6_K u its six bits, c = -32 a per half of 16; those
+// constant offsets enter the integer sum as -c/a * sum(v) (in lane 0, or lanes
+// 0 and 4 for Q6_K's halves). Q4_1, Q5_1, Q4_K and Q5_K's minimums add
+// c * dx * sum(v) in float32. (Q5_0 and Q5_1, which llama.cpp writes where a
+// row is not whole super-blocks, have no panels: they are read from their blocks.)
 #define AVX512Q __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
 #define INLINEQ static inline __attribute__((always_inline)) AVX512Q
 
@@ -489,6 +536,9 @@ INLINEQ __m256i unsigned_values(const int type, const uint8_t *b, const int g) {
             const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
             return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
         }
+        case T_Q5_0:
+        case T_Q5_1:
+            return q5_values(b + (type == T_Q5_0 ? 2 : 4));
         case T_Q4_K: {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (g >> 1)));
             return _mm256_and_si256(g & 1 ? _mm256_srli_epi16(v, 4) : v, low4);
@@ -515,8 +565,8 @@ INLINEQ __m256i unsigned_values(const int type, const uint8_t *b, const int g) {
 INLINEQ void tile_q8(const int type, const int WR, const int R, const uint8_t *const *wr,
                      const uint8_t *const *next, const xq_t *xs, int64_t K, float *out) {
     const int bv = block_values(type), bb = block_bytes(type), groups = bv / GROUP;
-    const int offset = type == T_Q8_0 ? 128 : type == T_Q4_0 ? 8 : type == T_Q6_K ? 32 : 0;
-    const int has_min = type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K;
+    const int offset = type == T_Q8_0 ? 128 : type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q6_K ? 32 : 0;
+    const int has_min = type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K;
     __m256 acc[WR_MAX * 4];
     float corr[WR_MAX * 4];
     for (int i = 0; i < WR * R; i++) {
@@ -547,7 +597,7 @@ INLINEQ void tile_q8(const int type, const int WR, const int R, const uint8_t *c
                     c[i] = -sc[i].m[g];
                 } else {
                     a[i] = _mm256_set1_ps(h2f(b));
-                    if (type == T_Q4_1) c[i] = h2f(b + 2);
+                    if (type == T_Q4_1 || type == T_Q5_1) c[i] = h2f(b + 2);
                 }
             }
 #pragma GCC unroll 4
@@ -580,6 +630,8 @@ INLINEQ void tile_q8(const int type, const int WR, const int R, const uint8_t *c
 TILEQ_TYPE(T_Q8_0)
 TILEQ_TYPE(T_Q4_0)
 TILEQ_TYPE(T_Q4_1)
+TILEQ_TYPE(T_Q5_0)
+TILEQ_TYPE(T_Q5_1)
 TILEQ_TYPE(T_Q4_K)
 TILEQ_TYPE(T_Q5_K)
 TILEQ_TYPE(T_Q6_K)
