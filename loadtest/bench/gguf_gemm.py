@@ -41,7 +41,7 @@ from .common import add_common_args, set_threads, write_result
 from .cpu_kernels import source_at
 from .quant_kernels import time_calls
 
-TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def layer(kind: str, k: int, n: int, seed: int) -> gguf_linear.GGUFLinear:

@@ -126,11 +126,11 @@ def test_int8_activations_mix_groups_of_32_and_256_in_one_call_through_a_row_map
 
 
 def test_int8_activations_on_panels_read_rows_through_a_map_past_one_panel():
-    """Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K parts are copied into panels of 16
-    rows (as many bytes as their blocks, Q4_K's 148 a super-block for 144 and
-    Q5_K's 180 for 176, the last panel padded): parts of 37, 21, 16, 5, 18 and
-    19 rows, two through a row map, give the product of the rounded rows for 1
-    to 40 rows of x."""
+    """Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K parts are copied into
+    panels of 16 rows (as many bytes as their blocks, Q4_K's 148 a super-block
+    for 144 and Q5_K's 180 for 176, the last panel padded): parts of 37, 21,
+    16, 20, 3, 5, 18 and 19 rows, two through a row map, give the product of the
+    rounded rows for 1 to 40 rows of x."""
     if int8_activations_unavailable():
         pytest.skip(f"int8-activation GGUF products: {int8_activations_unavailable()}")
     qa, wa = weights("Q4_0", 37, seed=40)
@@ -139,17 +139,21 @@ def test_int8_activations_on_panels_read_rows_through_a_map_past_one_panel():
     qd, wd = weights("Q4_K", 5, seed=43)
     qe, we = weights("Q6_K", 18, seed=44)
     qf, wf = weights("Q5_K", 19, seed=45)
+    qg, wg = weights("Q5_0", 20, seed=46)
+    qh, wh = weights("Q5_1", 3, seed=47)
     order = torch.randperm(37, generator=torch.Generator().manual_seed(6))
     order5 = torch.randperm(19, generator=torch.Generator().manual_seed(10))
-    layer = GGUFLinear([torch.from_numpy(q) for q in (qa, qb, qc, qd, qe, qf)],
-                       ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K"], K, [order, None, None, None, None, order5])
+    layer = GGUFLinear([torch.from_numpy(q) for q in (qa, qb, qc, qg, qh, qd, qe, qf)],
+                       ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q6_K", "Q5_K"], K,
+                       [order, None, None, None, None, None, None, order5])
     layer.int8_activations = True
     assert [p.numel() for p in layer.panels] == [48 * K // 32 * 18, 32 * K // 32 * 20, 16 * K // 32 * 34,
+                                                 32 * K // 32 * 22, 16 * K // 32 * 24,   # Q5_0, Q5_1 as their blocks
                                                  K // 256 * 2368, 2 * K // 256 * 3360, 2 * K // 256 * 2880]
     g = torch.Generator().manual_seed(7)
     for rows in (1, 8, 9, 13, 40):   # tiles of 8 rows of x, the last one of 1 to 8
         x = torch.randn(rows, K, generator=g)
-        expected = torch.cat([rounded_to_int8(x, 32) @ torch.cat([wa[order], wb, wc]).double().T,
+        expected = torch.cat([rounded_to_int8(x, 32) @ torch.cat([wa[order], wb, wc, wg, wh]).double().T,
                               rounded_to_int8(x, 256) @ torch.cat([wd, we, wf[order5]]).double().T], 1)
         torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
     layer.int8_activations = False

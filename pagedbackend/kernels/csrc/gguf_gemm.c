@@ -92,16 +92,20 @@ static int block_bytes(int type) {
 #define PANEL_5_SC (PANEL_5_D + 4 * PANEL)
 
 static int panel_type(int type) {
-    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
+           type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
-static int64_t panel_values_bytes(int type) { return type == T_Q8_0 ? 512 : 256; }
+// Q5_0 and Q5_1 panels: Q4_0's and Q4_1's 256 bytes, then 64 of fifth bits as Q5_K's (PANEL_5_GROUP).
+static int64_t panel_values_bytes(int type) {
+    return type == T_Q8_0 ? 512 : type == T_Q5_0 || type == T_Q5_1 ? 320 : 256;
+}
 int64_t gguf_panel_bytes(int type, int64_t rows, int64_t K);
 // Bytes of a panel's group of 32 columns (32-value types) or super-block of 256 (K-quants).
 static int64_t panel_group_bytes(int type) {
     if (type == T_Q4_K) return PANEL_K_SC + 2 * 8 * PANEL;
     if (type == T_Q5_K) return PANEL_5_SC + 2 * 8 * PANEL;
     if (type == T_Q6_K) return PANEL_6_D + 2 * PANEL;
-    return panel_values_bytes(type) + 2 * PANEL + (type == T_Q4_1 ? 2 * PANEL : 0);
+    return panel_values_bytes(type) + 2 * PANEL + (type == T_Q4_1 || type == T_Q5_1 ? 2 * PANEL : 0);
 }
 
 
@@ -491,8 +495,7 @@ static AVX512 void rows_avx512(int type, const float *x, int64_t M, int64_t K, c
 // bits, c = -16 a; Q6_K u its six bits, c = -32 a per half of 16; those
 // constant offsets enter the integer sum as -c/a * sum(v) (in lane 0, or lanes
 // 0 and 4 for Q6_K's halves). Q4_1, Q5_1, Q4_K and Q5_K's minimums add
-// c * dx * sum(v) in float32. (Q5_0 and Q5_1, which llama.cpp writes where a
-// row is not whole super-blocks, have no panels: they are read from their blocks.)
+// c * dx * sum(v) in float32.
 #define AVX512Q __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
 #define INLINEQ static inline __attribute__((always_inline)) AVX512Q
 
@@ -777,19 +780,21 @@ static AVX512Q void rows_k(int type, const xk_t *xs, int64_t M, int64_t K, const
 }
 
 // ---------------------------------------------------------------- int8 activations on panels
-// A part's weight rows (Q8_0, Q4_0, Q4_1; Q4_K, Q5_K and Q6_K below, with
-// their layouts beside PANEL_K_D, PANEL_5_GROUP and PANEL_6_SC) copied at load into panels of PANEL
+// A part's weight rows (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; Q4_K, Q5_K and Q6_K
+// below, with their layouts beside PANEL_K_D, PANEL_5_GROUP and PANEL_6_SC) copied at load into panels of PANEL
 // rows, so that one 512-bit register holds 4 consecutive values of each of 16
 // rows: vpdpbusd with 4 bytes of an x row broadcast adds that x group's
 // products into 16 outputs at once, with no sums across lanes, and a group's
 // scaling is one multiply-add per 16 outputs (the layout of llama.cpp's
 // repacked Q4_0 GEMMs). For each group of 32 input columns a panel holds the
-// values, then the 16 rows' d (float16), then (Q4_1) their m:
+// values, then the 16 rows' d (float16), then (Q4_1, Q5_1) their m:
 // - Q8_0, 8 registers: lane j of register c holds u = q + 128 of row j's
 //   values 4c .. 4c + 3;
 // - Q4_0, Q4_1, 4 registers: lane j of register k holds bytes 4k .. 4k + 3 of
 //   row j's 16 bytes of nibbles, as the block stores them: the low nibbles are
-//   values 4k .. 4k + 3, the high ones 16 + 4k .. 19 + 4k.
+//   values 4k .. 4k + 3, the high ones 16 + 4k .. 19 + 4k;
+// - Q5_0, Q5_1: as Q4_0, Q4_1, then a register of the fifth bits laid out as
+//   a Q5_K panel group's (PANEL_5_GROUP).
 // Rows past the last (a part's rows need not be a multiple of 16) are zeros.
 // x is rounded per group of 32 as for rows_q8, and each product is the same
 // integer dot product scaled the same way; only the order of the float sums
@@ -884,8 +889,9 @@ static void xtile_q8k(const xk_t *xs, int R, int64_t K, int32_t *w, float *d, fl
 INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xt_t *xt, int64_t K, float *y,
                      int64_t ldy, __mmask16 lanes) {
     const int64_t groups = K / GROUP, vb = panel_values_bytes(type), gb = panel_group_bytes(type);
-    const int offset = type == T_Q8_0 ? 128 : type == T_Q4_0 ? 8 : 0;
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int offset = type == T_Q8_0 ? 128 : type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
+    const int five = type == T_Q5_0 || type == T_Q5_1, has_min = type == T_Q4_1 || type == T_Q5_1;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     __m512 acc[PANEL_X];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -894,11 +900,13 @@ INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xt_t 
         const int32_t *xw = xt->w + g * 8 * R, *neg = (offset == 128 ? xt->neg128 : xt->neg8) + g * R;
         // the scales first: their loads start the group's last cache line early (a one-row loop waits on memory)
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + vb)));
-        const __m512 m = type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + vb + 32)))
-                                        : _mm512_setzero_ps();
+        const __m512 m = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + vb + 32)))
+                                 : _mm512_setzero_ps();
+        const __m512i top = five ? _mm512_loadu_si512((const void *)(o + 256)) : _mm512_setzero_si512();
         __m512i s[PANEL_X];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) s[r] = offset ? _mm512_set1_epi32(neg[r]) : _mm512_setzero_si512();
+#pragma GCC unroll 8   // Q5_0's offset of 16: twice Q4_0's -8 sum(v)
+        for (int r = 0; r < R; r++) s[r] = offset ? _mm512_set1_epi32(offset == 16 ? 2 * neg[r] : neg[r])
+                                                  : _mm512_setzero_si512();
         // each weight register into every row's sum before the next: R chains side by side
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
@@ -910,6 +918,10 @@ INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xt_t 
                 const __m512i t = _mm512_loadu_si512((const void *)(o + 64 * k));
                 lo = _mm512_and_si512(t, low4);
                 hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low4);
+                if (five) {   // as panel_kq: bit k of each top byte to bit 4 of lo, bit 4 + k to bit 4 of hi
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(top, 4 - k), bit4));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(top, k), bit4));
+                }
             }
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) DPBUSD_X(s[r], lo, xw, k * R + r);
@@ -920,7 +932,7 @@ INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xt_t 
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xt->dx[g * R + r])),
                                      acc[r]);
-            if (type == T_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xt->dxs[g * R + r]), acc[r]);
+            if (has_min) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xt->dxs[g * R + r]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, lanes, acc[r]);
@@ -938,6 +950,8 @@ INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xt_t 
 PANEL_TYPE(T_Q8_0)
 PANEL_TYPE(T_Q4_0)
 PANEL_TYPE(T_Q4_1)
+PANEL_TYPE(T_Q5_0)
+PANEL_TYPE(T_Q5_1)
 
 // Q4_K and Q5_K panels against x rounded per super-block (xk_t, as rowk): a
 // group's integer dot product is weighted by its integer scale in int32
@@ -1084,6 +1098,8 @@ static AVX512Q void rows_panel(int type, const xt_t *xts, const xkt_t *xkts, int
             else if (type == T_Q6_K) panel_T_Q6_K(rows, pw, xkts + t, K, out, ldy, lanes);
             else if (type == T_Q8_0) panel_T_Q8_0(rows, pw, xts + t, K, out, ldy, lanes);
             else if (type == T_Q4_0) panel_T_Q4_0(rows, pw, xts + t, K, out, ldy, lanes);
+            else if (type == T_Q5_0) panel_T_Q5_0(rows, pw, xts + t, K, out, ldy, lanes);
+            else if (type == T_Q5_1) panel_T_Q5_1(rows, pw, xts + t, K, out, ldy, lanes);
             else panel_T_Q4_1(rows, pw, xts + t, K, out, ldy, lanes);
         }
     }
@@ -1285,11 +1301,20 @@ int gguf_panel_pack(int type, const uint8_t *w, const int64_t *map, int64_t rows
                     for (int c = 0; c < 8; c++)
                         for (int t = 0; t < 4; t++) o[64 * c + 4 * j + t] = (uint8_t)(b[2 + 4 * c + t] ^ 0x80);
                 } else {
-                    const uint8_t *qs = b + (type == T_Q4_0 ? 2 : 4);
+                    const int at = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
+                    const uint8_t *qs = b + at;
                     for (int k = 0; k < 4; k++) memcpy(o + 64 * k + 4 * j, qs + 4 * k, 4);
+                    if (type == T_Q5_0 || type == T_Q5_1) {   // the fifth bits (qh, before qs) as PANEL_5_GROUP lays them
+                        uint32_t h;
+                        uint8_t top[4] = {0};
+                        memcpy(&h, qs - 4, 4);
+                        for (int i = 0; i < 32; i++)
+                            top[i % 4] |= (uint8_t)(((h >> i) & 1) << (i < 16 ? i / 4 : 4 + (i - 16) / 4));
+                        memcpy(o + 256 + 4 * j, top, 4);
+                    }
                 }
                 memcpy(o + vb + 2 * j, b, 2);
-                if (type == T_Q4_1) memcpy(o + vb + 2 * PANEL + 2 * j, b + 2, 2);
+                if (type == T_Q4_1 || type == T_Q5_1) memcpy(o + vb + 2 * PANEL + 2 * j, b + 2, 2);
             }
         }
     }
