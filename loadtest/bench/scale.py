@@ -2,7 +2,8 @@
 at Llama-3.2-1B's widths (hidden 2048, 16 layers, 32 heads, 8 KV heads of 64,
 intermediate 8192; the vocabulary is the tiny GGUF tokenizer's) saved by
 transformers in bfloat16, and of the same weights as GGUF Q8_0, Q4_0 and
-Q4_K_M files (``loadtest.tiny_gguf``). Built once into ``--workdir``;
+Q4_K_M files (``loadtest.tiny_gguf``; or, with ``--llama-quantize``,
+llama.cpp's ``llama-quantize`` run on an F16 file of them). Built once into ``--workdir``;
 ``--hidden/--layers/--intermediate`` pick a smaller shape.
 
 Settings (``--settings``): our engine with ``dtype=auto`` on the bfloat16
@@ -84,11 +85,15 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_i
 
 # ---------------------------------------------------------------- the checkpoint
 
-def build(folder: pathlib.Path, hidden: int, layers: int, intermediate: int, seed: int = 0) -> None:
+def build(folder: pathlib.Path, hidden: int, layers: int, intermediate: int, seed: int = 0,
+          quantize_tool: Optional[str] = None) -> None:
     """A random Llama of this shape (heads of 64, a quarter as many KV heads)
     in ``folder/bf16`` (transformers' bfloat16 safetensors, the tokenizer),
     the same weights as ``folder/bench-<scheme>.gguf`` files, and
-    ``folder/shape.json`` (the shape and parameter counts)."""
+    ``folder/shape.json`` (the shape and parameter counts). With
+    ``quantize_tool`` (llama.cpp's ``llama-quantize``) the files are its
+    quantisations of an F16 file of the weights rather than gguf-py's and
+    ``tiny_gguf``'s roundings."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from loadtest.tiny_gguf import FAMILIES, write_gguf
@@ -108,7 +113,13 @@ def build(folder: pathlib.Path, hidden: int, layers: int, intermediate: int, see
             p.copy_(1.0 + 0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0, 0.02)
     model.save_pretrained(folder / "bf16")
     cfg = {**config.to_dict(), "head_dim": HEAD_DIM, "rope_theta": 10000.0}
-    for scheme in GGUF_SCHEMES:
+    if quantize_tool:
+        f16 = write_gguf(folder / "bench-F16.gguf", model.state_dict(), cfg, arch, "F16")
+        for scheme in GGUF_SCHEMES:
+            print(f"llama-quantize {folder.name}/bench-{scheme}.gguf...", flush=True)
+            llama_quantize(quantize_tool, f16, folder / f"bench-{scheme}.gguf", scheme)
+        f16.unlink()
+    for scheme in GGUF_SCHEMES if not quantize_tool else ():
         print(f"writing {folder.name}/bench-{scheme}.gguf...", flush=True)
         write_gguf(folder / f"bench-{scheme}.gguf", model.state_dict(), cfg, arch, scheme)
     first = folder / f"bench-{GGUF_SCHEMES[0]}.gguf"
@@ -124,11 +135,25 @@ def build(folder: pathlib.Path, hidden: int, layers: int, intermediate: int, see
     (folder / "shape.json").write_text(json.dumps(shape, indent=1))
 
 
-def checkpoint(workdir: str, hidden: int, layers: int, intermediate: int) -> pathlib.Path:
-    path = pathlib.Path(workdir) / f"llama-h{hidden}-l{layers}-i{intermediate}"
+def llama_quantize(tool: str, source: pathlib.Path, out: pathlib.Path, scheme: str) -> None:
+    """``tool source out scheme`` (llama.cpp's quantizer, its libraries beside it)."""
+    if not os.access(tool, os.X_OK):
+        raise SystemExit(f"--llama-quantize {tool}: not an executable file")
+    env = {**os.environ, "LD_LIBRARY_PATH": ":".join(filter(None, [str(pathlib.Path(tool).resolve().parent),
+                                                                     os.environ.get("LD_LIBRARY_PATH")]))}
+    done = subprocess.run([tool, str(source), str(out), scheme], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"llama-quantize to {scheme} failed ({done.returncode}): {done.stderr[-1500:]}")
+
+
+def checkpoint(workdir: str, hidden: int, layers: int, intermediate: int,
+               quantize_tool: Optional[str] = None) -> pathlib.Path:
+    name = f"llama-h{hidden}-l{layers}-i{intermediate}" + ("-llamacpp" if quantize_tool else "")
+    path = pathlib.Path(workdir) / name
     if not (path / "shape.json").exists():
         print(f"building {path} (once)...", flush=True)
-    return built_once(path, lambda scratch: build(scratch, hidden, layers, intermediate), marker="shape.json")
+    return built_once(path, lambda scratch: build(scratch, hidden, layers, intermediate, quantize_tool=quantize_tool),
+                      marker="shape.json")
 
 
 def gguf_bytes_without_embedding(path: pathlib.Path) -> int:
@@ -440,6 +465,9 @@ def parse_args(argv=None):
     ap.add_argument("--interleave", action="store_true",
                     help="one round of vLLM after each of ours (a process each), not all of its rounds after")
     ap.add_argument("--llama-server", default=env("BENCH_LLAMA_SERVER"), help="llama-server binary")
+    ap.add_argument("--llama-quantize", default=None,
+                    help="llama.cpp's llama-quantize: the GGUF files are its quantisations of an F16 file "
+                         "(a checkpoint folder of its own, '-llamacpp')")
     ap.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds for one peer's whole run")
     ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds for one start-up")
     ap.add_argument("--json", default=None, help="also write the result to this file")
@@ -474,7 +502,7 @@ def main(argv=None):
         return probe(args.probe)
     set_threads(args.threads)
     started = time.perf_counter()
-    folder = checkpoint(args.workdir, args.hidden, args.layers, args.intermediate)
+    folder = checkpoint(args.workdir, args.hidden, args.layers, args.intermediate, args.llama_quantize)
     shape = json.loads((folder / "shape.json").read_text())
     g = torch.Generator().manual_seed(args.seed)
     stream_prompts = {n: torch.randint(3, shape["vocab"], (n, args.prompt_tokens), generator=g).tolist()

@@ -2,6 +2,9 @@
 row (the GGUF files load and decode), the rooflines' inputs, one start-up
 measured in a process of its own, the checkpoint built once."""
 import json
+import os
+
+import pytest
 
 from loadtest.bench import scale
 
@@ -57,3 +60,20 @@ def test_scale_bench_one_round_on_a_tiny_llama(tmp_path, capsys):
     assert scale.checkpoint(str(workdir), 256, 2, 512) == workdir / "llama-h256-l2-i512"
     assert (workdir / "llama-h256-l2-i512" / "shape.json").stat().st_mtime_ns == before
     assert "building" not in capsys.readouterr().out
+
+
+def test_the_gguf_files_can_be_llama_quantizes_own(tmp_path):
+    """``--llama-quantize``: the files are llama.cpp's quantisations of an F16
+    file of the same weights, in a folder of their own; a path that is not an
+    executable is refused by name."""
+    with pytest.raises(SystemExit, match="not an executable file"):
+        scale.checkpoint(str(tmp_path), 256, 2, 512, str(tmp_path / "no-such-llama-quantize"))
+    tool = os.environ.get("BENCH_LLAMA_QUANTIZE", "/work/peers/llama-build/bin/llama-quantize")
+    if not os.access(tool, os.X_OK):
+        pytest.skip(f"no llama.cpp build here ({tool}; set BENCH_LLAMA_QUANTIZE)")
+    from gguf import GGUFReader
+    folder = scale.checkpoint(str(tmp_path), 256, 2, 512, tool)
+    assert folder.name == "llama-h256-l2-i512-llamacpp"
+    assert sorted(p.name for p in folder.glob("*.gguf")) == [f"bench-{s}.gguf" for s in sorted(scale.GGUF_SCHEMES)]
+    kinds = {t.tensor_type.name for t in GGUFReader(str(folder / "bench-Q4_K_M.gguf")).tensors}
+    assert {"Q4_K", "Q6_K"} <= kinds
