@@ -137,8 +137,6 @@ def build(folder: pathlib.Path, hidden: int, layers: int, intermediate: int, see
 
 def llama_quantize(tool: str, source: pathlib.Path, out: pathlib.Path, scheme: str) -> None:
     """``tool source out scheme`` (llama.cpp's quantizer, its libraries beside it)."""
-    if not os.access(tool, os.X_OK):
-        raise SystemExit(f"--llama-quantize {tool}: not an executable file")
     env = {**os.environ, "LD_LIBRARY_PATH": ":".join(filter(None, [str(pathlib.Path(tool).resolve().parent),
                                                                      os.environ.get("LD_LIBRARY_PATH")]))}
     done = subprocess.run([tool, str(source), str(out), scheme], env=env, capture_output=True, text=True)
@@ -148,6 +146,8 @@ def llama_quantize(tool: str, source: pathlib.Path, out: pathlib.Path, scheme: s
 
 def checkpoint(workdir: str, hidden: int, layers: int, intermediate: int,
                quantize_tool: Optional[str] = None) -> pathlib.Path:
+    if quantize_tool and not os.access(quantize_tool, os.X_OK):   # refused before anything is built
+        raise SystemExit(f"--llama-quantize {quantize_tool}: not an executable file")
     name = f"llama-h{hidden}-l{layers}-i{intermediate}" + ("-llamacpp" if quantize_tool else "")
     path = pathlib.Path(workdir) / name
     if not (path / "shape.json").exists():
