@@ -938,15 +938,20 @@ INLINEQ void panel32(const int type, const int R, const uint8_t *pw, const xt_t 
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, lanes, acc[r]);
 }
 
-#define PANEL_R(type, R) case R: panel32(type, R, pw, xt, K, y, ldy, lanes); break;
-#define PANEL_TYPE(type)                                                                               \
-    static AVX512Q void panel_##type(int rows, const uint8_t *pw, const xt_t *xt, int64_t K, float *y, \
-                                     int64_t ldy, __mmask16 lanes) {                                   \
-        switch (rows) {                                                                                \
-            PANEL_R(type, 1) PANEL_R(type, 2) PANEL_R(type, 3) PANEL_R(type, 4)                        \
-            PANEL_R(type, 5) PANEL_R(type, 6) PANEL_R(type, 7) PANEL_R(type, 8)                        \
-        }                                                                                              \
+// One instance of a panel kernel per type and x tile height (constants, so the
+// sums stay in registers): panel_<type>(rows, ...) for kernel panel32 (x tiles
+// xt_t) or panel_kq (xkt_t).
+#define PANEL_R(kernel, type, R) case R: kernel(type, R, pw, xt, K, y, ldy, lanes); break;
+#define PANEL_OF(type, kernel, xtile)                                                                   \
+    static AVX512Q void panel_##type(int rows, const uint8_t *pw, const xtile *xt, int64_t K, float *y, \
+                                     int64_t ldy, __mmask16 lanes) {                                    \
+        switch (rows) {                                                                                 \
+            PANEL_R(kernel, type, 1) PANEL_R(kernel, type, 2) PANEL_R(kernel, type, 3)                  \
+            PANEL_R(kernel, type, 4) PANEL_R(kernel, type, 5) PANEL_R(kernel, type, 6)                  \
+            PANEL_R(kernel, type, 7) PANEL_R(kernel, type, 8)                                           \
+        }                                                                                               \
     }
+#define PANEL_TYPE(type) PANEL_OF(type, panel32, xt_t)
 PANEL_TYPE(T_Q8_0)
 PANEL_TYPE(T_Q4_0)
 PANEL_TYPE(T_Q4_1)
@@ -1069,17 +1074,8 @@ static AVX512Q void panel_T_Q6_K(int rows, const uint8_t *pw, const xkt_t *xt, i
     switch (rows) { PANEL6_R(1) PANEL6_R(2) PANEL6_R(3) PANEL6_R(4) PANEL6_R(5) PANEL6_R(6) PANEL6_R(7) PANEL6_R(8) }
 }
 
-#define PANELK_R(type, R) case R: panel_kq(type, R, pw, xt, K, y, ldy, lanes); break;
-#define PANELK_TYPE(type)                                                                                      \
-    static AVX512Q void panel_##type(int rows, const uint8_t *pw, const xkt_t *xt, int64_t K, float *y,        \
-                                     int64_t ldy, __mmask16 lanes) {                                           \
-        switch (rows) {                                                                                        \
-            PANELK_R(type, 1) PANELK_R(type, 2) PANELK_R(type, 3) PANELK_R(type, 4)                            \
-            PANELK_R(type, 5) PANELK_R(type, 6) PANELK_R(type, 7) PANELK_R(type, 8)                            \
-        }                                                                                                      \
-    }
-PANELK_TYPE(T_Q4_K)
-PANELK_TYPE(T_Q5_K)
+PANEL_OF(T_Q4_K, panel_kq, xkt_t)
+PANEL_OF(T_Q5_K, panel_kq, xkt_t)
 
 // y[0 .. M, y0 + n0 .. y0 + n1) from the panels of a part (n0 a multiple of
 // PANEL); x in tiles as xts (32-value types) or xkts (K-quants) round it.
