@@ -2,6 +2,7 @@
 started and stopped as a context (the readiness probes are the product's,
 ``pagedbackend.serving.readiness``)."""
 import pathlib
+import re
 import secrets
 import shutil
 import socket
@@ -16,6 +17,9 @@ from pagedbackend.serving.readiness import answers_ok, is_model_ready, is_ready,
 from pagedbackend.serving.process import (prepare_backend, server_command, server_env, start_server_process,
                                           stop_process_group)
 from pagedbackend.serving.repository import repository_models
+
+# tritonserver's error lines: E, month and day, the time.
+ERROR_LINE = re.compile(r"E\d{4} \d\d:\d\d:\d\d")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -123,7 +127,8 @@ class TritonServer(Started):
             else list(self.required_models)
         failed = models_not_ready(self.http_url, required)
         if failed:
-            raise ServerError(f"model(s) {', '.join(failed)} did not load; log tail:\n{self.log_tail()}")
+            raise ServerError(f"model(s) {', '.join(failed)} did not load; log tail:\n{self.log_tail()}"
+                              f"{self.log_errors()}")
 
     def _wait_compiled(self) -> None:
         self._wait(self._step_compiled, "the compiled model step did not take over within "
@@ -135,10 +140,10 @@ class TritonServer(Started):
         try:
             done = wait_until(probe, self.process, self.ready_timeout_s, poll_s=poll_s)
         except TimeoutError:
-            raise ServerError(f"{timed_out}; log tail:\n{self.log_tail()}") from None
+            raise ServerError(f"{timed_out}; log tail:\n{self.log_tail()}{self.log_errors()}") from None
         if not done:
             raise ServerError(f"tritonserver exited with status {self.process.returncode}{exited}; "
-                              f"log tail:\n{self.log_tail()}")
+                              f"log tail:\n{self.log_tail()}{self.log_errors()}")
 
     def _step_compiled(self) -> bool:
         name = "pagedbackend:model_step_compiled{"
@@ -150,6 +155,26 @@ class TritonServer(Started):
         if values and all(float(v) == 1.0 for v in values):
             return True
         return "the model step runs eager" in self.log_tail()
+
+    def log_errors(self, limit: int = 4000) -> str:
+        """The log's error lines (tritonserver's ``E<date>`` lines, a model's
+        Python traceback) wherever they are, after a heading; "" when there
+        are none. A model that fails to load is named above the options table
+        tritonserver prints next, so the tail alone can miss why."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        picked, in_traceback = [], False
+        for line in lines:
+            if line.startswith("Traceback (most recent call last)"):
+                in_traceback = True
+            if in_traceback or ERROR_LINE.match(line):
+                picked.append(line)
+            if in_traceback and line and not line.startswith((" ", "Traceback")):
+                in_traceback = False   # the exception's own line ends it
+        text = "\n".join(picked)
+        return f"\nerrors in the log:\n{text[-limit:]}" if text else ""
 
     def log_tail(self, lines: int = 60) -> str:
         try:
