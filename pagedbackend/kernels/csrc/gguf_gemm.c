@@ -1238,19 +1238,28 @@ static void pack_q4k(const uint8_t *b, int j, uint8_t *o) {
     memcpy(o + PANEL_K_D + 2 * PANEL + 2 * j, b + 2, 2);
 }
 
+// A group's 32 fifth bits (bit i of h, value i's) as a panel row holds them
+// beside PANEL_5_GROUP: value i in byte i % 4, at bit i / 4 (values 0-15 in
+// bits 0-3, 16-31 in bits 4-7). Q5_K, Q5_0 and Q5_1 panels share the layout.
+static void pack_fifth_bits(uint32_t h, uint8_t *top) {
+    memset(top, 0, 4);
+    for (int i = 0; i < 32; i++) top[i % 4] |= (uint8_t)(((h >> i) & 1) << (i / 4));
+}
+
 // Row j of a Q5_K panel super-block o from the super-block b: the low 4 bits
 // as pack_q4k pairs them, the fifth bits in the layout beside PANEL_5_GROUP.
 static void pack_q5k(const uint8_t *b, int j, uint8_t *o) {
     for (int g = 0; g < 8; g++) {
         const uint8_t *q = b + 48 + 32 * (g / 2), *qh = b + 16;
-        uint8_t v[32], pairs[16], top[4] = {0};
-        for (int l = 0; l < 32; l++)
-            v[l] = (uint8_t)((g & 1 ? q[l] >> 4 : q[l] & 0x0f) | (((qh[l] >> g) & 1) << 4));
-        for (int i = 0; i < 16; i++) pairs[i] = (uint8_t)((v[i] & 0x0f) | ((v[i + 16] & 0x0f) << 4));
-        for (int i = 0; i < 32; i++)   // value i: byte i % 4, bit i / 4 (0..3) or 4 + (i - 16) / 4
-            top[i % 4] |= (uint8_t)((v[i] >> 4) << (i < 16 ? i / 4 : 4 + (i - 16) / 4));
+        uint8_t v[32], pairs[16];
+        uint32_t h = 0;
+        for (int l = 0; l < 32; l++) {
+            v[l] = (uint8_t)(g & 1 ? q[l] >> 4 : q[l] & 0x0f);
+            h |= (uint32_t)((qh[l] >> g) & 1) << l;
+        }
+        for (int i = 0; i < 16; i++) pairs[i] = (uint8_t)(v[i] | (v[i + 16] << 4));
         for (int k = 0; k < 4; k++) memcpy(o + PANEL_5_GROUP * g + 64 * k + 4 * j, pairs + 4 * k, 4);
-        memcpy(o + PANEL_5_GROUP * g + 256 + 4 * j, top, 4);
+        pack_fifth_bits(h, o + PANEL_5_GROUP * g + 256 + 4 * j);
         scale_min_k4(b + 4, g, o + PANEL_5_SC + PANEL * g + j, o + PANEL_5_SC + 8 * PANEL + PANEL * g + j);
     }
     memcpy(o + PANEL_5_D + 2 * j, b, 2);
@@ -1300,13 +1309,10 @@ int gguf_panel_pack(int type, const uint8_t *w, const int64_t *map, int64_t rows
                     const int at = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
                     const uint8_t *qs = b + at;
                     for (int k = 0; k < 4; k++) memcpy(o + 64 * k + 4 * j, qs + 4 * k, 4);
-                    if (type == T_Q5_0 || type == T_Q5_1) {   // the fifth bits (qh, before qs) as PANEL_5_GROUP lays them
+                    if (type == T_Q5_0 || type == T_Q5_1) {   // the fifth bits: qh, before qs
                         uint32_t h;
-                        uint8_t top[4] = {0};
                         memcpy(&h, qs - 4, 4);
-                        for (int i = 0; i < 32; i++)
-                            top[i % 4] |= (uint8_t)(((h >> i) & 1) << (i < 16 ? i / 4 : 4 + (i - 16) / 4));
-                        memcpy(o + 256 + 4 * j, top, 4);
+                        pack_fifth_bits(h, o + 256 + 4 * j);
                     }
                 }
                 memcpy(o + vb + 2 * j, b, 2);
