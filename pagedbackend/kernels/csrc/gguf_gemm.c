@@ -119,6 +119,17 @@ static inline void scale_min_k4(const uint8_t *s, int j, uint8_t *sc, uint8_t *m
     }
 }
 
+// scale_min_k4 for all 8 groups at once, from the 12 bytes at s: out holds
+// the 8 scales in bytes 0..7 and the 8 minimums in bytes 8..15.
+static inline void scales_mins_k4(const uint8_t *s, uint32_t out[4]) {
+    memcpy(out, s, 12);
+    out[3] = ((out[2] >> 4) & 0x0f0f0f0fu) | (((out[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t mins_lo = out[1] & 0x3f3f3f3fu;
+    out[1] = (out[2] & 0x0f0f0f0fu) | (((out[0] >> 6) & 0x03030303u) << 4);
+    out[2] = mins_lo;
+    out[0] &= 0x3f3f3f3fu;
+}
+
 // The 32 values of group g (0..7 in a super-block; 0 for 32-value blocks) of block b.
 static inline void widen(int type, const uint8_t *b, int g, float *restrict w) {
     switch (type) {
@@ -268,13 +279,7 @@ typedef struct { float s[16], m[8]; } scales_t;
 INLINE512 void block_scales(const int type, const uint8_t *b, scales_t *out) {
     if (type == T_Q4_K || type == T_Q5_K) {
         uint32_t u[4];
-        memcpy(u, b + 4, 12);
-        // scale_min_k4 for all 8 groups: scales in bytes 0..7, mins in 8..15.
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-        const uint32_t mins_lo = u[1] & 0x3f3f3f3fu;
-        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-        u[2] = mins_lo;
-        u[0] &= 0x3f3f3f3fu;
+        scales_mins_k4(b + 4, u);
         const __m128i v = _mm_loadu_si128((const __m128i *)u);
         const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
         const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
@@ -714,12 +719,7 @@ INLINEQ void rowk(const int type, const int64_t rows, const uint8_t *b, const ui
         } else {
             d = h2f(b);
             uint32_t w4[4];
-            memcpy(w4, b + 4, 12);
-            w4[3] = ((w4[2] >> 4) & 0x0f0f0f0fu) | (((w4[1] >> 6) & 0x03030303u) << 4);
-            const uint32_t mins_lo = w4[1] & 0x3f3f3f3fu;
-            w4[1] = (w4[2] & 0x0f0f0f0fu) | (((w4[0] >> 6) & 0x03030303u) << 4);
-            w4[2] = mins_lo;
-            w4[0] &= 0x3f3f3f3fu;
+            scales_mins_k4(b + 4, w4);
             const uint8_t *s8 = (const uint8_t *)w4;   // 8 scales, then 8 minimums
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) sc[g] = _mm256_set1_epi16((short)s8[g]);
