@@ -33,6 +33,8 @@ BENCHMARKS = {
     "gguf_gemm": "GGUF products per Llama-3.2-1B shape and block type: exact, int8 activations from blocks and from panels",
     "cpu_kernels": "packed fp32 linear and C decode attention vs F.linear and the gather path",
     "kv_cache_dtype": "KV cache in bfloat16 / int8 vs float32: decode kernel time at 4k and 16k, quality, capacity",
+    "kv_formats": "int8 KV row layouts narrower than the cache's, simulated: K/V rounding error, greedy agreement, "
+                  "perplexity against today's layout",
     "kv_memory": "per kv_cache_dtype, the whole engine: sequences that fit kv_cache_bytes at 4k / 16k / 32k "
                  "context, decode tok/s paired against the model's dtype",
     "fleet": "replicas behind Dynamo's KV router vs round-robin and random on multi-turn chat; the hop's cost",
