@@ -5,6 +5,9 @@ the model's float32 one, on SmolLM2-135M (docs/kv_cache_dtype.md).
   over L layers' caches in turn (read from memory, as a step reads them) for
   N sequences of one context length, per cache dtype, interleaved round by
   round; the same queries, caches encoded from the same float32 values.
+  ``--against REV``: the kernel of ``paged_decode.c`` at git revision REV
+  runs too, interleaved with this tree's, its outputs checked equal, and its
+  time over this tree's reported per dtype.
 - ``quality``: the default model, dtype float32, greedy: how many of 32
   prompts keep all of their first 32 tokens, and how many of the 1,024
   tokens are equal (the prompts, shorter than a chunk, are prefilled
@@ -55,9 +58,22 @@ PROMPTS = [
 assert len(PROMPTS) == 32 and len(set(PROMPTS)) == 32
 
 
-def bench_kernel(contexts: List[int], seqs: int, layers: int, rounds: int, seed: int) -> List[dict]:
+def kernel_at(rev: str):
+    """``paged_decode_kv`` of ``paged_decode.c`` as of git revision ``rev``, declared as this tree's."""
+    from pagedbackend.kernels import sdpa_attention as sa
+    from .cpu_kernels import source_at
+    function, here = source_at(rev, "paged_decode").paged_decode_kv, sa.native_decode()
+    function.argtypes, function.restype = here.argtypes, here.restype
+    return function
+
+
+def bench_kernel(contexts: List[int], seqs: int, layers: int, rounds: int, seed: int,
+                 against: str = "") -> List[dict]:
+    """``against``: a git revision whose kernel runs too, interleaved (each
+    dtype's ``<dtype> @rev`` beside it; ``_x_rev``: its time over this tree's)."""
     from pagedbackend.kernels import sdpa_attention as sa
     from pagedbackend.kernels.kv_cache_dtype import encode
+    old, here = (kernel_at(against), sa.native_decode()) if against else (None, None)
     block_size, rows = 16, []
     for context in contexts:
         gen = torch.Generator().manual_seed(seed + context)
@@ -76,15 +92,28 @@ def bench_kernel(contexts: List[int], seqs: int, layers: int, rounds: int, seed:
                 caches[name].append((encode(k, dtype), encode(v, dtype)))
             del k, v
 
-        def run(name):
-            return [sa._decodes(q, k, v, plan, DIM ** -0.5) for k, v in caches[name]]
+        def run(name, function=None):
+            if function is not None:   # the revision's kernel in the tree's place
+                sa._natives["paged_decode_kv"] = function
+            try:
+                return [sa._decodes(q, k, v, plan, DIM ** -0.5) for k, v in caches[name]]
+            finally:
+                if function is not None:
+                    sa._natives["paged_decode_kv"] = here
 
-        medians = interleaved({name: (lambda n=name: run(n)) for name in DTYPES}, rounds)
+        timed = {name: (lambda n=name: run(n)) for name in DTYPES}
+        if old is not None:
+            timed.update({f"{name} @rev": (lambda n=name: run(n, old)) for name in DTYPES})
+        medians = interleaved(timed, rounds)
         reference = run("float32")
         row = {"context": context, "seqs": seqs, "layers": layers}
         for name in DTYPES:
             row[f"{name}_ms"] = medians[name] * 1e3
             row[f"{name}_speedup"] = medians["float32"] / medians[name]
+            if old is not None:
+                row[f"{name}_x_rev"] = medians[f"{name} @rev"] / medians[name]
+                assert all(torch.equal(a, b) for a, b in zip(run(name, old), run(name))), \
+                    f"--against {against}: its {name} decode differs from this tree's"
             row[f"{name}_max_abs_error"] = max((a - b).abs().max().item() for a, b in zip(run(name), reference))
             row[f"{name}_cache_mb"] = sum(k.nbytes + v.nbytes for k, v in caches[name]) / 2 ** 20
         rows.append(row)
@@ -216,6 +245,8 @@ def main(argv=None):
     ap.add_argument("--model", default="default",
                     help="the quality part's model: default, or a tiny random family (e.g. gemma3_text, qwen3_moe)")
     ap.add_argument("--prefix-tokens", type=int, default=4000, help="the prefix of the offload part")
+    ap.add_argument("--against", metavar="REV", default="",
+                    help="the kernel part also times paged_decode.c at git revision REV, interleaved")
     add_common_args(ap, threads=2)
     args = ap.parse_args(argv)
     if args.quick:
@@ -225,10 +256,12 @@ def main(argv=None):
     result = {"threads": torch.get_num_threads()}
     if "kernel" in parts:
         result["kernel"] = bench_kernel([int(c) for c in args.contexts.split(",")], args.seqs, args.layers,
-                                        args.rounds, args.seed)
+                                        args.rounds, args.seed, args.against)
         for row in result["kernel"]:
             print(f"context {row['context']:>6} x {row['seqs']} seqs x {row['layers']} layers: " + ", ".join(
-                f"{n} {row[f'{n}_ms']:.2f} ms ({row[f'{n}_speedup']:.2f}x)" for n in DTYPES))
+                f"{n} {row[f'{n}_ms']:.2f} ms ({row[f'{n}_speedup']:.2f}x"
+                + (f"; @{args.against} {row[f'{n}_x_rev']:.2f}x this tree's time" if args.against else "") + ")"
+                for n in DTYPES))
     if "quality" in parts:
         quick = args.quick
         with tempfile.TemporaryDirectory(prefix="kv_quality_") as folder:
