@@ -169,6 +169,30 @@ def test_decode_kernel_over_many_long_sequences(dtype):
                                atol=2e-5, rtol=2e-5)
 
 
+@NATIVE
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.int8), ids=str)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_kernel_at_contexts_that_fetch_keys_far_ahead(dtype, block_size):
+    # Items of 2,048 keys and more fetch float32 and bfloat16 key rows three
+    # tiles ahead; a window starts them inside a block. Two sequences (an item
+    # a KV head) and four (an item a sequence) on two threads.
+    gen = torch.Generator().manual_seed(7)
+    for lens, window in (([(1, 2600), (1, 2049)], None), ([(1, 2600), (1, 2049), (1, 3001), (1, 2100)], 2100)):
+        batch = make_batch(lens, block_size=block_size, num_heads=9, num_kv_heads=3, head_dim=64,
+                           seed=int(torch.randint(100, (1,), generator=gen)))
+        k, v, k_ref, v_ref = encoded(batch, dtype)
+        expected = pa.paged_attention_ref(batch.q, k_ref, v_ref, batch.block_tables, batch.cu_seqlens_q,
+                                          batch.seq_lens, window=window)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            out = sa.sdpa_attention(batch.q, k, v, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
+                                    window=window)
+        finally:
+            torch.set_num_threads(threads)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5, msg=f"{lens} {window}")
+
+
 def _write_case(seed=11, block_size=8, heads=3, dim=64, tokens=11, num_blocks=6, edges=False):
     gen = torch.Generator().manual_seed(seed)
     kv = torch.randn(tokens, 2 * heads, dim, generator=gen) * 3   # K and V: strided slices of one tensor
