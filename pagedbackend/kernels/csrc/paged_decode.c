@@ -251,9 +251,12 @@ static inline __attribute__((always_inline)) vec vector_at(const char *row, int 
  * head at a time, beside its work on that head, not all at once: a burst of
  * a whole tile's lines fills the core's queue of misses and stalls it. Every
  * line of [p, p + bytes) (rows need not start on a line). */
+#define PREFETCH_LINES(p, bytes, locality) do { \
+        const char *line_ = (const char *)((size_t)(p) & ~(size_t)63), *end_ = (p) + (bytes); \
+        for (; line_ < end_; line_ += 64) __builtin_prefetch(line_, 0, locality); \
+    } while (0)
 static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, size_t bytes) {
-    const char *line = (const char *)((size_t)p & ~(size_t)63);
-    for (; line < p + bytes; line += 64) __builtin_prefetch(line, 0, 3);
+    PREFETCH_LINES(p, bytes, 3);
 }
 
 /* Key rows also go to L2 FAR_TILES tiles ahead, a tile's rows of the item's
@@ -268,8 +271,7 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
 #define FAR_MIN_KEYS 2048
 #define FAR_FETCH(kind) ((kind) == KV_F32 || (kind) == KV_BF16)
 static inline __attribute__((always_inline)) void prefetch_l2(const char *p, size_t bytes) {
-    const char *line = (const char *)((size_t)p & ~(size_t)63);
-    for (; line < p + bytes; line += 64) __builtin_prefetch(line, 0, 2);
+    PREFETCH_LINES(p, bytes, 2);
 }
 
 /* LANES values of a cache row from element d as float32, its group's
